@@ -1,0 +1,595 @@
+"""Pure-functional losses for asynchronous RL of LLMs (design.md §3).
+
+Everything here is a function of arrays: no model, no config object, keyword-only
+hyperparameters. Policy losses return ``(loss, metrics)`` so they drop straight into
+``jax.value_and_grad(..., has_aux=True)``.
+
+Shape letters: B batch (sequences), T time (tokens), V vocab, N groups, G group size.
+
+Reduction happens once, at the top: every loss takes an optional ``denominator`` so that a
+caller splitting a batch into micro-batches can pass the *global* count (valid tokens or
+sequences of the whole batch) and simply add the micro-batch losses. Metrics are reduced
+over the arrays given; ``loss/num_tokens`` says how many valid tokens they cover so a caller
+can weight them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+CAP_MODES: tuple[str, ...] = ("mask", "truncate")
+DPO_KINDS: tuple[str, ...] = ("sigmoid", "ipo")
+
+# Added to the masked denominator so an all-masked batch gives 0 rather than 0/0 = NaN.
+_TINY = 1e-8
+
+
+# --------------------------------------------------------------------------------------
+# Validation helpers (run at trace time: shapes and Python hyperparameters are static).
+# --------------------------------------------------------------------------------------
+
+
+def _check_rank(name: str, x: jax.Array, rank: int, what: str) -> None:
+    if jnp.ndim(x) != rank:
+        raise ValueError(f"{name} must have rank {rank} ({what}), got shape {jnp.shape(x)}")
+
+
+def _check_same_shape(ref_name: str, ref: jax.Array, **others: jax.Array | None) -> None:
+    for name, x in others.items():
+        if x is not None and jnp.shape(x) != jnp.shape(ref):
+            raise ValueError(
+                f"{name} has shape {jnp.shape(x)} but {ref_name} has shape {jnp.shape(ref)}; "
+                "they must match exactly (no implicit broadcasting)"
+            )
+
+
+def _check_positive(name: str, value: float | None, *, minimum: float = 0.0) -> None:
+    if value is not None and not value > minimum:
+        raise ValueError(f"{name} must be > {minimum}, got {value!r}")
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(x * mask) / (jnp.sum(mask) + _TINY)
+
+
+def _masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+    # 0 when nothing is valid, so an all-padding micro-batch reports a finite value.
+    return jnp.where(jnp.any(mask), jnp.max(jnp.where(mask, x, -jnp.inf)), 0.0)
+
+
+def _masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.where(jnp.any(mask), jnp.min(jnp.where(mask, x, jnp.inf)), 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# Log-probs and entropy from logits.
+# --------------------------------------------------------------------------------------
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Log-probability of each target token under ``softmax(logits)``.
+
+    logp[b, t] = logits[b, t, targets[b, t]] - logsumexp_v logits[b, t, v]
+
+    Computed in float32 whatever the logits' dtype (bfloat16 log-softmax loses ~2 digits,
+    which is the size of the importance ratios being clipped). The target logit is picked
+    with ``take_along_axis``, so no ``[B, T, V]`` one-hot is materialised.
+
+    Args:
+      logits: ``[B, T, V]`` unnormalised scores; position t predicts ``targets[:, t]``.
+      targets: ``[B, T]`` integer token ids.
+
+    Returns:
+      ``[B, T]`` float32 log-probabilities.
+    """
+    _check_rank("logits", logits, 3, "[B, T, V]")
+    _check_rank("targets", targets, 2, "[B, T]")
+    if jnp.shape(logits)[:2] != jnp.shape(targets):
+        raise ValueError(
+            f"targets has shape {jnp.shape(targets)} but logits has leading shape "
+            f"{jnp.shape(logits)[:2]}"
+        )
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - lse
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+    """Entropy of ``softmax(logits)`` per position, in float32.
+
+    H[b, t] = -Σ_v p_v log p_v,   p = softmax(logits[b, t])
+
+    Args:
+      logits: ``[B, T, V]``.
+
+    Returns:
+      ``[B, T]`` float32 entropies (nats).
+    """
+    _check_rank("logits", logits, 3, "[B, T, V]")
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def sequence_logprobs(logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """Sum of token log-probs over the valid (completion) tokens of each sequence.
+
+    Args:
+      logp: ``[B, T]`` token log-probs.
+      mask: ``[B, T]`` 1 for completion tokens, 0 elsewhere.
+
+    Returns:
+      ``[B]`` sequence log-probs.
+    """
+    _check_rank("logp", logp, 2, "[B, T]")
+    _check_same_shape("logp", logp, mask=mask)
+    return jnp.sum(logp * mask.astype(logp.dtype), axis=-1)
+
+
+# --------------------------------------------------------------------------------------
+# Where the proximal policy comes from.
+# --------------------------------------------------------------------------------------
+
+
+def a3po_alpha(staleness: jax.Array, *, zero_staleness: str = "current") -> jax.Array:
+    """A-3PO's staleness-aware interpolation weight α (arXiv 2512.06547).
+
+    α_t = 0 if d_t = 0, 1/d_t if d_t ≥ 1.   With ``zero_staleness="behav"`` (AReaL's
+    ``prox_logp_method: loglinear``) α_t = 1 when d_t = 0, i.e. prox = behav.
+
+    Args:
+      staleness: integer array of any shape, d = v_θ - v_behav ≥ 0.
+      zero_staleness: ``"current"`` (the paper) or ``"behav"`` (AReaL's code).
+
+    Returns:
+      float32 array of α with the shape of ``staleness``.
+    """
+    _check_choice("zero_staleness", zero_staleness, ("current", "behav"))
+    d = jnp.asarray(staleness).astype(jnp.float32)
+    at_zero = 1.0 if zero_staleness == "behav" else 0.0
+    # max(d, 1) keeps 1/d finite on the branch `where` discards.
+    return jnp.where(d >= 1.0, 1.0 / jnp.maximum(d, 1.0), at_zero)
+
+
+def a3po_prox_logp(
+    logp: jax.Array,
+    behav_logp: jax.Array,
+    staleness: jax.Array,
+    *,
+    zero_staleness: str = "current",
+) -> jax.Array:
+    """A-3PO's proximal log-prob, interpolated instead of recomputed.
+
+    prox_t = α_t · behav_t + (1 - α_t) · sg(logp_t),   α_t = 0 (d_t = 0), 1/d_t (d_t ≥ 1)
+
+    Replaces decoupled PPO's extra forward pass with the weights at the start of the step
+    (arXiv 2512.06547, seeds 000/001). ``logp`` enters only through ``stop_gradient``: the
+    trust-region ratio exp(logp - prox) must keep its gradient through the numerator alone,
+    otherwise with α = 0 the ratio would be the constant 1.
+
+    Args:
+      logp: ``[B, T]`` current policy log-probs (the differentiated ones).
+      behav_logp: ``[B, T]`` behaviour log-probs from the inference host.
+      staleness: ``[B, T]`` integer d_t = v_θ - v_behav,t ≥ 0 per token (tokens of one
+        sequence can differ when weights changed mid-generation). Values at masked
+        positions are ignored by the loss but must still be ≥ 0 when checked eagerly.
+      zero_staleness: ``"current"`` (default, the paper: prox = sg(logp) at d = 0) or
+        ``"behav"`` (AReaL's ``loglinear`` code: prox = behav at d = 0). They differ only
+        where inference and training numerics disagree.
+
+    Returns:
+      ``[B, T]`` float32 proximal log-probs carrying no gradient.
+
+    Raises:
+      ValueError: on shape mismatch, or on negative staleness when the values are concrete
+        (outside jit). Under jit, negative staleness yields NaN so the loss is non-finite and
+        the trainer's non-finite guard stops on it; the trainer also checks on the host.
+    """
+    _check_rank("logp", logp, 2, "[B, T]")
+    _check_same_shape("logp", logp, behav_logp=behav_logp, staleness=staleness)
+    if not isinstance(staleness, jax.core.Tracer) and bool(jnp.any(jnp.asarray(staleness) < 0)):
+        raise ValueError(
+            f"staleness must be >= 0 (d = trainer version - behaviour version), got min "
+            f"{int(jnp.min(jnp.asarray(staleness)))}"
+        )
+    alpha = a3po_alpha(staleness, zero_staleness=zero_staleness)
+    alpha = jnp.where(jnp.asarray(staleness) < 0, jnp.nan, alpha)
+    prox = alpha * behav_logp.astype(jnp.float32) + (1.0 - alpha) * jax.lax.stop_gradient(
+        logp.astype(jnp.float32)
+    )
+    # prox is an anchor, never a path for gradients (behav carries none either).
+    return jax.lax.stop_gradient(prox)
+
+
+# --------------------------------------------------------------------------------------
+# Aggregation.
+# --------------------------------------------------------------------------------------
+
+
+def aggregate(
+    values: jax.Array,
+    mask: jax.Array,
+    *,
+    mode: str = "token_mean",
+    denominator: jax.Array | float | None = None,
+    max_len: int | None = None,
+) -> jax.Array:
+    """Reduce per-token values to a scalar, once.
+
+    token_mean:              Σ_bt m·x / Σ_bt m                     (global valid-token count)
+    seq_mean_token_mean:     Σ_b [Σ_t m·x / Σ_t m] / #seqs          (sequences with ≥1 valid token)
+    seq_mean_token_sum_norm: Σ_b [Σ_t m·x / max_len] / #seqs        (Dr.GRPO, arXiv 2503.20783)
+
+    ``values`` may already be zero where a token was dropped after validity (e.g. by the
+    importance-weight cap): the denominator is computed from ``mask`` alone, so dropped
+    tokens still count, as design.md §3 requires.
+
+    Args:
+      values: ``[B, T]`` per-token values.
+      mask: ``[B, T]`` validity (1 = completion token).
+      mode: one of ``AGGREGATIONS``.
+      denominator: override of the count (valid tokens for ``token_mean``, sequences for
+        the others). Pass the *whole batch's* count when reducing micro-batches, then add.
+      max_len: Dr.GRPO's constant normaliser; defaults to T.
+
+    Returns:
+      scalar float32.
+    """
+    _check_choice("aggregation", mode, AGGREGATIONS)
+    _check_rank("values", values, 2, "[B, T]")
+    _check_same_shape("values", values, mask=mask)
+    mask = mask.astype(jnp.float32)
+    values = values.astype(jnp.float32) * mask
+    if mode == "token_mean":
+        denom = jnp.sum(mask) if denominator is None else denominator
+        return jnp.sum(values) / (denom + _TINY)
+    tokens_per_seq = jnp.sum(mask, axis=-1)  # [B]
+    if mode == "seq_mean_token_mean":
+        per_seq = jnp.sum(values, axis=-1) / (tokens_per_seq + _TINY)
+    else:
+        norm = jnp.shape(values)[-1] if max_len is None else max_len
+        _check_positive("max_len", norm)
+        per_seq = jnp.sum(values, axis=-1) / norm
+    denom = jnp.sum(tokens_per_seq > 0) if denominator is None else denominator
+    return jnp.sum(per_seq) / (denom + _TINY)
+
+
+# --------------------------------------------------------------------------------------
+# Policy losses.
+# --------------------------------------------------------------------------------------
+
+
+def decoupled_ppo_loss(
+    logp: jax.Array,
+    prox_logp: jax.Array,
+    behav_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = None,
+    cap_mode: str = "mask",
+    aggregation: str = "token_mean",
+    denominator: jax.Array | float | None = None,
+    max_len: int | None = None,
+    staleness: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decoupled PPO clip loss with separate behaviour and proximal policies.
+
+    r_t = exp(logp_t - prox_t)                               trust-region ratio
+    w_t = sg(exp(prox_t - behav_t))                          off-policy correction
+    ℓ_t = w_t · max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high))
+    dual clip (A_t < 0):  ℓ_t = min(ℓ_t, -c · A_t · w_t),  c > 1
+    cap: tokens with w_t > cap dropped ("mask") or w_t := cap ("truncate")
+    loss = aggregate(ℓ, m)
+
+    Symbols: logp = log π_θ (differentiated), prox = log π_prox (the trust-region anchor:
+    recomputed, A-3PO-interpolated, or behav — this function does not know which), behav =
+    log π_behav (the policy that sampled the data), A advantages, m the completion mask.
+    Hilton et al., "Batch size-invariance for policy optimization", arXiv 2110.00641; used
+    for asynchronous RL by AReaL, arXiv 2505.24298. With prox = behav it is exactly PPO's
+    clipped objective against the behaviour policy (``ppo_clip_loss``).
+
+    Args:
+      logp: ``[B, T]`` current log-probs.
+      prox_logp: ``[B, T]`` proximal log-probs (gradient is stopped here regardless).
+      behav_logp: ``[B, T]`` behaviour log-probs.
+      advantages: ``[B, T]`` per-token advantages (broadcast sequence advantages yourself).
+      mask: ``[B, T]`` 1 for tokens that count.
+      clip_eps: ε_low > 0.
+      clip_eps_high: ε_high > 0 (DAPO's clip-higher); defaults to ``clip_eps``.
+      dual_clip: c > 1 for dual clipping of negative advantages, or None.
+      behav_weight_cap: cap > 0 on w_t, or None.
+      cap_mode: ``"mask"`` or ``"truncate"``.
+      aggregation: one of ``AGGREGATIONS``.
+      denominator: global count for micro-batching (see ``aggregate``).
+      max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
+      staleness: optional ``[B, T]`` d_t, only for the ``staleness/*`` diagnostics.
+
+    Returns:
+      ``(loss, metrics)``: scalar loss and a dict of scalar diagnostics: ``loss/clipfrac``,
+      ``loss/dual_clipfrac``, ``is/weight_mean|max|min``, ``is/capped_frac``,
+      ``kl/behav_k3`` (approx KL(π_behav‖π_θ) with k3), ``loss/num_tokens`` and, with
+      staleness, ``staleness/mean|max``.
+    """
+    _check_rank("logp", logp, 2, "[B, T]")
+    _check_same_shape(
+        "logp",
+        logp,
+        prox_logp=prox_logp,
+        behav_logp=behav_logp,
+        advantages=advantages,
+        mask=mask,
+        staleness=staleness,
+    )
+    _check_positive("clip_eps", clip_eps)
+    _check_positive("clip_eps_high", clip_eps_high)
+    _check_positive("dual_clip", dual_clip, minimum=1.0)
+    _check_positive("behav_weight_cap", behav_weight_cap)
+    _check_choice("cap_mode", cap_mode, CAP_MODES)
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+
+    valid = mask.astype(bool)
+    logp = logp.astype(jnp.float32)
+    # The anchor and the behaviour policy are data, never differentiated.
+    prox = jax.lax.stop_gradient(prox_logp.astype(jnp.float32))
+    behav = jax.lax.stop_gradient(behav_logp.astype(jnp.float32))
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+
+    # Log-ratios are masked to 0 before exp so padding (where log-probs may be garbage or
+    # -inf) cannot create inf * 0 = NaN in the sums.
+    log_r = jnp.where(valid, logp - prox, 0.0)
+    log_w = jnp.where(valid, prox - behav, 0.0)
+    ratio = jnp.exp(log_r)
+    weight = jnp.exp(log_w)
+
+    keep = valid
+    if behav_weight_cap is not None:
+        over = weight > behav_weight_cap
+        capped = over & valid
+        if cap_mode == "mask":
+            keep = valid & ~over
+        else:
+            weight = jnp.minimum(weight, behav_weight_cap)
+    else:
+        capped = jnp.zeros_like(valid)
+
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    pg = jnp.maximum(unclipped, clipped)
+    clip_hit = (clipped > unclipped) & valid
+    dual_hit = jnp.zeros_like(valid)
+    if dual_clip is not None:
+        bound = -dual_clip * adv  # positive where adv < 0
+        dual_hit = (adv < 0) & (pg > bound) & valid
+        pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
+    per_token = jnp.where(keep, weight * pg, 0.0)
+
+    loss = aggregate(per_token, mask, mode=aggregation, denominator=denominator, max_len=max_len)
+
+    fvalid = valid.astype(jnp.float32)
+    x = behav - logp  # k3 estimator of KL(π_behav ‖ π_θ) on samples from π_behav
+    k3 = jnp.where(valid, jnp.expm1(jnp.where(valid, x, 0.0)) - x, 0.0)
+    metrics = {
+        "loss/clipfrac": _masked_mean(clip_hit.astype(jnp.float32), fvalid),
+        "loss/dual_clipfrac": _masked_mean(dual_hit.astype(jnp.float32), fvalid),
+        "loss/num_tokens": jnp.sum(fvalid),
+        "is/weight_mean": _masked_mean(weight, fvalid),
+        "is/weight_max": _masked_max(weight, valid),
+        "is/weight_min": _masked_min(weight, valid),
+        "is/capped_frac": _masked_mean(capped.astype(jnp.float32), fvalid),
+        "kl/behav_k3": _masked_mean(jax.lax.stop_gradient(k3), fvalid),
+    }
+    if staleness is not None:
+        d = staleness.astype(jnp.float32)
+        metrics["staleness/mean"] = _masked_mean(d, fvalid)
+        metrics["staleness/max"] = _masked_max(d, valid)
+    return loss, metrics
+
+
+def ppo_clip_loss(
+    logp: jax.Array,
+    behav_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    **kwargs,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Standard PPO clip loss against the behaviour policy (naive async PPO, sync GRPO).
+
+    ℓ_t = max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high)),  r_t = exp(logp_t - behav_t)
+
+    The special case prox = behav of ``decoupled_ppo_loss`` (w_t = 1); Schulman et al.,
+    arXiv 1707.06347. Keyword arguments are those of ``decoupled_ppo_loss``.
+
+    Args:
+      logp, behav_logp, advantages, mask: ``[B, T]``.
+
+    Returns:
+      ``(loss, metrics)`` as ``decoupled_ppo_loss``.
+    """
+    return decoupled_ppo_loss(logp, behav_logp, behav_logp, advantages, mask, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Advantages.
+# --------------------------------------------------------------------------------------
+
+
+def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
+    """Return rewards as ``[N, G]``, checking the group structure."""
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim == 2:
+        if rewards.shape[1] != group_size:
+            raise ValueError(
+                f"rewards has shape {rewards.shape}: "
+                f"its second axis must be group_size={group_size}"
+            )
+        return rewards
+    if rewards.ndim == 1:
+        if rewards.shape[0] % group_size:
+            raise ValueError(
+                f"rewards has {rewards.shape[0]} entries, not a multiple of group_size={group_size}"
+            )
+        return rewards.reshape(-1, group_size)
+    raise ValueError(f"rewards must be [N*G] or [N, G], got shape {rewards.shape}")
+
+
+def grpo_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Group-relative advantages (GRPO, DeepSeekMath arXiv 2402.03300).
+
+    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)      (population std, ddof = 0)
+    Dr.GRPO (arXiv 2503.20783): ``normalize_std=False`` gives A_i = R_i - mean_j R_j.
+
+    Args:
+      rewards: ``[N*G]`` (groups contiguous) or ``[N, G]`` rewards.
+      group_size: G.
+      normalize_std: divide by the group's standard deviation.
+      eps: added to the std so a group of equal rewards gets advantage 0, not NaN.
+
+    Returns:
+      float32 advantages with the shape of ``rewards``.
+    """
+    shape = jnp.shape(rewards)
+    r = _grouped(rewards, group_size)  # [N, G]
+    adv = r - jnp.mean(r, axis=1, keepdims=True)
+    if normalize_std:
+        adv = adv / (jnp.std(r, axis=1, keepdims=True) + eps)
+    return adv.reshape(shape)
+
+
+def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
+    """REINFORCE leave-one-out advantages (Ahmadian et al., arXiv 2402.14740).
+
+    A_i = R_i - (1 / (G - 1)) Σ_{j ≠ i} R_j
+
+    Args:
+      rewards: ``[N*G]`` or ``[N, G]``.
+      group_size: G ≥ 2.
+
+    Returns:
+      float32 advantages with the shape of ``rewards``.
+    """
+    if isinstance(group_size, int) and group_size < 2:
+        raise ValueError(f"group_size must be >= 2 for leave-one-out, got {group_size}")
+    shape = jnp.shape(rewards)
+    r = _grouped(rewards, group_size)
+    others = (jnp.sum(r, axis=1, keepdims=True) - r) / (group_size - 1)
+    return (r - others).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------
+# KL to a reference policy.
+# --------------------------------------------------------------------------------------
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Array:
+    """Per-token estimator of KL(π_θ ‖ π_ref) on samples from π_θ (Schulman, 2020).
+
+    x = ref - logp;   k1 = -x,   k2 = x² / 2,   k3 = exp(x) - 1 - x  (≥ 0, low variance)
+
+    Args:
+      logp: ``[B, T]`` current log-probs.
+      ref_logp: ``[B, T]`` reference log-probs.
+      kind: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+      ``[B, T]`` float32 per-token penalty (mask and aggregate it yourself).
+    """
+    _check_choice("kl kind", kind, KL_KINDS)
+    _check_same_shape("logp", logp, ref_logp=ref_logp)
+    x = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
+    if kind == "k1":
+        return -x
+    if kind == "k2":
+        return 0.5 * jnp.square(x)
+    # expm1 keeps k3 accurate for small x, where exp(x) - 1 - x cancels to float32 noise.
+    return jnp.expm1(x) - x
+
+
+# --------------------------------------------------------------------------------------
+# Online DPO.
+# --------------------------------------------------------------------------------------
+
+
+def online_dpo_loss(
+    chosen_logp: jax.Array,
+    rejected_logp: jax.Array,
+    chosen_ref_logp: jax.Array,
+    rejected_ref_logp: jax.Array,
+    *,
+    beta: float,
+    kind: str = "sigmoid",
+    denominator: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Online DPO on pairs of on-line samples ranked by a reward.
+
+    h = (logp⁺ - ref⁺) - (logp⁻ - ref⁻)
+    sigmoid:  ℓ = -log σ(β h)                 (Rafailov et al., arXiv 2305.18290)
+    ipo:      ℓ = (h - 1 / (2β))²             (Azar et al., arXiv 2310.12036)
+
+    Asynchronous RLHF (Noukhovitch et al., arXiv 2410.18252) finds it the loss most robust
+    to off-policy samples. Log-probs are *sequence* log-probs (sum over completion tokens,
+    see ``sequence_logprobs``); ⁺ is the higher-reward sample of the pair.
+
+    Args:
+      chosen_logp, rejected_logp: ``[B]`` current sequence log-probs.
+      chosen_ref_logp, rejected_ref_logp: ``[B]`` reference sequence log-probs.
+      beta: β > 0.
+      kind: ``"sigmoid"`` or ``"ipo"``.
+      denominator: global number of pairs for micro-batching; defaults to B.
+
+    Returns:
+      ``(loss, metrics)`` with ``dpo/margin_mean`` (mean β·h), ``dpo/accuracy`` (fraction
+      with h > 0), ``dpo/chosen_reward`` and ``dpo/rejected_reward`` (β·(logp - ref)).
+    """
+    _check_rank("chosen_logp", chosen_logp, 1, "[B] sequence log-probs")
+    _check_same_shape(
+        "chosen_logp",
+        chosen_logp,
+        rejected_logp=rejected_logp,
+        chosen_ref_logp=chosen_ref_logp,
+        rejected_ref_logp=rejected_ref_logp,
+    )
+    _check_positive("beta", beta)
+    _check_choice("dpo kind", kind, DPO_KINDS)
+    f32 = jnp.float32
+    chosen_ratio = chosen_logp.astype(f32) - jax.lax.stop_gradient(chosen_ref_logp.astype(f32))
+    rejected_ratio = rejected_logp.astype(f32) - jax.lax.stop_gradient(
+        rejected_ref_logp.astype(f32)
+    )
+    h = chosen_ratio - rejected_ratio  # [B]
+    if kind == "sigmoid":
+        per_pair = -jax.nn.log_sigmoid(beta * h)
+    else:
+        per_pair = jnp.square(h - 1.0 / (2.0 * beta))
+    denom = jnp.shape(h)[0] if denominator is None else denominator
+    loss = jnp.sum(per_pair) / (denom + _TINY)
+    metrics = {
+        "dpo/margin_mean": jnp.mean(beta * h),
+        "dpo/accuracy": jnp.mean((h > 0).astype(f32)),
+        "dpo/chosen_reward": jnp.mean(beta * jax.lax.stop_gradient(chosen_ratio)),
+        "dpo/rejected_reward": jnp.mean(beta * jax.lax.stop_gradient(rejected_ratio)),
+    }
+    return loss, metrics

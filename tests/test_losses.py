@@ -1,0 +1,458 @@
+"""Golden-value and invariance tests for a3po_jax.losses (design.md §3).
+
+Each golden value is small enough to check by hand; the comment beside it says what a
+plausible wrong implementation would give instead.
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from a3po_jax import losses as L
+
+JIT_VARIANTS = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["nojit", "jit"])
+
+
+def _ln(x):
+    return float(np.log(x))
+
+
+# ----------------------------------------------------------------------------------------
+# token_logprobs / entropy
+# ----------------------------------------------------------------------------------------
+
+
+@JIT_VARIANTS
+def test_token_logprobs_golden(maybe_jit):
+    # Uniform logits over V=4: every log-prob is log(1/4), whatever the target; a version
+    # that forgot the logsumexp would return the raw logit 0.
+    logits = jnp.zeros((1, 2, 4))
+    targets = jnp.array([[0, 3]])
+    np.testing.assert_allclose(maybe_jit(L.token_logprobs)(logits, targets), [[_ln(0.25)] * 2])
+    # logits [log 1, log 3] → p = [1/4, 3/4].
+    logits = jnp.log(jnp.array([[[1.0, 3.0]]]))
+    np.testing.assert_allclose(
+        maybe_jit(L.token_logprobs)(logits, jnp.array([[1]])), [[_ln(0.75)]], rtol=1e-6
+    )
+
+
+def test_token_logprobs_float32_from_bfloat16():
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 50)).astype(jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(1), (2, 3), 0, 50)
+    out = L.token_logprobs(logits, targets)
+    assert out.dtype == jnp.float32
+    ref = jax.nn.log_softmax(logits.astype(jnp.float32))
+    ref = jnp.take_along_axis(ref, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+
+
+def test_token_logprobs_has_no_one_hot():
+    # The [B, T, V] one-hot would show up as a float array of that shape in the jaxpr.
+    logits = jnp.zeros((2, 3, 97))
+    jaxpr = jax.make_jaxpr(L.token_logprobs)(logits, jnp.zeros((2, 3), jnp.int32))
+    eqn_names = {e.primitive.name for e in jaxpr.eqns}
+    assert "eq" not in eqn_names, "an equality against iota suggests a one-hot"
+
+
+def test_entropy_golden():
+    # Uniform over 4 → log 4; a point mass → 0.
+    logits = jnp.array([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
+    np.testing.assert_allclose(L.entropy(logits), [[math.log(4), 0.0]], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Aggregation
+# ----------------------------------------------------------------------------------------
+
+VALUES = jnp.array([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])
+MASK = jnp.array([[1, 1, 1], [1, 0, 0]])
+
+
+def test_aggregate_golden():
+    # token_mean over the whole batch: (1+2+3+4)/4 = 2.5. A per-row average then mean
+    # would give (2 + 4)/2 = 3.0; forgetting the mask would count the 99s.
+    assert float(L.aggregate(VALUES, MASK, mode="token_mean")) == pytest.approx(2.5)
+    assert float(L.aggregate(VALUES, MASK, mode="seq_mean_token_mean")) == pytest.approx(3.0)
+    # Dr.GRPO: per-sequence sums over a constant length 3: (6/3 + 4/3) / 2 = 5/3.
+    assert float(L.aggregate(VALUES, MASK, mode="seq_mean_token_sum_norm")) == pytest.approx(5 / 3)
+    assert float(
+        L.aggregate(VALUES, MASK, mode="seq_mean_token_sum_norm", max_len=10)
+    ) == pytest.approx((0.6 + 0.4) / 2)
+
+
+def test_aggregate_all_masked_is_zero_not_nan():
+    out = L.aggregate(VALUES, jnp.zeros_like(MASK))
+    assert float(out) == 0.0
+
+
+@pytest.mark.parametrize("mode", L.AGGREGATIONS)
+def test_micro_batched_sum_with_global_denominator_equals_full_batch(mode):
+    key = jax.random.key(3)
+    vals = jax.random.normal(key, (6, 5))
+    mask = (jax.random.uniform(jax.random.key(4), (6, 5)) > 0.3).astype(jnp.float32)
+    mask = mask.at[2].set(0.0)  # one fully padded sequence
+    full = L.aggregate(vals, mask, mode=mode)
+    if mode == "token_mean":
+        denom = jnp.sum(mask)
+    else:
+        denom = jnp.sum(jnp.sum(mask, -1) > 0)
+    parts = [
+        L.aggregate(vals[i : i + 2], mask[i : i + 2], mode=mode, denominator=denom)
+        for i in range(0, 6, 2)
+    ]
+    np.testing.assert_allclose(sum(parts), full, rtol=1e-6)
+    # Averaging per micro-batch instead gives a different number: that's the bug this guards.
+    if mode == "token_mean":
+        naive = np.mean([L.aggregate(vals[i : i + 2], mask[i : i + 2]) for i in range(0, 6, 2)])
+        assert abs(naive - float(full)) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------
+# PPO / decoupled PPO golden values
+# ----------------------------------------------------------------------------------------
+
+
+@JIT_VARIANTS
+def test_ppo_clip_golden(maybe_jit):
+    # Four tokens, ε = 0.2, ratios r and advantages A:
+    #   r=1.5, A=+1 → max(-1.5, -1.2) = -1.2  (clipped; an unclipped PG would give -1.5)
+    #   r=1.5, A=-1 → max( 1.5,  1.2) =  1.5  (pessimistic side keeps the unclipped ratio)
+    #   r=0.5, A=+1 → max(-0.5, -0.8) = -0.5
+    #   r=0.5, A=-1 → max( 0.5,  0.8) =  0.8  (clipped)
+    # token_mean = (-1.2 + 1.5 - 0.5 + 0.8) / 4 = 0.15; clip fraction 2/4.
+    behav = jnp.zeros((1, 4))
+    logp = jnp.log(jnp.array([[1.5, 1.5, 0.5, 0.5]]))
+    adv = jnp.array([[1.0, -1.0, 1.0, -1.0]])
+    mask = jnp.ones((1, 4))
+    loss, m = maybe_jit(lambda *a: L.ppo_clip_loss(*a, clip_eps=0.2))(logp, behav, adv, mask)
+    assert float(loss) == pytest.approx(0.15, abs=1e-6)
+    assert float(m["loss/clipfrac"]) == pytest.approx(0.5)
+    assert float(m["is/weight_mean"]) == pytest.approx(1.0)
+
+
+def test_clip_higher_asymmetric():
+    # r = 1.25, A = +1: with ε_low = ε_high = 0.2 → -1.2; with ε_high = 0.28 → -1.25 (no clip).
+    behav = jnp.zeros((1, 1))
+    logp = jnp.log(jnp.array([[1.25]]))
+    adv, mask = jnp.ones((1, 1)), jnp.ones((1, 1))
+    sym, _ = L.ppo_clip_loss(logp, behav, adv, mask, clip_eps=0.2)
+    high, m = L.ppo_clip_loss(logp, behav, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    assert float(sym) == pytest.approx(-1.2)
+    assert float(high) == pytest.approx(-1.25)
+    assert float(m["loss/clipfrac"]) == 0.0
+
+
+def test_decoupled_importance_weight_golden():
+    # prox - behav = log 2 → w = 2; logp - prox = log 1.5, A = +1, ε = 0.2:
+    # ℓ = 2 · max(-1.5, -1.2) = -2.4. Clipping the *full* ratio π_θ/π_behav = 3 (naive PPO)
+    # would give -1.2, and forgetting w would give -1.2 too.
+    prox = jnp.log(jnp.array([[2.0]]))
+    behav = jnp.zeros((1, 1))
+    logp = prox + _ln(1.5)
+    loss, m = L.decoupled_ppo_loss(
+        logp, prox, behav, jnp.ones((1, 1)), jnp.ones((1, 1)), clip_eps=0.2
+    )
+    assert float(loss) == pytest.approx(-2.4, rel=1e-6)
+    assert float(m["is/weight_max"]) == pytest.approx(2.0)
+    assert float(m["is/weight_min"]) == pytest.approx(2.0)
+    # k3 KL(behav‖θ) with x = behav - logp = -log 3: e^x - 1 - x = 1/3 - 1 + log 3.
+    assert float(m["kl/behav_k3"]) == pytest.approx(1 / 3 - 1 + math.log(3), rel=1e-5)
+
+
+def test_dual_clip_golden():
+    # A = -1, r = 5, ε = 0.2: PPO gives max(5, 1.2) = 5; dual clip c = 3 bounds it at 3.
+    # For A > 0 dual clip must do nothing: r = 5, A = +1 → max(-5, -1.2) = -1.2.
+    behav = jnp.zeros((1, 2))
+    logp = jnp.log(jnp.array([[5.0, 5.0]]))
+    adv = jnp.array([[-1.0, 1.0]])
+    loss, m = L.ppo_clip_loss(logp, behav, adv, jnp.ones((1, 2)), clip_eps=0.2, dual_clip=3.0)
+    assert float(loss) == pytest.approx((3.0 - 1.2) / 2)
+    assert float(m["loss/dual_clipfrac"]) == pytest.approx(0.5)
+
+
+def test_behav_weight_cap_mask_keeps_denominator():
+    # Token 0 has w = 2 > cap 1.5, token 1 has w = 1 and ℓ = -1 (r = 1, A = 1).
+    # "mask": token 0 dropped but still counted → -1/2. A denominator that skipped capped
+    # tokens would give -1/1.
+    prox = jnp.log(jnp.array([[2.0, 1.0]]))
+    behav = jnp.zeros((1, 2))
+    logp = prox
+    adv, mask = jnp.ones((1, 2)), jnp.ones((1, 2))
+    loss, m = L.decoupled_ppo_loss(
+        logp, prox, behav, adv, mask, clip_eps=0.2, behav_weight_cap=1.5, cap_mode="mask"
+    )
+    assert float(loss) == pytest.approx(-0.5)
+    assert float(m["is/capped_frac"]) == pytest.approx(0.5)
+    # "truncate": w := 1.5 → (-1.5 - 1) / 2.
+    loss, _ = L.decoupled_ppo_loss(
+        logp, prox, behav, adv, mask, clip_eps=0.2, behav_weight_cap=1.5, cap_mode="truncate"
+    )
+    assert float(loss) == pytest.approx(-1.25)
+
+
+def test_staleness_metrics():
+    z = jnp.zeros((2, 2))
+    d = jnp.array([[0, 3], [1, 7]])
+    mask = jnp.array([[1, 1], [1, 0]])  # the 7 is padding and must not count
+    _, m = L.decoupled_ppo_loss(z, z, z, z, mask, clip_eps=0.2, staleness=d)
+    assert float(m["staleness/mean"]) == pytest.approx(4 / 3)
+    assert float(m["staleness/max"]) == 3.0
+
+
+# ----------------------------------------------------------------------------------------
+# A-3PO
+# ----------------------------------------------------------------------------------------
+
+
+@JIT_VARIANTS
+def test_a3po_prox_golden(maybe_jit):
+    # logp = -1, behav = -3. d = 0 → α = 0 → -1; d = 1 → α = 1 → -3;
+    # d = 2 → α = 1/2 → -2; d = 4 → α = 1/4 → -1.5. (α = 1/(d+1) would give -2, -1.67, ...)
+    logp = jnp.full((1, 4), -1.0)
+    behav = jnp.full((1, 4), -3.0)
+    d = jnp.array([[0, 1, 2, 4]])
+    prox = maybe_jit(L.a3po_prox_logp)(logp, behav, d)
+    np.testing.assert_allclose(prox, [[-1.0, -3.0, -2.0, -1.5]], rtol=1e-6)
+    areal = maybe_jit(lambda *a: L.a3po_prox_logp(*a, zero_staleness="behav"))(logp, behav, d)
+    np.testing.assert_allclose(areal, [[-3.0, -3.0, -2.0, -1.5]], rtol=1e-6)
+
+
+def test_a3po_negative_staleness_is_an_error():
+    z = jnp.zeros((1, 2))
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        L.a3po_prox_logp(z, z, jnp.array([[0, -1]]))
+    # Under jit it cannot raise; it poisons the value so the loss is non-finite.
+    out = jax.jit(L.a3po_prox_logp)(z, z, jnp.array([[0, -1]]))
+    assert np.isfinite(out[0, 0]) and np.isnan(out[0, 1])
+
+
+def test_a3po_prox_has_no_gradient():
+    logp = jnp.array([[-1.0, -2.0]])
+    behav = jnp.array([[-3.0, -3.0]])
+    g = jax.grad(lambda x: jnp.sum(L.a3po_prox_logp(x, behav, jnp.array([[0, 2]]))))(logp)
+    np.testing.assert_array_equal(g, 0.0)
+
+
+def _random_batch(key, b=4, t=6, scale=1.0):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    logp = -jnp.abs(jax.random.normal(k1, (b, t))) - 0.1
+    behav = logp + scale * jax.random.normal(k2, (b, t))
+    adv = jax.random.normal(k3, (b, t))
+    mask = (jax.random.uniform(k4, (b, t)) > 0.25).astype(jnp.float32)
+    return logp, behav, adv, mask
+
+
+def test_staleness_one_makes_a3po_plain_ppo():
+    logp, behav, adv, mask = _random_batch(jax.random.key(0))
+    prox = L.a3po_prox_logp(logp, behav, jnp.ones(logp.shape, jnp.int32))
+    a3po, _ = L.decoupled_ppo_loss(logp, prox, behav, adv, mask, clip_eps=0.2)
+    ppo, _ = L.ppo_clip_loss(logp, behav, adv, mask, clip_eps=0.2)
+    np.testing.assert_allclose(a3po, ppo, rtol=1e-6)
+    # And AReaL's option does the same at d = 0.
+    prox0 = L.a3po_prox_logp(logp, behav, jnp.zeros(logp.shape, jnp.int32), zero_staleness="behav")
+    areal, _ = L.decoupled_ppo_loss(logp, prox0, behav, adv, mask, clip_eps=0.2)
+    np.testing.assert_allclose(areal, ppo, rtol=1e-6)
+
+
+def test_prox_equal_behav_is_ppo_clip_loss_including_gradients():
+    logp, behav, adv, mask = _random_batch(jax.random.key(1))
+
+    def dec(x):
+        return L.decoupled_ppo_loss(x, behav, behav, adv, mask, clip_eps=0.2, dual_clip=3.0)[0]
+
+    def ppo(x):
+        return L.ppo_clip_loss(x, behav, adv, mask, clip_eps=0.2, dual_clip=3.0)[0]
+
+    np.testing.assert_allclose(dec(logp), ppo(logp), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(dec)(logp), jax.grad(ppo)(logp), rtol=1e-6)
+
+
+def test_a3po_at_zero_staleness_gradient_is_importance_weighted_pg():
+    # At d = 0, prox = sg(logp) so r = 1 (never clipped) and w = π_θ/π_behav: the gradient
+    # must be that of -Σ m A sg(π_θ/π_behav) logp / Σ m.
+    logp, behav, adv, mask = _random_batch(jax.random.key(2))
+    d = jnp.zeros(logp.shape, jnp.int32)
+
+    def a3po(x):
+        prox = L.a3po_prox_logp(x, behav, d)
+        return L.decoupled_ppo_loss(x, prox, behav, adv, mask, clip_eps=0.2)[0]
+
+    def is_pg(x):
+        w = jax.lax.stop_gradient(jnp.exp(x - behav))
+        return -jnp.sum(mask * adv * w * x) / jnp.sum(mask)
+
+    np.testing.assert_allclose(jax.grad(a3po)(logp), jax.grad(is_pg)(logp), rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_flows_only_through_the_ratio():
+    logp, behav, adv, mask = _random_batch(jax.random.key(3), scale=0.1)
+    prox = behav + 0.05
+
+    def f(x, p, b, a):
+        return L.decoupled_ppo_loss(x, p, b, a, mask, clip_eps=0.2)[0]
+
+    g_logp, g_prox, g_behav, g_adv = jax.grad(f, argnums=(0, 1, 2, 3))(logp, prox, behav, adv)
+    for g in (g_prox, g_behav, g_adv):
+        np.testing.assert_array_equal(g, 0.0)
+    # Analytic gradient: d/dlogp [w·(-A r)] = -A w r where unclipped, 0 where clipped.
+    r = jnp.exp(logp - prox)
+    w = jnp.exp(prox - behav)
+    unclipped = -adv * r
+    clipped = -adv * jnp.clip(r, 0.8, 1.2)
+    active = unclipped >= clipped
+    expected = jnp.where(active, -adv * w * r, 0.0) * mask / jnp.sum(mask)
+    np.testing.assert_allclose(g_logp, expected, rtol=1e-5, atol=1e-8)
+
+
+def test_masked_equals_indexed():
+    logp, behav, adv, mask = _random_batch(jax.random.key(4))
+    prox = behav + 0.1
+    loss, _ = L.decoupled_ppo_loss(logp, prox, behav, adv, mask, clip_eps=0.2)
+    idx = np.asarray(mask).astype(bool)
+    pick = lambda x: jnp.asarray(np.asarray(x)[idx])[None, :]  # noqa: E731
+    ones = jnp.ones((1, int(idx.sum())))
+    loss_idx, _ = L.decoupled_ppo_loss(
+        pick(logp), pick(prox), pick(behav), pick(adv), ones, clip_eps=0.2
+    )
+    np.testing.assert_allclose(loss, loss_idx, rtol=1e-6)
+
+
+def test_micro_batched_loss_and_grads_equal_full_batch():
+    logp, behav, adv, mask = _random_batch(jax.random.key(5), b=8)
+    d = jnp.tile(jnp.arange(8)[:, None] % 3, (1, logp.shape[1]))
+    n = jnp.sum(mask)
+
+    def loss_fn(x, sl, denom=None):
+        prox = L.a3po_prox_logp(x, behav[sl], d[sl])
+        return L.decoupled_ppo_loss(
+            x, prox, behav[sl], adv[sl], mask[sl], clip_eps=0.2, denominator=denom
+        )[0]
+
+    full = loss_fn(logp, slice(None))
+    g_full = jax.grad(loss_fn)(logp, slice(None))
+    parts, grads = [], []
+    for i in range(0, 8, 2):
+        sl = slice(i, i + 2)
+        parts.append(loss_fn(logp[sl], sl, n))
+        grads.append(jax.grad(loss_fn)(logp[sl], sl, n))
+    np.testing.assert_allclose(sum(parts), full, rtol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(grads), g_full, rtol=1e-5, atol=1e-8)
+
+
+# ----------------------------------------------------------------------------------------
+# Advantages, KL, DPO
+# ----------------------------------------------------------------------------------------
+
+
+def test_grpo_advantages_golden():
+    # Group 1: [1, 0] mean .5, population std .5 → [+1, -1]. (Sample std, ddof=1, would
+    # give ±0.707.) Group 2: equal rewards → 0, not NaN.
+    adv = L.grpo_advantages(jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
+    np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0], atol=1e-5)
+    adv2 = L.grpo_advantages(jnp.array([[1.0, 0.0], [1.0, 1.0]]), 2, normalize_std=False)
+    np.testing.assert_allclose(adv2, [[0.5, -0.5], [0.0, 0.0]])
+
+
+def test_rloo_advantages_golden():
+    # [1, 0, 0]: A_0 = 1 - 0 = 1, A_1 = 0 - (1+0)/2 = -0.5. (Mean baseline incl. self: 2/3.)
+    np.testing.assert_allclose(L.rloo_advantages(jnp.array([1.0, 0.0, 0.0]), 3), [1, -0.5, -0.5])
+
+
+def test_advantage_shape_errors():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        L.grpo_advantages(jnp.zeros(5), 2)
+    with pytest.raises(ValueError, match="second axis"):
+        L.grpo_advantages(jnp.zeros((2, 3)), 2)
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        L.rloo_advantages(jnp.zeros(4), 1)
+
+
+def test_kl_penalty_golden():
+    # x = ref - logp = 1: k1 = -1, k2 = 0.5, k3 = e - 2.
+    logp, ref = jnp.zeros((1, 1)), jnp.ones((1, 1))
+    assert float(L.kl_penalty(logp, ref, "k1")[0, 0]) == pytest.approx(-1.0)
+    assert float(L.kl_penalty(logp, ref, "k2")[0, 0]) == pytest.approx(0.5)
+    assert float(L.kl_penalty(logp, ref, "k3")[0, 0]) == pytest.approx(math.e - 2, rel=1e-6)
+    # k3 is zero when the policies agree and non-negative always.
+    x = jax.random.normal(jax.random.key(0), (3, 7)) * 3
+    assert float(jnp.min(L.kl_penalty(x, x, "k3"))) == 0.0
+    assert float(jnp.min(L.kl_penalty(x, -x, "k3"))) >= 0.0
+
+
+def test_online_dpo_golden():
+    z = jnp.zeros(2)
+    # h = 0 → -log σ(0) = log 2 (a loss without the log would give 0.5).
+    loss, m = L.online_dpo_loss(z, z, z, z, beta=0.1)
+    assert float(loss) == pytest.approx(math.log(2))
+    # IPO with β = 0.5, h = 0 → (0 - 1)² = 1.
+    loss, _ = L.online_dpo_loss(z, z, z, z, beta=0.5, kind="ipo")
+    assert float(loss) == pytest.approx(1.0)
+    # chosen up by 2 nats vs ref, rejected unchanged, β = 0.5 → -log σ(1).
+    loss, m = L.online_dpo_loss(jnp.array([2.0]), z[:1], z[:1], z[:1], beta=0.5)
+    assert float(loss) == pytest.approx(math.log1p(math.exp(-1.0)))
+    assert float(m["dpo/accuracy"]) == 1.0
+    assert float(m["dpo/chosen_reward"]) == pytest.approx(1.0)
+
+
+def test_online_dpo_gradient_sign():
+    # Increasing the chosen log-prob must lower the loss; the rejected must raise it.
+    z = jnp.zeros(3)
+    g = jax.grad(lambda c, r: L.online_dpo_loss(c, r, z, z, beta=0.1)[0], argnums=(0, 1))(z, z)
+    assert np.all(np.asarray(g[0]) < 0) and np.all(np.asarray(g[1]) > 0)
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------
+
+
+def test_bad_input_errors_name_the_argument():
+    z = jnp.zeros((2, 3))
+    with pytest.raises(ValueError, match="advantages has shape"):
+        L.decoupled_ppo_loss(z, z, z, jnp.zeros((2,)), z, clip_eps=0.2)
+    with pytest.raises(ValueError, match="logp must have rank 2"):
+        L.decoupled_ppo_loss(z[0], z[0], z[0], z[0], z[0], clip_eps=0.2)
+    with pytest.raises(ValueError, match="clip_eps must be > 0"):
+        L.ppo_clip_loss(z, z, z, z, clip_eps=0.0)
+    with pytest.raises(ValueError, match="behav_weight_cap must be > 0"):
+        L.ppo_clip_loss(z, z, z, z, clip_eps=0.2, behav_weight_cap=-1.0)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        L.ppo_clip_loss(z, z, z, z, clip_eps=0.2, dual_clip=0.5)
+    with pytest.raises(ValueError, match="unknown aggregation 'mean'"):
+        L.ppo_clip_loss(z, z, z, z, clip_eps=0.2, aggregation="mean")
+    with pytest.raises(ValueError, match="unknown cap_mode"):
+        L.ppo_clip_loss(z, z, z, z, clip_eps=0.2, behav_weight_cap=2.0, cap_mode="drop")
+    with pytest.raises(ValueError, match="unknown kl kind 'k4'"):
+        L.kl_penalty(z, z, "k4")
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        L.online_dpo_loss(z[0], z[0], z[0], z[0], beta=0.0)
+    with pytest.raises(ValueError, match="unknown dpo kind"):
+        L.online_dpo_loss(z[0], z[0], z[0], z[0], beta=0.1, kind="hinge")
+    with pytest.raises(ValueError, match="targets has shape"):
+        L.token_logprobs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4), jnp.int32))
+    # Errors fire at trace time under jit too.
+    with pytest.raises(ValueError, match="advantages has shape"):
+        jax.jit(lambda a: L.ppo_clip_loss(z, z, a, z, clip_eps=0.2))(jnp.zeros((2,)))
+
+
+# ----------------------------------------------------------------------------------------
+# Traces once
+# ----------------------------------------------------------------------------------------
+
+
+def test_losses_trace_once_per_shape():
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(logp, behav, adv, mask, d):
+        prox = L.a3po_prox_logp(logp, behav, d)
+        return L.decoupled_ppo_loss(logp, prox, behav, adv, mask, clip_eps=0.2, staleness=d)
+
+    for seed in range(3):
+        logp, behav, adv, mask = _random_batch(jax.random.key(seed))
+        d = jnp.full(logp.shape, seed, jnp.int32)
+        step(logp, behav, adv, mask, d)
+    chex.clear_trace_counter()
