@@ -251,9 +251,11 @@ def aggregate(
     _check_same_shape("values", values, mask=mask)
     mask = mask.astype(jnp.float32)
     values = values.astype(jnp.float32) * mask
+    # A caller-given denominator is used as is (it is the whole batch's count); the local
+    # count gets _TINY so an all-masked batch reduces to 0, not 0/0.
     if mode == "token_mean":
-        denom = jnp.sum(mask) if denominator is None else denominator
-        return jnp.sum(values) / (denom + _TINY)
+        denom = jnp.sum(mask) + _TINY if denominator is None else denominator
+        return jnp.sum(values) / denom
     tokens_per_seq = jnp.sum(mask, axis=-1)  # [B]
     if mode == "seq_mean_token_mean":
         per_seq = jnp.sum(values, axis=-1) / (tokens_per_seq + _TINY)
@@ -261,8 +263,8 @@ def aggregate(
         norm = jnp.shape(values)[-1] if max_len is None else max_len
         _check_positive("max_len", norm)
         per_seq = jnp.sum(values, axis=-1) / norm
-    denom = jnp.sum(tokens_per_seq > 0) if denominator is None else denominator
-    return jnp.sum(per_seq) / (denom + _TINY)
+    denom = jnp.sum(tokens_per_seq > 0) + _TINY if denominator is None else denominator
+    return jnp.sum(per_seq) / denom
 
 
 # --------------------------------------------------------------------------------------
@@ -541,6 +543,7 @@ def online_dpo_loss(
     *,
     beta: float,
     kind: str = "sigmoid",
+    mask: jax.Array | None = None,
     denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Online DPO on pairs of on-line samples ranked by a reward.
@@ -558,7 +561,10 @@ def online_dpo_loss(
       chosen_ref_logp, rejected_ref_logp: ``[B]`` reference sequence log-probs.
       beta: β > 0.
       kind: ``"sigmoid"`` or ``"ipo"``.
-      denominator: global number of pairs for micro-batching; defaults to B.
+      mask: optional ``[B]`` 1 for pairs that count (e.g. 0 where both samples got the same
+        reward, so there is no preference to learn).
+      denominator: global number of counted pairs for micro-batching; defaults to the
+        local count.
 
     Returns:
       ``(loss, metrics)`` with ``dpo/margin_mean`` (mean β·h), ``dpo/accuracy`` (fraction
@@ -572,6 +578,7 @@ def online_dpo_loss(
         chosen_ref_logp=chosen_ref_logp,
         rejected_ref_logp=rejected_ref_logp,
     )
+    _check_same_shape("chosen_logp", chosen_logp, mask=mask)
     _check_positive("beta", beta)
     _check_choice("dpo kind", kind, DPO_KINDS)
     f32 = jnp.float32
@@ -584,12 +591,17 @@ def online_dpo_loss(
         per_pair = -jax.nn.log_sigmoid(beta * h)
     else:
         per_pair = jnp.square(h - 1.0 / (2.0 * beta))
-    denom = jnp.shape(h)[0] if denominator is None else denominator
-    loss = jnp.sum(per_pair) / (denom + _TINY)
+    pair_mask = jnp.ones_like(h) if mask is None else mask.astype(f32)
+    denom = jnp.sum(pair_mask) + _TINY if denominator is None else denominator
+    loss = jnp.sum(per_pair * pair_mask) / denom
+    h_sg = jax.lax.stop_gradient(h)
     metrics = {
-        "dpo/margin_mean": jnp.mean(beta * h),
-        "dpo/accuracy": jnp.mean((h > 0).astype(f32)),
-        "dpo/chosen_reward": jnp.mean(beta * jax.lax.stop_gradient(chosen_ratio)),
-        "dpo/rejected_reward": jnp.mean(beta * jax.lax.stop_gradient(rejected_ratio)),
+        "dpo/margin_mean": _masked_mean(beta * h_sg, pair_mask),
+        "dpo/accuracy": _masked_mean((h_sg > 0).astype(f32), pair_mask),
+        "dpo/chosen_reward": _masked_mean(beta * jax.lax.stop_gradient(chosen_ratio), pair_mask),
+        "dpo/rejected_reward": _masked_mean(
+            beta * jax.lax.stop_gradient(rejected_ratio), pair_mask
+        ),
+        "dpo/num_pairs": jnp.sum(pair_mask),
     }
     return loss, metrics

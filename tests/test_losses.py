@@ -456,3 +456,20 @@ def test_losses_trace_once_per_shape():
         d = jnp.full(logp.shape, seed, jnp.int32)
         step(logp, behav, adv, mask, d)
     chex.clear_trace_counter()
+
+
+def test_online_dpo_pair_mask_and_global_denominator():
+    # Pair 1 is a tie (masked): the loss is pair 0's alone, log 2 at h = 0. Without the mask
+    # the tie's -log σ(β·4) would be averaged in.
+    z = jnp.zeros(2)
+    c = jnp.array([0.0, 4.0])
+    loss, m = L.online_dpo_loss(c, z, z, z, beta=1.0, mask=jnp.array([1.0, 0.0]))
+    assert float(loss) == pytest.approx(math.log(2))
+    assert float(m["dpo/num_pairs"]) == 1.0
+    # Two micro-batches with the global count add up to the full-batch loss.
+    c4 = jnp.array([0.5, -1.0, 2.0, 0.0])
+    z4 = jnp.zeros(4)
+    full, _ = L.online_dpo_loss(c4, z4, z4, z4, beta=0.5)
+    halves = [L.online_dpo_loss(c4[s], z4[s], z4[s], z4[s], beta=0.5, denominator=4.0)[0]
+              for s in (slice(0, 2), slice(2, 4))]
+    np.testing.assert_allclose(sum(halves), full, rtol=1e-6)

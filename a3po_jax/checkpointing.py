@@ -1,0 +1,329 @@
+"""Training checkpoints with orbax, and a SIGTERM flag for saving before a preemption.
+
+A checkpoint step holds three items::
+
+    <directory>/<step>/params     # the parameter pytree (any dtypes, e.g. bfloat16)
+    <directory>/<step>/opt_state  # the optax state (NamedTuples restored as NamedTuples)
+    <directory>/<step>/extra      # a JSON dict: version, data iterator state, PRNG key
+                                  # data as a list, queue and controller counters, ...
+
+Saves are atomic: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when
+complete, after writing its commit marker ``commit_success.txt`` into it. Leftovers of an
+interrupted save are ignored with a logged warning: tmp dirs (orbax deletes them), and step
+dirs without the commit marker (a partial copy, a crash on a filesystem without atomic
+rename), which are moved aside to ``<step>.incomplete-<time>`` so the previous complete
+step is the latest one and the step number can be saved again.
+
+Saves are asynchronous: ``save`` copies the arrays to host memory and returns while the
+files are written, so the next train step may donate the saved buffers. Call
+``wait_until_finished`` (or ``close``) before the process exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+ITEM_NAMES = ("params", "opt_state", "extra")
+# Written by orbax (>= 0.11) into every step before it becomes final; a step dir without it
+# (or, for older orbax, without a commit time in its step metadata) was never finished.
+COMMIT_MARKER = "commit_success.txt"
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+class CheckpointManager:
+    """Saves and restores ``(params, opt_state, extra)`` per training step.
+
+    Wraps ``orbax.checkpoint.CheckpointManager`` with one fixed layout, keep-N garbage
+    collection, a save interval (``force=True`` overrides it, e.g. on SIGTERM), and the
+    half-written-checkpoint handling of the module docstring.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+    ):
+        """
+        Args:
+          directory: where step dirs live; created if missing.
+          max_to_keep: newest complete steps kept (None keeps all).
+          save_interval_steps: ``save`` writes only steps that are multiples of this.
+          async_save: write files in a background thread after copying arrays to host.
+        """
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        self.directory = Path(directory).absolute()  # orbax wants absolute paths
+        if jax.process_index() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            set_aside_incomplete_steps(self.directory)
+        if jax.process_count() > 1:
+            # Other processes must not list steps before process 0 moved bad ones aside.
+            ocp.multihost.sync_global_processes("a3po_checkpoint_scan")
+        policies = ocp.checkpoint_managers
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            # Exactly the multiples of the interval (orbax's default also saves the first
+            # step of a run), plus orbax's own preemption notice on multi-host runs.
+            save_decision_policy=policies.AnySavePolicy(
+                [
+                    policies.FixedIntervalPolicy(save_interval_steps),
+                    policies.PreemptionCheckpointingPolicy(),
+                ]
+            ),
+            create=True,
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=ITEM_NAMES
+        )
+
+    def save(
+        self,
+        step: int,
+        *,
+        params: Any,
+        opt_state: Any,
+        extra: Mapping[str, Any],
+        force: bool = False,
+    ) -> bool:
+        """Starts saving ``step``; returns False when the interval skips it.
+
+        ``extra`` must round-trip through JSON unchanged: string keys; values None, bool,
+        int, float, str, lists and dicts of those (convert numpy scalars and PRNG key data,
+        e.g. ``jax.random.key_data(key).tolist()``). Anything else raises ``TypeError``
+        naming the entry.
+        """
+        check_json_roundtrip(extra, "extra")
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                extra=ocp.args.JsonSave(dict(extra)),
+            ),
+            force=force,
+        )
+        return bool(saved)
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step)`` without ``force`` would write."""
+        return bool(self._manager.should_save(step))
+
+    def latest_step(self) -> int | None:
+        """Newest complete step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        params_template: Any,
+        opt_state_template: Any,
+    ) -> tuple[Any, Any, dict]:
+        """Restores ``step`` (default: the latest complete one).
+
+        Args:
+          params_template: a pytree of arrays or ``jax.ShapeDtypeStruct`` with the saved
+            structure; gives shapes, dtypes and shardings of the result.
+          opt_state_template: the same for the optimizer state, e.g.
+            ``optimizer.init(params)`` or its ``jax.eval_shape``.
+        Returns:
+          ``(params, opt_state, extra)``.
+        Raises:
+          FileNotFoundError when there is no such complete step.
+        """
+        step = self._complete_step(step)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(params_template),
+                opt_state=ocp.args.StandardRestore(opt_state_template),
+                extra=ocp.args.JsonRestore(),
+            ),
+        )
+        return restored.params, restored.opt_state, dict(restored.extra)
+
+    def read_extra(self, step: int | None = None) -> dict:
+        """Only the ``extra`` dict of ``step`` (default: latest), e.g. to read the config or
+        version of a run before building the templates."""
+        step = self._complete_step(step)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(extra=ocp.args.JsonRestore())
+        )
+        return dict(restored.extra)
+
+    def _complete_step(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        elif step not in self._manager.all_steps():
+            raise FileNotFoundError(
+                f"no complete checkpoint for step {step} in {self.directory}; "
+                f"complete steps: {self.all_steps()}"
+            )
+        return step
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the last asynchronous save is on disk (and raises its error)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def is_committed_step(step_dir: Path) -> bool:
+    """Whether orbax finished writing ``step_dir``."""
+    if (step_dir / COMMIT_MARKER).exists():
+        return True
+    metadata = step_dir / _STEP_METADATA
+    if not metadata.exists():
+        return False
+    try:
+        return json.loads(metadata.read_text()).get("commit_timestamp_nsecs") is not None
+    except (OSError, ValueError):
+        return False
+
+
+def set_aside_incomplete_steps(directory: Path) -> list[Path]:
+    """Logs interrupted saves in ``directory`` and moves uncommitted step dirs aside.
+
+    Returns:
+      The new paths of the step dirs moved aside.
+    """
+    moved = []
+    for child in sorted(directory.iterdir()):
+        if not child.is_dir():
+            continue
+        if _TMP_MARKER in child.name:
+            log.warning(
+                "ignoring unfinished checkpoint %s: a save was interrupted before its final "
+                "rename (orbax deletes it)",
+                child,
+            )
+        elif child.name.isdigit() and not is_committed_step(child):
+            target = child.with_name(f"{child.name}.incomplete-{time.time_ns()}")
+            child.rename(target)
+            moved.append(target)
+            log.warning(
+                "ignoring checkpoint step %s: %s has no commit marker (%s), so it is half "
+                "written or partially copied; moved it to %s",
+                child.name,
+                child,
+                COMMIT_MARKER,
+                target.name,
+            )
+    return moved
+
+
+def check_json_roundtrip(value: Any, path: str) -> None:
+    """Raises ``TypeError`` naming the first entry JSON would not give back unchanged."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_json_roundtrip(item, f"{path}[{i}]")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{path} has key {key!r} of type {type(key).__name__}; JSON keys must be "
+                    "str (they would come back as strings)"
+                )
+            check_json_roundtrip(item, f"{path}[{key!r}]")
+        return
+    hint = " (use a list)" if isinstance(value, tuple) else " (convert it to a Python value)"
+    raise TypeError(f"{path} has type {type(value).__name__}, which JSON does not round-trip{hint}")
+
+
+class TerminationFlag:
+    """Set by :func:`install_sigterm_handler` when a signal arrives; the training loop
+    checks ``is_set()`` between steps, saves with ``force=True`` and exits."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self, signum: int | None = None) -> None:
+        """Sets the flag by hand (e.g. the trainer's own stop condition, or tests)."""
+        self.signum = signum
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def uninstall(self) -> None:
+        """Puts back the handlers that were installed before."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+
+def install_sigterm_handler(
+    callback: Callable[[int], None] | None = None,
+    *,
+    signals: Iterable[int] = (signal.SIGTERM,),
+) -> TerminationFlag:
+    """Installs a handler that only sets a flag (and calls ``callback(signum)``).
+
+    Saving from inside a signal handler is unsafe (it interrupts the main thread anywhere,
+    e.g. halfway through an optimizer update or inside orbax), so the handler just records
+    the request; keep ``callback`` as small (log a line). A second signal of the same kind
+    restores the previous handler and re-sends the signal, so a stuck run can still be
+    stopped (with the default SIGTERM action: the process ends).
+
+    Must be called from the main thread (a Python rule for signal handlers).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("install_sigterm_handler must be called from the main thread")
+    flag = TerminationFlag()
+
+    def handler(signum, frame):
+        if flag.is_set() and flag.signum == signum:
+            previous = flag._previous.pop(signum, None)
+            # None: the previous handler was not installed from Python; use the default.
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+            os.kill(os.getpid(), signum)
+            return
+        flag.set(signum)
+        if callback is not None:
+            callback(signum)
+
+    for signum in signals:
+        flag._previous[signum] = signal.signal(signum, handler)
+    return flag

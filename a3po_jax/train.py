@@ -1,0 +1,91 @@
+"""Command line: ``a3po-train EXPERIMENT.py [section.field=value ...] [--resume]``.
+
+Examples::
+
+    a3po-train experiments/quickstart_a3po.py
+    a3po-train experiments/quickstart_a3po.py algo.prox=recompute steps=10 run_dir=runs/rc
+    a3po-train experiments/quickstart_a3po.py --resume          # continue from checkpoints
+    a3po-train --print-config experiments/quickstart_a3po.py    # show the resolved config
+
+With ``system.inference_hosts`` empty the inference host is embedded in this process;
+otherwise the trainer talks to the gRPC hosts at those addresses (see
+``python -m a3po_jax.inference.grpc_server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from a3po_jax.config import ConfigError, apply_overrides, load_experiment
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="a3po-train", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("experiment", help="experiment file with a config() function")
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = apply_overrides(load_experiment(args.experiment), args.overrides)
+    except ConfigError as err:
+        print(f"a3po-train: config error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+
+    # Heavy imports only once the config is known to be good.
+    from a3po_jax.trainer import Trainer, load_policy
+
+    print(
+        f"a3po-train: mode={cfg.system.mode} prox={cfg.algo.prox} loss={cfg.algo.loss} "
+        f"model={cfg.model.name} task={cfg.task.name} steps={cfg.steps} -> {cfg.run_dir}",
+        file=sys.stderr,
+    )
+    policy = load_policy(cfg.model)
+    host = None
+    if cfg.system.inference_hosts:
+        from a3po_jax.inference.grpc_client import GrpcInferenceClient
+
+        token = _read_token(cfg.system.host_token_file)
+        addresses = [a.strip() for a in cfg.system.inference_hosts.split(",") if a.strip()]
+        if len(addresses) != 1:
+            print("a3po-train: one remote inference host is supported so far", file=sys.stderr)
+            return 2
+        host = GrpcInferenceClient(addresses[0], token=token)
+    trainer = Trainer(cfg, policy, host=host)
+    record = trainer.run(resume=args.resume)
+    summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
+    print(json.dumps({"final": summary}, sort_keys=True))
+    return 0
+
+
+def _read_token(path: str) -> str:
+    if path:
+        with open(path) as f:
+            return f.read().strip()
+    token = os.environ.get("A3PO_HOST_TOKEN", "")
+    if not token:
+        raise SystemExit("a3po-train: remote hosts need system.host_token_file or A3PO_HOST_TOKEN")
+    return token
+
+
+if __name__ == "__main__":
+    sys.exit(main())

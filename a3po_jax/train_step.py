@@ -1,0 +1,445 @@
+"""The jitted training step: logits → logp → prox → loss → grads → optax update.
+
+Pure functions of arrays and params pytrees. The pieces:
+
+* :func:`loss_sums` — one micro-batch's loss *sum* (denominator 1) and metric sums. Sums add
+  across micro-batches and across arrival order, so the caller divides once by the whole
+  batch's count (design §3: reduce once, at the top).
+* :func:`accumulate_grads` — gradients of ``loss_sums`` scanned over micro-batches.
+* :func:`apply_grads` — divide by the global count, clip, AdamW, skip the update if
+  anything is non-finite, bump the version.
+* :func:`train_step` — the whole step for a batch that is all at hand (``sync``,
+  ``one_step_off``, ``async``): optional ``recompute`` prox pass and reference pass, then
+  ``num_minibatches`` optimizer steps. ``periodic`` mode calls ``accumulate_grads`` per
+  arriving micro-batch and ``apply_grads`` once per iteration instead.
+
+Shape letters: M micro-batches, B sequences (per micro-batch b), T tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from a3po_jax import losses, model
+from a3po_jax.config import TrainConfig
+
+Params = Any
+Batch = dict[str, jax.Array]
+
+
+class TrainState(NamedTuple):
+    """Everything the step changes, as one pytree."""
+
+    params: Params
+    opt_state: optax.OptState
+    step: jax.Array  # int32 scalar: optimizer steps applied = the policy version
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The static (hashable) knobs of the step, taken from a :class:`TrainConfig`."""
+
+    loss: str = "ppo"
+    prox: str = "a3po"
+    zero_staleness: str = "current"
+    aggregation: str = "token_mean"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    behav_weight_cap: float | None = None
+    cap_mode: str = "mask"
+    kl_coef_in_loss: float = 0.0
+    kl_kind: str = "k3"
+    dpo_beta: float = 0.1
+    dpo_kind: str = "sigmoid"
+    temperature: float = 1.0
+    num_minibatches: int = 1
+    micro_batch_size: int = 0  # 0 = whole minibatch
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> StepSettings:
+        a = cfg.algo
+        return cls(
+            loss=a.loss,
+            prox=a.prox,
+            zero_staleness=a.a3po_zero_staleness,
+            aggregation=a.aggregation,
+            clip_eps=a.clip_eps,
+            clip_eps_high=a.clip_eps_high or None,
+            dual_clip=a.dual_clip or None,
+            behav_weight_cap=a.behav_weight_cap or None,
+            cap_mode=a.cap_mode,
+            kl_coef_in_loss=0.0 if a.kl_in_reward else a.kl_coef,
+            kl_kind=a.kl_kind,
+            dpo_beta=a.dpo_beta,
+            dpo_kind=a.dpo_kind,
+            temperature=cfg.rollout.temperature,
+            num_minibatches=a.num_minibatches,
+            micro_batch_size=cfg.system.micro_batch_size,
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss == "dpo" or self.kl_coef_in_loss > 0
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up; gradient clipping happens in :func:`apply_grads` so the
+    pre-clip norm can be reported."""
+    o = cfg.optim
+    if o.warmup_steps:
+        lr = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
+    else:
+        lr = o.learning_rate
+    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(
+        params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32)
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Forward pieces.
+# --------------------------------------------------------------------------------------
+
+
+def forward_logprobs(
+    params: Params, batch: Batch, *, model_config: model.ModelConfig, temperature: float
+) -> tuple[jax.Array, jax.Array]:
+    """Token log-probs of the targets under ``softmax(logits / temperature)`` and entropies.
+
+    The behaviour log-probs from the inference host are taken at the sampling temperature,
+    so the trainer's must be too, or the importance ratio is off by the temperature.
+
+    Returns:
+      (logp [B, T], entropy [B, T]) float32.
+    """
+    logits, _ = model.apply(
+        params,
+        batch["tokens"],
+        batch["positions"],
+        config=model_config,
+        segment_ids=batch["segment_ids"],
+    )
+    logits = logits / temperature  # [B, T, V] float32
+    return losses.token_logprobs(logits, batch["targets"]), losses.entropy(logits)
+
+
+def _no_grad_logprobs(params, micro_batches, *, model_config, temperature):
+    """[M, b, T] log-probs of every micro-batch, no gradient (prox recompute / reference)."""
+
+    def one(mb):
+        logp, _ = forward_logprobs(params, mb, model_config=model_config, temperature=temperature)
+        return jax.lax.stop_gradient(logp)
+
+    return jax.lax.map(one, micro_batches)
+
+
+def global_denominator(batch: Batch, settings: StepSettings) -> jax.Array:
+    """The count the loss sums are divided by: valid tokens for ``token_mean``, sequences
+    with ≥ 1 valid token for the sequence-level aggregations, informative pairs for DPO."""
+    mask = batch["loss_mask"]
+    if settings.loss == "dpo":
+        return jnp.sum(batch["pair_mask"]) / 2.0
+    if settings.aggregation == "token_mean":
+        return jnp.sum(mask)
+    return jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Loss sums for one micro-batch.
+# --------------------------------------------------------------------------------------
+
+# Metrics combined across micro-batches by max / min; everything else is a weighted mean.
+_MAX_METRICS = ("is/weight_max", "staleness/max")
+_MIN_METRICS = ("is/weight_min",)
+
+
+def loss_sums(
+    params: Params,
+    mb: Batch,
+    *,
+    version: jax.Array,
+    prox_logp: jax.Array | None,
+    ref_logp: jax.Array | None,
+    settings: StepSettings,
+    model_config: model.ModelConfig,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss *sum* of one micro-batch (divide by the global count later) and metric sums.
+
+    Args:
+      params: current policy parameters (differentiated).
+      mb: micro-batch arrays ``[b, T]`` from :class:`a3po_jax.batching.TrainBatch`.
+      version: int32 scalar trainer version v_θ for this optimizer step.
+      prox_logp: ``[b, T]`` recomputed prox (``settings.prox == "recompute"``), else None.
+      ref_logp: ``[b, T]`` reference log-probs when a reference is used, else None.
+
+    Returns:
+      (loss_sum, metric_sums): metric sums are weighted by the micro-batch's valid tokens
+      (``loss/num_tokens``), except max/min metrics.
+    """
+    logp, ent = forward_logprobs(
+        params, mb, model_config=model_config, temperature=settings.temperature
+    )
+    mask = mb["loss_mask"]
+    n_tok = jnp.sum(mask)
+    # Staleness d = v_θ - v_behav per token; masked positions get 0 (their versions are 0
+    # by construction and carry no meaning).
+    staleness = jnp.where(mask > 0, version - mb["versions"], 0).astype(jnp.int32)
+
+    if settings.loss == "dpo":
+        seq = losses.sequence_logprobs(logp, mask)  # [b]
+        ref_seq = losses.sequence_logprobs(ref_logp, mask)
+        loss, m = losses.online_dpo_loss(
+            seq[0::2],
+            seq[1::2],
+            ref_seq[0::2],
+            ref_seq[1::2],
+            beta=settings.dpo_beta,
+            kind=settings.dpo_kind,
+            mask=mb["pair_mask"][0::2],
+            denominator=1.0,
+        )
+        pair_w = m.pop("dpo/num_pairs")
+        sums = {k: v * pair_w for k, v in m.items()}
+        sums["dpo/num_pairs"] = pair_w
+    else:
+        behav = mb["behav_logp"]
+        if settings.prox == "recompute":
+            prox = prox_logp
+        elif settings.prox == "a3po":
+            prox = losses.a3po_prox_logp(
+                logp, behav, staleness, zero_staleness=settings.zero_staleness
+            )
+        else:
+            prox = behav
+        loss, m = losses.decoupled_ppo_loss(
+            logp,
+            prox,
+            behav,
+            mb["advantages"],
+            mask,
+            clip_eps=settings.clip_eps,
+            clip_eps_high=settings.clip_eps_high,
+            dual_clip=settings.dual_clip,
+            behav_weight_cap=settings.behav_weight_cap,
+            cap_mode=settings.cap_mode,
+            aggregation=settings.aggregation,
+            denominator=1.0,
+            staleness=staleness,
+        )
+        m.pop("loss/num_tokens")
+        sums = {k: (v if k in _MAX_METRICS + _MIN_METRICS else v * n_tok) for k, v in m.items()}
+    if settings.kl_coef_in_loss > 0:
+        kl = losses.kl_penalty(logp, ref_logp, settings.kl_kind)
+        kl_sum = losses.aggregate(kl, mask, mode=settings.aggregation, denominator=1.0)
+        loss = loss + settings.kl_coef_in_loss * kl_sum
+        sums["kl/ref"] = jnp.sum(jax.lax.stop_gradient(kl) * mask)
+    sums["loss/num_tokens"] = n_tok
+    sums["policy/entropy"] = jnp.sum(jax.lax.stop_gradient(ent) * mask)
+    sums["policy/logp"] = jnp.sum(jax.lax.stop_gradient(logp) * mask)
+    return loss, sums
+
+
+def _combine(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    out = {}
+    for k in a:
+        if k in _MAX_METRICS:
+            out[k] = jnp.maximum(a[k], b[k])
+        elif k in _MIN_METRICS:
+            out[k] = jnp.minimum(a[k], b[k])
+        else:
+            out[k] = a[k] + b[k]
+    return out
+
+
+def finalize_metrics(sums: dict[str, jax.Array], loss_sum: jax.Array, denom: jax.Array):
+    """Turn summed metrics into means (token-weighted; DPO metrics pair-weighted)."""
+    n_tok = jnp.maximum(sums["loss/num_tokens"], 1.0)
+    n_pairs = jnp.maximum(sums.get("dpo/num_pairs", 1.0), 1.0)
+    # A batch with nothing to learn from (e.g. every DPO pair tied) has denom 0: loss 0.
+    out = {"loss/total": loss_sum / jnp.maximum(denom, 1e-8)}
+    for k, v in sums.items():
+        if k in _MAX_METRICS + _MIN_METRICS or k in ("loss/num_tokens", "dpo/num_pairs"):
+            out[k] = v
+        elif k.startswith("dpo/"):
+            out[k] = v / n_pairs
+        else:
+            out[k] = v / n_tok
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Gradients and updates.
+# --------------------------------------------------------------------------------------
+
+
+def split_micro_batches(batch: Batch, num: int) -> Batch:
+    """[B, ...] → [num, B / num, ...] for every array."""
+
+    def split(x):
+        if x.shape[0] % num:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {num} micro-batches")
+        return x.reshape((num, x.shape[0] // num) + x.shape[1:])
+
+    return jax.tree.map(split, batch)
+
+
+def accumulate_grads(
+    params: Params,
+    micro_batches: Batch,
+    *,
+    version: jax.Array,
+    prox_logp: jax.Array | None,
+    ref_logp: jax.Array | None,
+    settings: StepSettings,
+    model_config: model.ModelConfig,
+) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
+    """Sum of loss-sum gradients over ``[M, b, T]`` micro-batches (a ``lax.scan``).
+
+    Returns:
+      (grad_sums, loss_sum, metric_sums); nothing is divided yet.
+    """
+    grad_fn = jax.value_and_grad(
+        functools.partial(loss_sums, settings=settings, model_config=model_config),
+        has_aux=True,
+    )
+
+    def body(carry, xs):
+        g_acc, l_acc, m_acc = carry
+        mb, prox, ref = xs
+        (loss, sums), grads = grad_fn(params, mb, version=version, prox_logp=prox, ref_logp=ref)
+        g_acc = jax.tree.map(jnp.add, g_acc, grads)
+        m_acc = sums if m_acc is None else _combine(m_acc, sums)
+        return (g_acc, l_acc + loss, m_acc), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    # The first micro-batch seeds the metric dict so the scan carry has a fixed structure.
+    first = jax.tree.map(lambda x: x[0], (micro_batches, prox_logp, ref_logp))
+    (loss0, sums0), g0 = grad_fn(
+        params, first[0], version=version, prox_logp=first[1], ref_logp=first[2]
+    )
+    rest = jax.tree.map(lambda x: x[1:], (micro_batches, prox_logp, ref_logp))
+    (g_sum, l_sum, m_sum), _ = jax.lax.scan(
+        body, (jax.tree.map(jnp.add, zeros, g0), loss0, sums0), rest
+    )
+    return g_sum, l_sum, m_sum
+
+
+def apply_grads(
+    state: TrainState,
+    grad_sums: Params,
+    denominator: jax.Array,
+    *,
+    optimizer: optax.GradientTransformation,
+    grad_clip: float,
+    loss_sum: jax.Array | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Divide by the global count, clip, update; skip the update if anything is non-finite.
+
+    A skipped step leaves params, optimizer state and version untouched and reports
+    ``step/skipped = 1`` so the host can count and stop after N in a row.
+    """
+    denominator = jnp.maximum(denominator, 1e-8)
+    grads = jax.tree.map(lambda g: g / denominator, grad_sums)
+    grad_norm = optax.tree.norm(grads)
+    if grad_clip > 0:
+        # Same rule as optax.clip_by_global_norm, done here to report the pre-clip norm.
+        scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
+        grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(grad_norm)
+    if loss_sum is not None:
+        finite = finite & jnp.isfinite(loss_sum)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_state = TrainState(
+        params=jax.tree.map(keep, new_params, state.params),
+        opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+        step=state.step + finite.astype(jnp.int32),
+    )
+    metrics = {
+        "optim/grad_norm": grad_norm,
+        "optim/update_norm": optax.tree.norm(updates),
+        "optim/param_norm": optax.tree.norm(new_state.params),
+        "step/skipped": 1.0 - finite.astype(jnp.float32),
+    }
+    return new_state, metrics
+
+
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    ref_params: Params | None,
+    *,
+    settings: StepSettings,
+    model_config: model.ModelConfig,
+    optimizer: optax.GradientTransformation,
+    grad_clip: float,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One training step on a batch that is all at hand.
+
+    1. ``prox == "recompute"``: a no-grad forward of the step's starting weights over the
+       whole batch (decoupled PPO's extra pass; A-3PO exists to remove it).
+    2. reference log-probs with the frozen ``ref_params`` if the loss needs them.
+    3. ``num_minibatches`` optimizer steps; minibatch k trains at version v₀ + k, so its
+       staleness is v₀ + k − v_behav.
+
+    Args:
+      state: the current :class:`TrainState` (donate it under jit).
+      batch: ``[B, T]`` arrays of a :class:`a3po_jax.batching.TrainBatch`.
+      ref_params: frozen reference params, or None.
+
+    Returns:
+      (new_state, metrics) with metrics of the last minibatch plus ``time``-free scalars.
+    """
+    k = settings.num_minibatches
+    rows = batch["tokens"].shape[0]
+    per_minibatch = rows // k
+    mb_size = settings.micro_batch_size or per_minibatch
+    n_micro = per_minibatch // mb_size
+    minibatches = split_micro_batches(batch, k * n_micro)  # [k*M, b, T]
+
+    prox_all = None
+    if settings.loss == "ppo" and settings.prox == "recompute":
+        prox_all = _no_grad_logprobs(
+            state.params, minibatches, model_config=model_config, temperature=settings.temperature
+        )
+    ref_all = None
+    if settings.needs_reference:
+        ref_all = _no_grad_logprobs(
+            ref_params, minibatches, model_config=model_config, temperature=settings.temperature
+        )
+
+    metrics = {}
+    v0 = state.step
+    for i in range(k):
+        sl = slice(i * n_micro, (i + 1) * n_micro)
+        mbs = jax.tree.map(lambda x: x[sl], minibatches)  # noqa: B023
+        prox = None if prox_all is None else prox_all[sl]
+        ref = None if ref_all is None else ref_all[sl]
+        g_sum, l_sum, m_sum = accumulate_grads(
+            state.params,
+            mbs,
+            version=v0 + i,
+            prox_logp=prox,
+            ref_logp=ref,
+            settings=settings,
+            model_config=model_config,
+        )
+        denom = global_denominator(
+            jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), mbs), settings
+        )
+        state, opt_metrics = apply_grads(
+            state, g_sum, denom, optimizer=optimizer, grad_clip=grad_clip, loss_sum=l_sum
+        )
+        metrics = {**finalize_metrics(m_sum, l_sum, denom), **opt_metrics}
+    return state, metrics

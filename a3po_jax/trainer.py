@@ -1,0 +1,598 @@
+"""The asynchronous trainer loop: the host-side shell around the jitted train step.
+
+Three threads share one process (design §5):
+
+* **producer** — admits prompts under the staleness budget (``StalenessController``),
+  renders them with the chat template and submits one request of G samples per prompt to
+  the inference host;
+* **collector** — polls finished samples from the host, scores them with the task's
+  verifier into rewards and files them in the ``RolloutQueue``;
+* **trainer** (the caller's thread) — takes B whole groups, builds the padded batch, runs
+  the jitted step, pushes the new weights with their version, logs and checkpoints.
+
+The training mode only changes three knobs (design §4): the staleness budget η (0 for
+``sync``/``periodic``, 1 for ``one_step_off``, configured for ``async``), the host's update
+policy (``drain`` except for ``async``), and, for ``periodic``, that groups are folded into
+the gradient one by one as they finish and one optimizer step is taken per iteration.
+
+Nothing here enters jit; everything jitted lives in ``train_step.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from a3po_jax import losses, model
+from a3po_jax import train_step as ts
+from a3po_jax.batching import TrainBatch, build_batch, group_advantages
+from a3po_jax.checkpointing import CheckpointManager, install_sigterm_handler
+from a3po_jax.config import TrainConfig
+from a3po_jax.inference.types import GenerateRequest, SamplingParams
+from a3po_jax.metrics_logging import MetricsLogger, ProgressBar
+from a3po_jax.rollout_queue import (
+    QueueClosed,
+    Rollout,
+    RolloutGroup,
+    RolloutQueue,
+    RolloutTimeout,
+    StalenessController,
+)
+from a3po_jax.tasks import PromptIterator, RewardConfig, make_task, render_prompt, shaped_reward
+
+log = logging.getLogger(__name__)
+
+CONSOLE_KEYS = ("reward/mean", "reward/correct", "loss/total", "staleness/max", "time/step_s")
+
+
+@dataclasses.dataclass
+class Policy:
+    """A model to train: its architecture, parameters and tokenizer."""
+
+    config: model.ModelConfig
+    params: Any
+    tokenizer: Any
+
+
+def load_policy(section) -> Policy:
+    """Load the policy named by a :class:`a3po_jax.config.ModelSection`.
+
+    ``tiny`` is a random 2-layer model with a character tokenizer (tests, smoke runs);
+    ``smollm2`` is SmolLM2-135M-Instruct from the offline cache; anything else is a path to
+    a Hugging Face checkpoint directory or a ``.gguf`` file.
+    """
+    dtype = section.param_dtype
+    if section.name == "tiny":
+        from a3po_jax.char_tokenizer import char_tokenizer
+
+        cfg = model.ModelConfig.tiny(
+            param_dtype=dtype,
+            compute_dtype=section.compute_dtype,
+            remat=section.remat,
+            max_seq_len=1024,
+        )
+        params = model.init_params(cfg, jax.random.key(section.seed))
+        return Policy(cfg, params, char_tokenizer())
+    from a3po_jax import assets, checkpoint_io
+
+    if section.name == "smollm2":
+        cfg, params, tokenizer = assets.load_smollm2(dtype=dtype)
+    else:
+        cfg, params, tokenizer = checkpoint_io.load_checkpoint(section.name, dtype=dtype)
+    cfg = dataclasses.replace(cfg, compute_dtype=section.compute_dtype, remat=section.remat)
+    return Policy(cfg, params, tokenizer)
+
+
+def request_seed(run_seed: int, group_id: int) -> int:
+    """Sampling seed of a group: a pure function of (run seed, group id), so a resumed run
+    draws the same samples as an uninterrupted one."""
+    digest = hashlib.sha256(f"{run_seed}:{group_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def staleness_histogram(batch: TrainBatch, version: int, max_bins: int = 16) -> np.ndarray:
+    """Token counts by staleness d = 0, 1, …, max_bins-1 (the last bin holds d ≥ max_bins-1)."""
+    d = (version - batch.versions)[batch.loss_mask > 0]
+    return np.bincount(np.clip(d, 0, max_bins - 1), minlength=max_bins)
+
+
+class Trainer:
+    """Runs one configured RL run against an inference host.
+
+    Args:
+      cfg: the run's configuration (validated).
+      policy: model config, initial params and tokenizer.
+      host: an object with the inference-host interface (``submit``, ``poll``,
+        ``update_weights``, ``stats``, ``close``); if None an embedded in-process host is
+        started (closed by :meth:`close`).
+      task: a task object (``prompts``, ``score``); default ``make_task(cfg.task.name)``.
+      console: print a progress line per step.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        policy: Policy,
+        *,
+        host: Any = None,
+        task: Any = None,
+        console: bool = True,
+    ):
+        self.cfg = cfg
+        self.policy = policy
+        self.mode = cfg.system.mode
+        self.eta = cfg.system.effective_staleness
+        self.group_size = cfg.rollout.group_size
+        self.batch_groups = cfg.rollout.groups_per_step
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = console
+
+        self.task = task if task is not None else make_task(cfg.task.name, **cfg.task.kwargs)
+        prompts = self.task.prompts(cfg.task.split)
+        if not prompts:
+            raise ValueError(f"task {cfg.task.name!r} has no prompts in split {cfg.task.split!r}")
+        self.prompt_iter = PromptIterator(prompts, batch_size=1, seed=cfg.seed)
+        self.reward_cfg = RewardConfig(
+            format_reward=cfg.task.format_reward, no_eos_penalty=cfg.task.no_eos_penalty
+        )
+        eos = policy.tokenizer.eos_token_id
+        self.sampling = SamplingParams(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            stop_tokens=() if eos is None else (int(eos),),
+        )
+
+        self._own_host = host is None
+        if host is None:
+            from a3po_jax.inference.host import InferenceHost
+
+            host = InferenceHost(
+                policy.config,
+                policy.params,
+                num_slots=cfg.rollout.num_slots,
+                prefill_buckets=tuple(cfg.rollout.prompt_buckets),
+                max_cache_len=max(cfg.rollout.prompt_buckets) + cfg.rollout.max_new_tokens,
+                update_policy=cfg.system.effective_update_policy,
+                seed=0,
+            ).start()
+        self.host = host
+
+        self.controller = StalenessController(
+            batch_groups=self.batch_groups, max_staleness=self.eta
+        )
+        self.queue = RolloutQueue(
+            group_size=self.group_size,
+            capacity_groups=(self.eta + 1) * self.batch_groups,
+            max_staleness=self.eta,
+            on_drop=lambda group_id, reason: self.controller.release(),
+        )
+
+        # Training state.
+        self.settings = ts.StepSettings.from_config(cfg)
+        self.optimizer = ts.make_optimizer(cfg)
+        self.state = ts.init_train_state(policy.params, self.optimizer)
+        needs_ref = self.settings.needs_reference or cfg.algo.kl_coef > 0
+        # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
+        self.ref_params = jax.tree.map(jnp.copy, policy.params) if needs_ref else None
+        self._build_jitted()
+
+        # Producer bookkeeping: group id -> (prompt, admitted version, iterator state before).
+        self._inflight: dict[int, tuple[Any, int, dict]] = {}
+        self._inflight_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread_error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self._nonfinite_in_a_row = 0
+        self.skipped_steps = 0
+        self._sigterm = install_sigterm_handler()
+
+        self.checkpoints = (
+            CheckpointManager(
+                self.run_dir / "checkpoints", save_interval_steps=cfg.checkpoint_every
+            )
+            if cfg.checkpoint_every
+            else None
+        )
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    # ------------------------------------------------------------------ jitted pieces
+
+    def _build_jitted(self) -> None:
+        common = dict(settings=self.settings, model_config=self.policy.config)
+        self._train_step = jax.jit(
+            functools.partial(
+                ts.train_step,
+                optimizer=self.optimizer,
+                grad_clip=self.cfg.optim.grad_clip,
+                **common,
+            ),
+            donate_argnums=(0,),
+        )
+        # Periodic mode: fold each arriving group into the gradient, one update at the end.
+        self._accumulate = jax.jit(
+            lambda params, mbs, version, prox, ref: ts.accumulate_grads(
+                params, mbs, version=version, prox_logp=prox, ref_logp=ref, **common
+            )
+        )
+        self._apply = jax.jit(
+            functools.partial(
+                ts.apply_grads, optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip
+            ),
+            donate_argnums=(0,),
+        )
+        self._logprobs = jax.jit(
+            lambda params, batch: ts.forward_logprobs(
+                params,
+                batch,
+                model_config=self.policy.config,
+                temperature=self.settings.temperature,
+            )[0]
+        )
+
+    # ------------------------------------------------------------------ threads
+
+    def _producer(self) -> None:
+        while not self._stop.is_set():
+            try:
+                group_id, version = self.controller.wait_admit(timeout=0.5)
+            except RolloutTimeout:
+                continue
+            except QueueClosed:
+                return
+            before = self.prompt_iter.state()
+            (prompt,) = self.prompt_iter.next_batch()
+            tokens = render_prompt(self.policy.tokenizer, prompt)
+            with self._inflight_lock:
+                self._inflight[group_id] = (prompt, version, before)
+            self.host.submit(
+                GenerateRequest(
+                    request_id=f"g{group_id}",
+                    prompt_tokens=tuple(int(t) for t in tokens),
+                    num_samples=self.group_size,
+                    sampling=self.sampling,
+                    seed=request_seed(self.cfg.seed, group_id),
+                )
+            )
+
+    def _collector(self) -> None:
+        tokenizer = self.policy.tokenizer
+        while not self._stop.is_set():
+            for res in self.host.poll(timeout=0.2):
+                group_id = int(res.request_id[1:])
+                with self._inflight_lock:
+                    entry = self._inflight.get(group_id)
+                if entry is None:
+                    continue  # a group dropped earlier (e.g. after an error)
+                prompt, version, _ = entry
+                if res.finish_reason == "error":
+                    log.warning("group %d failed on the host: %s", group_id, res.error)
+                    self.queue.drop_group(group_id, "host_error")
+                    self._forget(group_id)
+                    continue
+                text = tokenizer.decode(res.tokens, skip_special_tokens=True)
+                reward, info = shaped_reward(
+                    self.task,
+                    prompt,
+                    text,
+                    finished=res.finish_reason == "stop",
+                    num_tokens=len(res.tokens),
+                    config=self.reward_cfg,
+                )
+                info = {**info, "num_tokens": len(res.tokens)}
+                self.queue.put(
+                    Rollout(
+                        prompt_id=prompt.prompt_id,
+                        group_id=group_id,
+                        sample_index=res.sample_index,
+                        prompt_tokens=res.prompt_tokens,
+                        completion_tokens=res.tokens,
+                        behav_logprobs=res.logprobs,
+                        versions=res.versions,
+                        finish_reason=res.finish_reason,
+                        reward=float(reward),
+                        info=info,
+                        admitted_at_version=version,
+                    )
+                )
+
+    def _forget(self, group_id: int) -> None:
+        with self._inflight_lock:
+            self._inflight.pop(group_id, None)
+
+    def _guarded(self, fn) -> None:
+        try:
+            fn()
+        except QueueClosed:
+            pass
+        except BaseException as err:  # surfaced in the trainer thread
+            log.exception("%s thread failed", fn.__name__)
+            self._thread_error = err
+            self._stop.set()
+            self.queue.close(f"{fn.__name__} thread failed: {err!r}")
+            self.controller.close(f"{fn.__name__} thread failed: {err!r}")
+
+    def _start_threads(self) -> None:
+        for fn in (self._producer, self._collector):
+            thread = threading.Thread(
+                target=self._guarded, args=(fn,), name=f"a3po-{fn.__name__[1:]}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    # ------------------------------------------------------------------ batches
+
+    def _batch_from_groups(self, groups: list[RolloutGroup]) -> TrainBatch:
+        batch = build_batch(
+            groups,
+            advantage=self.cfg.algo.advantage,
+            length_bucket=self.cfg.system.length_bucket,
+            dpo_pairs=self.cfg.algo.loss == "dpo",
+        )
+        if self.cfg.algo.kl_coef > 0 and self.cfg.algo.kl_in_reward:
+            # KL in the reward: R_i ← R_i − β Σ_t KL_t (k1 per token), then advantages.
+            ref = self._logprobs(self.ref_params, _device(batch))
+            cur = self._logprobs(self.state.params, _device(batch))
+            kl = losses.kl_penalty(cur, ref, self.cfg.algo.kl_kind)
+            kl_seq = np.asarray(jnp.sum(kl * batch.loss_mask, axis=-1))
+            batch.rewards = batch.rewards - self.cfg.algo.kl_coef * kl_seq
+            adv = group_advantages(batch.rewards, self.group_size, self.cfg.algo.advantage)
+            batch.advantages = (adv[:, None] * batch.loss_mask).astype(np.float32)
+        return batch
+
+    def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
+        batch = self._batch_from_groups(groups)
+        arrays = _device(batch)
+        self.state, metrics = self._train_step(self.state, arrays, self.ref_params)
+        return batch, metrics
+
+    def _train_periodic(self, version: int, timings: dict) -> tuple[list, TrainBatch, dict]:
+        """Periodic Asynchrony: consume groups as they finish, fold each into the gradient,
+        then one optimizer step. Same update as ``sync`` up to summation order."""
+        params = self.state.params
+        g_total = l_total = m_total = None
+        denom = 0.0
+        groups: list[RolloutGroup] = []
+        wait = 0.0
+        mb = self.cfg.system.micro_batch_size or self.group_size
+        for _ in range(self.batch_groups):
+            t0 = time.perf_counter()
+            (group,) = self.queue.get_batch(
+                1, trainer_version=version, timeout=self.cfg.system.rollout_timeout_s
+            )
+            wait += time.perf_counter() - t0
+            groups.append(group)
+            part = self._batch_from_groups([group])
+            arrays = _device(part)
+            mbs = ts.split_micro_batches(arrays, self.group_size // mb)
+            prox = ref = None
+            if self.settings.loss == "ppo" and self.settings.prox == "recompute":
+                prox = jax.lax.stop_gradient(jax.vmap(lambda b: self._logprobs(params, b))(mbs))
+            if self.settings.needs_reference:
+                ref = jax.vmap(lambda b: self._logprobs(self.ref_params, b))(mbs)
+            g, loss_sum, m = self._accumulate(params, mbs, jnp.int32(version), prox, ref)
+            if g_total is None:
+                g_total, l_total, m_total = g, loss_sum, m
+            else:
+                g_total = jax.tree.map(jnp.add, g_total, g)
+                l_total = l_total + loss_sum
+                m_total = ts._combine(m_total, m)
+            denom += float(ts.global_denominator(arrays, self.settings))
+        timings["time/wait_rollouts_s"] = wait
+        self.state, opt_metrics = self._apply(
+            self.state, g_total, jnp.float32(denom), loss_sum=l_total
+        )
+        metrics = {**ts.finalize_metrics(m_total, l_total, denom), **opt_metrics}
+        merged = build_batch(
+            groups,
+            advantage=self.cfg.algo.advantage,
+            length_bucket=self.cfg.system.length_bucket,
+            dpo_pairs=self.cfg.algo.loss == "dpo",
+        )
+        return groups, merged, metrics
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint(self, step: int, *, force: bool = False) -> None:
+        if self.checkpoints is None:
+            return
+        with self._inflight_lock:
+            # Prompts admitted but not trained on are lost with the process: resume the
+            # prompt order from the oldest of them (they are drawn again, new group ids).
+            pending = [entry[2] for gid, entry in self._inflight.items()]
+        resume_iter = (
+            min(pending, key=lambda s: (s["epoch"], s["index"]))
+            if pending
+            else (self.prompt_iter.state())
+        )
+        extra = {
+            "version": int(self.state.step),
+            "step": step,
+            "prompt_iterator": resume_iter,
+            "controller": self.controller.state(),
+            "queue": self.queue.state(),
+            "skipped_steps": self.skipped_steps,
+        }
+        self.checkpoints.save(
+            step,
+            params=self.state.params,
+            opt_state=self.state.opt_state,
+            extra=extra,
+            force=force,
+        )
+
+    def _resume(self) -> int:
+        """Restore the newest complete checkpoint; returns the step to continue from."""
+        if self.checkpoints is None or self.checkpoints.latest_step() is None:
+            log.info("no checkpoint in %s: starting fresh", self.run_dir / "checkpoints")
+            return 0
+        step = self.checkpoints.latest_step()
+        params, opt_state, extra = self.checkpoints.restore(
+            step, params_template=self.state.params, opt_state_template=self.state.opt_state
+        )
+        self.state = ts.TrainState(params, opt_state, jnp.int32(extra["version"]))
+        self.prompt_iter.restore(extra["prompt_iterator"])
+        self.queue.restore(extra["queue"])
+        self.controller.restore(
+            extra["controller"], consumed_groups=int(extra["queue"]["consumed_groups"])
+        )
+        self.controller.notify_version(int(extra["version"]))
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        # The host must serve the resumed weights before it generates anything.
+        self.host.update_weights(self.state.params, int(extra["version"]))
+        log.info("resumed from step %d (version %d)", step, extra["version"])
+        return step
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self, *, resume: bool = False) -> dict[str, Any]:
+        """Train for ``cfg.steps`` steps (from the last checkpoint with ``resume``).
+
+        Returns the last step's metrics.
+        """
+        start = self._resume() if resume else 0
+        logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
+        progress = ProgressBar(self.cfg.steps, initial=start) if self.console else None
+        self._start_threads()
+        record: dict[str, Any] = {}
+        try:
+            for step in range(start, self.cfg.steps):
+                record = self._one_step(step)
+                logger.log(step + 1, record)
+                if progress is not None:
+                    progress.update(step + 1, {k: record[k] for k in CONSOLE_KEYS if k in record})
+                if self._sigterm.is_set():
+                    log.warning("SIGTERM: saving a checkpoint at step %d and stopping", step + 1)
+                    self._checkpoint(step + 1, force=True)
+                    break
+                is_last = step + 1 == self.cfg.steps
+                self._checkpoint(step + 1, force=is_last)
+                self.controller.notify_version(int(self.state.step))
+        finally:
+            if progress is not None:
+                progress.close()
+            logger.close()
+            self.close()
+        return record
+
+    def _one_step(self, step: int) -> dict[str, Any]:
+        timings: dict[str, float] = {}
+        version = int(self.state.step)
+        t_step = time.perf_counter()
+        if self._thread_error is not None:
+            raise RuntimeError("a rollout thread failed") from self._thread_error
+        if self.mode == "periodic":
+            t0 = time.perf_counter()
+            groups, batch, metrics = self._train_periodic(version, timings)
+            metrics = jax.device_get(metrics)
+            timings["time/train_s"] = time.perf_counter() - t0 - timings["time/wait_rollouts_s"]
+        else:
+            t0 = time.perf_counter()
+            try:
+                groups = self.queue.get_batch(
+                    self.batch_groups,
+                    trainer_version=version,
+                    timeout=self.cfg.system.rollout_timeout_s,
+                )
+            except QueueClosed:
+                if self._thread_error is not None:
+                    raise RuntimeError("a rollout thread failed") from self._thread_error
+                raise
+            timings["time/wait_rollouts_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            batch, metrics = self._train_on(groups, version)
+            metrics = jax.device_get(metrics)  # blocks until the step is done
+            timings["time/train_s"] = time.perf_counter() - t0
+        for g in groups:
+            self._forget(g.group_id)
+
+        skipped = bool(metrics["step/skipped"])
+        if skipped:
+            self._on_nonfinite(batch, metrics)
+        else:
+            self._nonfinite_in_a_row = 0
+            t0 = time.perf_counter()
+            self.host.update_weights(self.state.params, int(self.state.step))
+            timings["time/weight_push_s"] = time.perf_counter() - t0
+        timings["time/step_s"] = time.perf_counter() - t_step
+        return self._record(batch, groups, version, metrics, timings)
+
+    def _on_nonfinite(self, batch: TrainBatch, metrics: dict) -> None:
+        self.skipped_steps += 1
+        self._nonfinite_in_a_row += 1
+        # The batch is thrown away: give its admissions back so the producer can refill.
+        self.controller.release(len(set(batch.group_ids.tolist())))
+        log.warning(
+            "non-finite loss/gradient (loss %s, grad norm %s): update skipped; prompts %s",
+            metrics.get("loss/total"),
+            metrics.get("optim/grad_norm"),
+            sorted(set(batch.prompt_ids)),
+        )
+        if self._nonfinite_in_a_row >= self.cfg.system.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"{self._nonfinite_in_a_row} non-finite steps in a row "
+                f"(system.max_nonfinite_steps={self.cfg.system.max_nonfinite_steps}); "
+                f"last prompts: {sorted(set(batch.prompt_ids))}"
+            )
+
+    def _record(self, batch, groups, version, metrics, timings) -> dict[str, Any]:
+        infos = [r.info for g in groups for r in g.rollouts]
+        lengths = np.array([r.num_tokens for g in groups for r in g.rollouts], np.float32)
+        hist = staleness_histogram(batch, version)
+        n_tok = float(batch.loss_mask.sum())
+        host_stats = self.host.stats()
+        record = {
+            **{k: float(v) for k, v in metrics.items()},
+            **timings,
+            "version": int(self.state.step),
+            "reward/mean": float(np.mean(batch.rewards)),
+            "reward/correct": float(np.mean([float(i.get("correct", 0.0)) for i in infos])),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/finished_frac": float(
+                np.mean([r.finish_reason == "stop" for g in groups for r in g.rollouts])
+            ),
+            "staleness/hist": hist,
+            "staleness/max_observed": float(np.max(np.nonzero(hist)[0])) if hist.any() else 0.0,
+            "throughput/train_tokens_per_s": n_tok / max(timings["time/train_s"], 1e-9),
+            "throughput/host_tokens_per_s": float(host_stats.get("tokens_per_s", 0.0)),
+            "host/version": int(host_stats.get("version", -1)),
+            "step/skipped_total": self.skipped_steps,
+        }
+        for key, value in self.queue.counters().items():
+            if isinstance(value, dict):
+                for reason, count in value.items():
+                    record[f"queue/{key}/{reason}"] = count
+            else:
+                record[f"queue/{key}"] = value
+        return record
+
+    def close(self) -> None:
+        """Stop the threads, and the embedded host if this trainer started it."""
+        self._stop.set()
+        self.controller.close("trainer finished")
+        self.queue.close("trainer finished")
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads.clear()
+        if self.checkpoints is not None:
+            self.checkpoints.wait_until_finished()
+        if self._own_host:
+            self.host.close()
+
+
+def _device(batch: TrainBatch) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in batch.arrays().items()}

@@ -1,0 +1,223 @@
+"""Tests for orbax checkpoints of (params, opt_state, extra) and the SIGTERM flag."""
+
+import logging
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from a3po_jax.checkpointing import (
+    COMMIT_MARKER,
+    CheckpointManager,
+    check_json_roundtrip,
+    install_sigterm_handler,
+)
+
+
+def make_state(seed):
+    """bfloat16 and float32 params and a chained AdamW state after two real updates, so
+    every moment is non-zero and the state nests NamedTuples inside a tuple."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {
+        "embed": jax.random.normal(k1, (8, 4), jnp.float32).astype(jnp.bfloat16),
+        "layer": {"w": jax.random.normal(k2, (4, 4)), "b": jnp.zeros((4,))},
+    }
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    opt_state = optimizer.init(params)
+    for _ in range(2):
+        grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.5, params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, opt_state, optimizer
+
+
+def assert_trees_identical(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
+
+
+EXTRA = {
+    "version": 7,
+    "step": 7,
+    "data_iterator": {"epoch": 1, "position": 42, "order_seed": 3},
+    "prng_key": [0, 4294967295],  # jax.random.key_data(key).tolist(): uint32 as ints
+    "queue": {"consumed_groups": 14, "dropped_groups": {"stale": 2}},
+    "last_loss": 0.125,
+    "note": None,
+    "flags": [True, False],
+}
+
+
+def test_round_trip_adamw_state_bfloat16_params_and_extra(tmp_path):
+    params, opt_state, optimizer = make_state(0)
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        assert manager.latest_step() is None
+        assert manager.save(7, params=params, opt_state=opt_state, extra=EXTRA)
+        manager.wait_until_finished()
+        assert manager.latest_step() == 7
+
+    # A fresh process would build its templates from a new init: different values.
+    fresh_params, _, _ = make_state(1)
+    template_state = optimizer.init(fresh_params)
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        restored_params, restored_opt, extra = manager.restore(
+            params_template=fresh_params, opt_state_template=template_state
+        )
+    assert restored_params["embed"].dtype == jnp.bfloat16
+    assert_trees_identical(restored_params, params)
+    assert_trees_identical(restored_opt, opt_state)
+    # NamedTuple types survive, so optax can keep using the state.
+    assert type(restored_opt[1][0]) is type(opt_state[1][0])
+    assert int(restored_opt[1][0].count) == 2
+    assert extra == EXTRA
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        assert manager.read_extra() == EXTRA
+    optimizer.update(jax.tree.map(jnp.ones_like, restored_params), restored_opt, restored_params)
+
+
+def test_restore_from_abstract_templates(tmp_path):
+    params, opt_state, optimizer = make_state(0)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, params=params, opt_state=opt_state, extra={"version": 1})
+        manager.wait_until_finished()
+        abstract_params = jax.eval_shape(lambda: params)
+        abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+        restored_params, restored_opt, _ = manager.restore(
+            1, params_template=abstract_params, opt_state_template=abstract_opt
+        )
+    assert_trees_identical(restored_params, params)
+    assert_trees_identical(restored_opt, opt_state)
+
+
+def test_async_save_survives_donating_the_saved_buffers(tmp_path):
+    """The train step donates params right after a save: the save must already hold its own
+    host copy when ``save`` returns."""
+    params = {"w": jnp.arange(4096, dtype=jnp.float32)}
+    expected = np.asarray(params["w"]).copy()
+    opt_state = optax.adamw(1e-3).init(params)
+    overwrite = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.0 - 1.0, p), donate_argnums=0)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, params=params, opt_state=opt_state, extra={}, force=True)
+        new_params = overwrite(params)
+        manager.wait_until_finished()
+        restored, _, _ = manager.restore(
+            1, params_template=new_params, opt_state_template=opt_state
+        )
+    np.testing.assert_array_equal(np.asarray(restored["w"]), expected)
+
+
+def test_keeps_the_newest_n_and_honours_the_interval(tmp_path):
+    params, opt_state, _ = make_state(0)
+    with CheckpointManager(tmp_path, max_to_keep=2, save_interval_steps=2) as manager:
+        saved = [
+            manager.save(step, params=params, opt_state=opt_state, extra={"step": step})
+            for step in range(1, 7)
+        ]
+        assert saved == [False, True, False, True, False, True]
+        assert not manager.should_save(7)
+        # SIGTERM at an odd step: force writes it anyway.
+        assert manager.save(7, params=params, opt_state=opt_state, extra={"step": 7}, force=True)
+        manager.wait_until_finished()
+        assert manager.all_steps() == [6, 7]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["6", "7"]
+        with pytest.raises(FileNotFoundError, match="complete steps: \\[6, 7\\]"):
+            manager.restore(2, params_template=params, opt_state_template=opt_state)
+
+
+def test_half_written_checkpoints_are_ignored_and_logged(tmp_path, caplog):
+    params, opt_state, optimizer = make_state(0)
+    later_params, later_opt, _ = make_state(5)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, params=params, opt_state=opt_state, extra={"version": 1})
+        manager.save(2, params=params, opt_state=opt_state, extra={"version": 2})
+        manager.wait_until_finished()
+        assert all((tmp_path / s / COMMIT_MARKER).exists() for s in ("1", "2"))
+    # A crash mid-save leaves a tmp dir; a partial copy leaves a step dir with files but no
+    # commit marker. Both are newer than step 2 and must not be picked.
+    (tmp_path / "3.orbax-checkpoint-tmp-1700000000").mkdir()
+    (tmp_path / "3.orbax-checkpoint-tmp-1700000000" / "params").mkdir()
+    partial = tmp_path / "4"
+    (partial / "params").mkdir(parents=True)
+    (partial / "params" / "_METADATA").write_text("{")
+    with caplog.at_level(logging.WARNING, logger="a3po_jax.checkpointing"):
+        manager = CheckpointManager(tmp_path)
+    assert (
+        "ignoring unfinished checkpoint" in caplog.text and "3.orbax-checkpoint-tmp" in caplog.text
+    )
+    assert "ignoring checkpoint step 4" in caplog.text
+    assert manager.latest_step() == 2
+    restored_params, _, extra = manager.restore(
+        params_template=later_params, opt_state_template=later_opt
+    )
+    assert extra == {"version": 2}
+    assert_trees_identical(restored_params, params)
+    # The bad step was moved aside, not deleted, and step 4 can be written again.
+    assert len(list(tmp_path.glob("4.incomplete-*"))) == 1
+    assert manager.save(4, params=later_params, opt_state=later_opt, extra={"version": 4})
+    manager.wait_until_finished()
+    assert manager.latest_step() == 4
+    manager.close()
+    assert not (tmp_path / "3.orbax-checkpoint-tmp-1700000000").exists()  # orbax cleaned up
+
+
+def test_restore_without_checkpoint_raises(tmp_path):
+    params, opt_state, _ = make_state(0)
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            manager.restore(params_template=params, opt_state_template=opt_state)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"key": (1, 2)}, "extra\\['key'\\] has type tuple.*use a list"),
+        ({"loss": np.float32(0.5)}, "extra\\['loss'\\] has type float32"),
+        ({"queue": {1: 2}}, "extra\\['queue'\\] has key 1 of type int"),
+        ({"key": [1, jnp.ones(())]}, "extra\\['key'\\]\\[1\\] has type"),
+    ],
+)
+def test_extra_must_round_trip_through_json(tmp_path, extra, message):
+    with pytest.raises(TypeError, match=message):
+        check_json_roundtrip(extra, "extra")
+    params, opt_state, _ = make_state(0)
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(TypeError, match=message):
+            manager.save(1, params=params, opt_state=opt_state, extra=extra)
+        assert manager.all_steps() == []
+
+
+def test_sigterm_sets_a_flag_instead_of_exiting():
+    calls = []
+    flag = install_sigterm_handler(calls.append)
+    try:
+        assert not flag.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.wait(5.0)  # the handler runs in the main thread, right after the kill
+        assert flag.signum == signal.SIGTERM and calls == [signal.SIGTERM]
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_second_signal_goes_to_the_previous_handler():
+    previous_calls = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: previous_calls.append(signum))
+    try:
+        flag = install_sigterm_handler(signals=(signal.SIGUSR1,))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.wait(5.0) and previous_calls == []
+        os.kill(os.getpid(), signal.SIGUSR1)  # impatient: forward to the old behaviour
+        for _ in range(100):
+            if previous_calls:
+                break
+            time.sleep(0.01)
+        assert previous_calls == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, original)
