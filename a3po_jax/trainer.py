@@ -86,12 +86,21 @@ def load_policy(section) -> Policy:
         return Policy(cfg, params, char_tokenizer())
     from a3po_jax import assets, checkpoint_io
 
+    kwargs = dict(param_dtype=dtype, compute_dtype=section.compute_dtype, remat=section.remat)
     if section.name == "smollm2":
-        cfg, params, tokenizer = assets.load_smollm2(dtype=dtype)
+        folder = assets.prepare_smollm2()
     else:
-        cfg, params, tokenizer = checkpoint_io.load_checkpoint(section.name, dtype=dtype)
-    cfg = dataclasses.replace(cfg, compute_dtype=section.compute_dtype, remat=section.remat)
-    return Policy(cfg, params, tokenizer)
+        folder = Path(section.name)
+        if not folder.exists():
+            raise FileNotFoundError(
+                f"model.name={section.name!r}: not 'tiny', 'smollm2' or an existing checkpoint "
+                "directory / .gguf file"
+            )
+    if folder.suffix == ".gguf":
+        cfg, params = checkpoint_io.load_gguf(folder, **kwargs)
+    else:
+        cfg, params = checkpoint_io.load_hf_checkpoint(folder, **kwargs)
+    return Policy(cfg, params, checkpoint_io.load_tokenizer(folder))
 
 
 def request_seed(run_seed: int, group_id: int) -> int:
