@@ -180,6 +180,9 @@ class SystemSection:
     host_token_file: str = ""  # file holding the remote hosts' token
     rollout_timeout_s: float = 600.0  # give up waiting for a batch after this long
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row
+    mesh_data: int = 1  # trainer mesh: data-parallel axis size
+    mesh_fsdp: int = -1  # trainer mesh: FSDP axis size (-1 = all remaining devices)
+    mesh_tensor: int = 1  # trainer mesh: tensor-parallel axis size
 
     def __post_init__(self):
         _choice("system", "mode", self.mode, MODES)
@@ -189,6 +192,10 @@ class SystemSection:
         _positive("system", "length_bucket", self.length_bucket)
         _positive("system", "rollout_timeout_s", self.rollout_timeout_s)
         _positive("system", "max_nonfinite_steps", self.max_nonfinite_steps)
+        for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
+            value = getattr(self, name)
+            if value != -1 and value < 1:
+                raise ConfigError(f"system.{name} must be a positive int or -1, got {value}")
         if self.mode == "periodic" and self.max_staleness > 0:
             raise ConfigError(
                 "system.mode='periodic' is strictly on-policy: system.max_staleness must be 0, "

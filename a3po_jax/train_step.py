@@ -443,3 +443,103 @@ def train_step(
         )
         metrics = {**finalize_metrics(m_sum, l_sum, denom), **opt_metrics}
     return state, metrics
+
+
+# --------------------------------------------------------------------------------------
+# Placement on a mesh and the jit boundary.
+# --------------------------------------------------------------------------------------
+
+# Per-row arrays of a batch that are 1-D ([B]); all others are [B, T].
+_ROW_ARRAYS = ("pair_mask",)
+
+
+def batch_shardings(mesh: jax.sharding.Mesh, batch_size: int) -> dict[str, Any]:
+    """Shardings of the train-step batch: rows over ("data", "fsdp"), tokens replicated.
+
+    Raises a ValueError naming both numbers when the mesh does not divide ``batch_size``.
+    """
+    from a3po_jax import sharding
+
+    sharding.check_batch_divisible(batch_size, mesh, sharding.TRAIN_RULES)
+    two_d = sharding.batch_sharding(mesh, sharding.TRAIN_RULES)
+    one_d = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(two_d.spec[0]))
+    names = (
+        "tokens",
+        "positions",
+        "segment_ids",
+        "targets",
+        "loss_mask",
+        "behav_logp",
+        "versions",
+        "advantages",
+    )
+    out = {name: two_d for name in names}
+    out.update({name: one_d for name in _ROW_ARRAYS})
+    return out
+
+
+def place_train_state(
+    params: Params, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh
+) -> TrainState:
+    """A copy of the params laid out by ``sharding.TRAIN_RULES`` (FSDP + tensor parallel) and
+    an optimizer state initialised under jit, so Adam's moments inherit the params' shardings."""
+    from a3po_jax import sharding
+
+    shardings = sharding.param_shardings(params, mesh, sharding.TRAIN_RULES)
+    # A copy, never an alias: the step donates the state's buffers, and the caller's params
+    # (e.g. the policy the inference host or a reference was built from) must survive it.
+    params = jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), params, shardings)
+    opt_state = jax.jit(optimizer.init)(params)
+    # Leaves not derived from params (Adam's step count) land on one device: replicate them.
+    replicated = sharding.replicated(mesh)
+
+    def on_mesh(x):
+        s = x.sharding
+        if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated)
+
+    opt_state = jax.tree.map(on_mesh, opt_state)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    return TrainState(params=params, opt_state=opt_state, step=step)
+
+
+def jit_train_step(
+    state: TrainState,
+    mesh: jax.sharding.Mesh,
+    batch_size: int,
+    *,
+    settings: StepSettings,
+    model_config: model.ModelConfig,
+    optimizer: optax.GradientTransformation,
+    grad_clip: float,
+    with_reference: bool,
+):
+    """``train_step`` jitted at the boundary with explicit shardings; the state is donated.
+
+    Args:
+      state: a placed state (from :func:`place_train_state`); its shardings are reused for
+        the output so the step never moves parameters.
+      batch_size: rows per batch (checked against the mesh).
+      with_reference: whether a reference params tree (same layout as params) is passed.
+
+    Returns:
+      ``fn(state, batch, ref_params) -> (state, metrics)``.
+    """
+    from a3po_jax import sharding
+
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    ref_shardings = state_shardings.params if with_reference else None
+    fn = functools.partial(
+        train_step,
+        settings=settings,
+        model_config=model_config,
+        optimizer=optimizer,
+        grad_clip=grad_clip,
+    )
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings, batch_shardings(mesh, batch_size), ref_shardings),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        donate_argnums=(0,),
+    )

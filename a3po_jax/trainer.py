@@ -165,6 +165,30 @@ class Trainer:
             stop_tokens=() if eos is None else (int(eos),),
         )
 
+        self.controller = StalenessController(
+            batch_groups=self.batch_groups, max_staleness=self.eta
+        )
+        self.queue = RolloutQueue(
+            group_size=self.group_size,
+            capacity_groups=(self.eta + 1) * self.batch_groups,
+            max_staleness=self.eta,
+            on_drop=lambda group_id, reason: self.controller.release(),
+        )
+
+        # Training state on the trainer's mesh. Built before the inference host starts, so a
+        # mesh or batch that does not fit fails before anything runs.
+        from a3po_jax.sharding import make_mesh
+
+        system = cfg.system
+        self.mesh = make_mesh(system.mesh_data, system.mesh_fsdp, system.mesh_tensor)
+        self.settings = ts.StepSettings.from_config(cfg)
+        self.optimizer = ts.make_optimizer(cfg)
+        self.state = ts.place_train_state(policy.params, self.optimizer, self.mesh)
+        needs_ref = self.settings.needs_reference or cfg.algo.kl_coef > 0
+        # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
+        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if needs_ref else None
+        self._build_jitted()
+
         self._own_host = host is None
         if host is None:
             from a3po_jax.inference.host import InferenceHost
@@ -179,25 +203,6 @@ class Trainer:
                 seed=0,
             ).start()
         self.host = host
-
-        self.controller = StalenessController(
-            batch_groups=self.batch_groups, max_staleness=self.eta
-        )
-        self.queue = RolloutQueue(
-            group_size=self.group_size,
-            capacity_groups=(self.eta + 1) * self.batch_groups,
-            max_staleness=self.eta,
-            on_drop=lambda group_id, reason: self.controller.release(),
-        )
-
-        # Training state.
-        self.settings = ts.StepSettings.from_config(cfg)
-        self.optimizer = ts.make_optimizer(cfg)
-        self.state = ts.init_train_state(policy.params, self.optimizer)
-        needs_ref = self.settings.needs_reference or cfg.algo.kl_coef > 0
-        # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
-        self.ref_params = jax.tree.map(jnp.copy, policy.params) if needs_ref else None
-        self._build_jitted()
 
         # Producer bookkeeping: group id -> (prompt, admitted version, iterator state before).
         self._inflight: dict[int, tuple[Any, int, dict]] = {}
@@ -222,14 +227,19 @@ class Trainer:
 
     def _build_jitted(self) -> None:
         common = dict(settings=self.settings, model_config=self.policy.config)
-        self._train_step = jax.jit(
-            functools.partial(
-                ts.train_step,
-                optimizer=self.optimizer,
-                grad_clip=self.cfg.optim.grad_clip,
-                **common,
-            ),
-            donate_argnums=(0,),
+        batch_rows = self.group_size * self.batch_groups
+        mb = self.settings.micro_batch_size or batch_rows // self.settings.num_minibatches
+        from a3po_jax.sharding import TRAIN_RULES, check_batch_divisible
+
+        check_batch_divisible(mb, self.mesh, TRAIN_RULES)  # each micro-batch splits evenly
+        self._train_step = ts.jit_train_step(
+            self.state,
+            self.mesh,
+            batch_rows,
+            optimizer=self.optimizer,
+            grad_clip=self.cfg.optim.grad_clip,
+            with_reference=self.ref_params is not None,
+            **common,
         )
         # Periodic mode: fold each arriving group into the gradient, one update at the end.
         self._accumulate = jax.jit(
@@ -452,7 +462,9 @@ class Trainer:
         params, opt_state, extra = self.checkpoints.restore(
             step, params_template=self.state.params, opt_state_template=self.state.opt_state
         )
-        self.state = ts.TrainState(params, opt_state, jnp.int32(extra["version"]))
+        restored = ts.TrainState(params, opt_state, jnp.int32(extra["version"]))
+        # Back onto the mesh with the layout the jitted step was built for.
+        self.state = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, self.state))
         self.prompt_iter.restore(extra["prompt_iterator"])
         self.queue.restore(extra["queue"])
         self.controller.restore(

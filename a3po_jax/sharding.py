@@ -1,0 +1,224 @@
+"""Device mesh and the one table that maps the model's logical axes to mesh axes.
+
+The model names logical axes only (`model.PARAM_LOGICAL_AXES`: "embed", "heads", ...).
+Here a rules table maps each logical name to a mesh axis (or a tuple of them, or None for
+replicated), one preset per role:
+
+* `TRAIN_RULES`: FSDP + tensor parallel. Weights are split over `fsdp` along d_model and
+  over `tensor` along heads / ffn / vocab; the batch is split over `data` and `fsdp`.
+* `INFERENCE_RULES`: tensor parallel only; weights are replicated over `data` (and `fsdp`,
+  normally size 1 on an inference host) so each decode step reads local weights.
+
+A logical axis with no rule, or a dimension the mesh does not divide, is an error that
+names the parameter and both numbers: silently replicating a 8B weight is not an option.
+
+Mesh axes: ("data", "fsdp", "tensor").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from a3po_jax.model import (
+    KV_CACHE_LOGICAL_AXES,
+    TOKENS_LOGICAL_AXES,
+    KVCache,
+    Params,
+    logical_axes,
+    tree_path_str,
+)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+TRAIN_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("cache_length", None),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+INFERENCE_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("cache_length", None),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+
+def make_mesh(
+    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all).
+
+    One size may be -1: it takes whatever the others leave. Sizes whose product is not the
+    device count are an error naming each axis.
+    """
+    devices = list(devices) if devices is not None else jax.devices()
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"make_mesh: {name}={size!r} must be a positive int or -1")
+    inferred = [name for name, size in sizes.items() if size == -1]
+    if len(inferred) > 1:
+        raise ValueError(f"make_mesh: only one axis may be -1, got {inferred}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    described = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    if inferred:
+        if len(devices) % known:
+            raise ValueError(
+                f"make_mesh: {inferred[0]}=-1 cannot be inferred: {len(devices)} devices are not "
+                f"divisible by the other axes ({described})"
+            )
+        sizes[inferred[0]] = len(devices) // known
+    if math.prod(sizes.values()) != len(devices):
+        raise ValueError(
+            f"make_mesh: data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} "
+            f"= {math.prod(sizes.values())} but there are {len(devices)} devices"
+        )
+    shape = tuple(sizes[name] for name in MESH_AXES)
+    try:
+        # Lays axes out along the physical interconnect on TPU/GPU (tensor innermost).
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except Exception:  # CPU or an irregular device list: plain order is as good as any
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES)
+
+
+def _rule_table(rules: Rules) -> dict[str, MeshAxes]:
+    table: dict[str, MeshAxes] = {}
+    for logical, mesh_axes in rules:
+        if logical in table:
+            raise ValueError(f"rules map logical axis {logical!r} twice")
+        table[logical] = mesh_axes
+    return table
+
+
+def _mesh_axes_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def logical_to_spec(
+    axes: Sequence[str],
+    rules: Rules,
+    *,
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+    name: str = "array",
+) -> PartitionSpec:
+    """PartitionSpec of an array whose dimensions have logical names `axes`.
+
+    With `mesh` and `shape`, also checks every sharded dimension divides evenly.
+    Raises ValueError naming `name` for a logical axis with no rule, a mesh axis the mesh
+    does not have, a mesh axis used twice, or an indivisible dimension (both sizes given).
+    """
+    table = _rule_table(rules)
+    spec, used = [], set()
+    for dim, logical in enumerate(axes):
+        if logical not in table:
+            raise ValueError(
+                f"{name}: logical axis {logical!r} (dimension {dim}) has no sharding rule; "
+                f"rules cover {sorted(table)}"
+            )
+        mesh_axes = _mesh_axes_tuple(table[logical])
+        for axis in mesh_axes:
+            if mesh is not None and axis not in mesh.shape:
+                raise ValueError(f"{name}: rule {logical!r} -> {axis!r} names no mesh axis")
+            if axis in used:
+                raise ValueError(f"{name}: mesh axis {axis!r} would shard two dimensions")
+            used.add(axis)
+        if mesh is not None and shape is not None and mesh_axes:
+            parts = math.prod(mesh.shape[axis] for axis in mesh_axes)
+            if shape[dim] % parts:
+                raise ValueError(
+                    f"{name}: {logical} = {shape[dim]} (dimension {dim}) is not divisible by "
+                    f"mesh axes {mesh_axes} of size {parts}"
+                )
+        spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*spec)
+
+
+def param_shardings(
+    params_or_shapes: Params, mesh: Mesh, rules: Rules, axes: Params | None = None
+) -> Params:
+    """A `NamedSharding` for every parameter (arrays or `jax.ShapeDtypeStruct`s).
+
+    `axes` defaults to `model.logical_axes(params_or_shapes)`; pass it for trees the model
+    does not know (e.g. extra heads).
+    """
+    axes = logical_axes(params_or_shapes) if axes is None else axes
+    flat_axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params_or_shapes)
+    shardings = [
+        NamedSharding(
+            mesh,
+            logical_to_spec(
+                leaf_axes, rules, mesh=mesh, shape=np.shape(leaf), name=tree_path_str(path)
+            ),
+        )
+        for (path, leaf), leaf_axes in zip(leaves, flat_axes, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, shardings)
+
+
+def check_batch_divisible(batch_size: int, mesh: Mesh, rules: Rules = TRAIN_RULES) -> None:
+    """Error naming both numbers when the batch does not split evenly over its mesh axes."""
+    logical_to_spec(("batch",), rules, mesh=mesh, shape=(batch_size,), name="batch")
+
+
+def batch_sharding(
+    mesh: Mesh, rules: Rules = TRAIN_RULES, batch_size: int | None = None
+) -> NamedSharding:
+    """Sharding of [B, T] inputs (tokens, positions, masks, per-token losses)."""
+    shape = None if batch_size is None else (batch_size, 1)
+    spec = logical_to_spec(TOKENS_LOGICAL_AXES, rules, mesh=mesh, shape=shape, name="batch")
+    return NamedSharding(mesh, spec)
+
+
+def kv_cache_shardings(
+    mesh: Mesh, rules: Rules = INFERENCE_RULES, cache: KVCache | None = None
+) -> KVCache:
+    """Shardings of a `KVCache` (pass `cache`, or its shapes, to check divisibility)."""
+    k_shape = None if cache is None else np.shape(cache.k)
+    len_shape = None if cache is None else np.shape(cache.lengths)
+    kv = NamedSharding(
+        mesh, logical_to_spec(KV_CACHE_LOGICAL_AXES, rules, mesh=mesh, shape=k_shape, name="kv")
+    )
+    lengths = NamedSharding(
+        mesh, logical_to_spec(("batch",), rules, mesh=mesh, shape=len_shape, name="lengths")
+    )
+    return KVCache(k=kv, v=kv, lengths=lengths)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated (scalars, PRNG keys, small tables)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_params(params: Params, shardings: Params) -> Params:
+    """Place (or re-place) every parameter with its sharding."""
+    return jax.device_put(params, shardings)
