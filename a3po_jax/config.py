@@ -180,6 +180,8 @@ class SystemSection:
     host_token_file: str = ""  # file holding the remote hosts' token
     rollout_timeout_s: float = 600.0  # give up waiting for a batch after this long
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row
+    packed_prompts: bool = False  # shared-prompt packing: one row per group (Periodic Async.)
+    one_pass_old: bool = False  # prox=recompute with 1 minibatch: old = sg(current), no pass
     mesh_data: int = 1  # trainer mesh: data-parallel axis size
     mesh_fsdp: int = -1  # trainer mesh: FSDP axis size (-1 = all remaining devices)
     mesh_tensor: int = 1  # trainer mesh: tensor-parallel axis size
@@ -252,6 +254,18 @@ class TrainConfig:
             raise ConfigError(
                 f"system.micro_batch_size={mb} must divide the minibatch of "
                 f"{batch // self.algo.num_minibatches} sequences"
+            )
+        if self.system.one_pass_old and (
+            self.algo.prox != "recompute" or self.algo.num_minibatches != 1
+        ):
+            raise ConfigError(
+                "system.one_pass_old=true reuses the current log-probs as the old policy's, "
+                "which is exact only with algo.prox='recompute' and algo.num_minibatches=1"
+            )
+        if self.system.packed_prompts and mb and (mb % self.rollout.group_size):
+            raise ConfigError(
+                f"system.packed_prompts packs whole groups: system.micro_batch_size={mb} must "
+                f"be a multiple of rollout.group_size={self.rollout.group_size}"
             )
         if self.system.mode == "periodic" and self.algo.num_minibatches != 1:
             raise ConfigError(

@@ -61,6 +61,8 @@ class StepSettings:
     temperature: float = 1.0
     num_minibatches: int = 1
     micro_batch_size: int = 0  # 0 = whole minibatch
+    packed: bool = False  # batches come from packing.pack_groups (shared-prompt rows)
+    one_pass_old: bool = False  # recompute's prox taken from this pass (old == current)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> StepSettings:
@@ -82,6 +84,8 @@ class StepSettings:
             temperature=cfg.rollout.temperature,
             num_minibatches=a.num_minibatches,
             micro_batch_size=cfg.system.micro_batch_size,
+            packed=cfg.system.packed_prompts,
+            one_pass_old=cfg.system.one_pass_old,
         )
 
     @property
@@ -111,6 +115,20 @@ def init_train_state(params: Params, optimizer: optax.GradientTransformation) ->
 # --------------------------------------------------------------------------------------
 
 
+def policy_logprobs(
+    params: Params, batch: Batch, *, settings: StepSettings, model_config: model.ModelConfig
+) -> tuple[jax.Array, jax.Array]:
+    """``forward_logprobs`` or, for shared-prompt packed batches, its packed twin; both give
+    ``[B, T]`` log-probs in ``batching.build_batch``'s target-aligned layout."""
+    if settings.packed:
+        from a3po_jax import packing
+
+        fn = packing.packed_token_logprobs
+    else:
+        fn = forward_logprobs
+    return fn(params, batch, model_config=model_config, temperature=settings.temperature)
+
+
 def forward_logprobs(
     params: Params, batch: Batch, *, model_config: model.ModelConfig, temperature: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -133,11 +151,11 @@ def forward_logprobs(
     return losses.token_logprobs(logits, batch["targets"]), losses.entropy(logits)
 
 
-def _no_grad_logprobs(params, micro_batches, *, model_config, temperature):
+def _no_grad_logprobs(params, micro_batches, *, settings, model_config):
     """[M, b, T] log-probs of every micro-batch, no gradient (prox recompute / reference)."""
 
     def one(mb):
-        logp, _ = forward_logprobs(params, mb, model_config=model_config, temperature=temperature)
+        logp, _ = policy_logprobs(params, mb, settings=settings, model_config=model_config)
         return jax.lax.stop_gradient(logp)
 
     return jax.lax.map(one, micro_batches)
@@ -186,9 +204,7 @@ def loss_sums(
       (loss_sum, metric_sums): metric sums are weighted by the micro-batch's valid tokens
       (``loss/num_tokens``), except max/min metrics.
     """
-    logp, ent = forward_logprobs(
-        params, mb, model_config=model_config, temperature=settings.temperature
-    )
+    logp, ent = policy_logprobs(params, mb, settings=settings, model_config=model_config)
     mask = mb["loss_mask"]
     n_tok = jnp.sum(mask)
     # Staleness d = v_θ - v_behav per token; masked positions get 0 (their versions are 0
@@ -213,7 +229,12 @@ def loss_sums(
         sums["dpo/num_pairs"] = pair_w
     else:
         behav = mb["behav_logp"]
-        if settings.prox == "recompute":
+        if settings.prox == "recompute" and settings.one_pass_old:
+            # One optimizer step per batch: the step's starting weights ARE the current ones,
+            # so the old policy's log-prob is this pass's, detached (Periodic Asynchrony's
+            # unified pass): the value a separate no-grad pass gives, without the pass.
+            prox = jax.lax.stop_gradient(logp)
+        elif settings.prox == "recompute":
             prox = prox_logp
         elif settings.prox == "a3po":
             prox = losses.a3po_prox_logp(
@@ -402,21 +423,21 @@ def train_step(
       (new_state, metrics) with metrics of the last minibatch plus ``time``-free scalars.
     """
     k = settings.num_minibatches
-    rows = batch["tokens"].shape[0]
+    rows = batch["loss_mask"].shape[0]
     per_minibatch = rows // k
     mb_size = settings.micro_batch_size or per_minibatch
     n_micro = per_minibatch // mb_size
     minibatches = split_micro_batches(batch, k * n_micro)  # [k*M, b, T]
 
     prox_all = None
-    if settings.loss == "ppo" and settings.prox == "recompute":
+    if settings.loss == "ppo" and settings.prox == "recompute" and not settings.one_pass_old:
         prox_all = _no_grad_logprobs(
-            state.params, minibatches, model_config=model_config, temperature=settings.temperature
+            state.params, minibatches, settings=settings, model_config=model_config
         )
     ref_all = None
     if settings.needs_reference:
         ref_all = _no_grad_logprobs(
-            ref_params, minibatches, model_config=model_config, temperature=settings.temperature
+            ref_params, minibatches, settings=settings, model_config=model_config
         )
 
     metrics = {}
@@ -449,33 +470,19 @@ def train_step(
 # Placement on a mesh and the jit boundary.
 # --------------------------------------------------------------------------------------
 
-# Per-row arrays of a batch that are 1-D ([B]); all others are [B, T].
-_ROW_ARRAYS = ("pair_mask",)
 
-
-def batch_shardings(mesh: jax.sharding.Mesh, batch_size: int) -> dict[str, Any]:
-    """Shardings of the train-step batch: rows over ("data", "fsdp"), tokens replicated.
+def batch_shardings(mesh: jax.sharding.Mesh, batch_size: int) -> jax.sharding.NamedSharding:
+    """Sharding of every train-step batch array: the leading axis (rows, or groups when
+    packed) over ("data", "fsdp"), the rest replicated. One spec fits every rank, since a
+    PartitionSpec shorter than the array's rank replicates the trailing axes.
 
     Raises a ValueError naming both numbers when the mesh does not divide ``batch_size``.
     """
     from a3po_jax import sharding
 
     sharding.check_batch_divisible(batch_size, mesh, sharding.TRAIN_RULES)
-    two_d = sharding.batch_sharding(mesh, sharding.TRAIN_RULES)
-    one_d = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(two_d.spec[0]))
-    names = (
-        "tokens",
-        "positions",
-        "segment_ids",
-        "targets",
-        "loss_mask",
-        "behav_logp",
-        "versions",
-        "advantages",
-    )
-    out = {name: two_d for name in names}
-    out.update({name: one_d for name in _ROW_ARRAYS})
-    return out
+    rows = sharding.batch_sharding(mesh, sharding.TRAIN_RULES).spec[0]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows))
 
 
 def place_train_state(

@@ -231,11 +231,13 @@ class Trainer:
         mb = self.settings.micro_batch_size or batch_rows // self.settings.num_minibatches
         from a3po_jax.sharding import TRAIN_RULES, check_batch_divisible
 
-        check_batch_divisible(mb, self.mesh, TRAIN_RULES)  # each micro-batch splits evenly
+        # Each micro-batch splits evenly over the mesh (packed arrays lead with groups).
+        rows_per_micro = mb // self.group_size if self.settings.packed else mb
+        check_batch_divisible(rows_per_micro, self.mesh, TRAIN_RULES)
         self._train_step = ts.jit_train_step(
             self.state,
             self.mesh,
-            batch_rows,
+            self.batch_groups if self.settings.packed else batch_rows,
             optimizer=self.optimizer,
             grad_clip=self.cfg.optim.grad_clip,
             with_reference=self.ref_params is not None,
@@ -254,12 +256,7 @@ class Trainer:
             donate_argnums=(0,),
         )
         self._logprobs = jax.jit(
-            lambda params, batch: ts.forward_logprobs(
-                params,
-                batch,
-                model_config=self.policy.config,
-                temperature=self.settings.temperature,
-            )[0]
+            lambda params, batch: ts.policy_logprobs(params, batch, **common)[0]
         )
 
     # ------------------------------------------------------------------ threads
@@ -354,28 +351,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ batches
 
-    def _batch_from_groups(self, groups: list[RolloutGroup]) -> TrainBatch:
-        batch = build_batch(
-            groups,
+    def _batch_from_groups(
+        self, groups: list[RolloutGroup]
+    ) -> tuple[TrainBatch, dict[str, np.ndarray]]:
+        """The padded batch (for metrics) and the arrays the jitted step reads: the batch's
+        own, or the shared-prompt packed layout with ``system.packed_prompts``."""
+        kwargs = dict(
             advantage=self.cfg.algo.advantage,
             length_bucket=self.cfg.system.length_bucket,
             dpo_pairs=self.cfg.algo.loss == "dpo",
         )
+        if self.settings.packed:
+            from a3po_jax.packing import pack_groups
+
+            packed = pack_groups(groups, **kwargs)
+            batch, arrays_of = packed.batch, packed.arrays
+        else:
+            batch = build_batch(groups, **kwargs)
+            arrays_of = batch.arrays
         if self.cfg.algo.kl_coef > 0 and self.cfg.algo.kl_in_reward:
             # KL in the reward: R_i ← R_i − β Σ_t KL_t (k1 per token), then advantages.
-            ref = self._logprobs(self.ref_params, _device(batch))
-            cur = self._logprobs(self.state.params, _device(batch))
+            ref = self._logprobs(self.ref_params, _to_device(arrays_of()))
+            cur = self._logprobs(self.state.params, _to_device(arrays_of()))
             kl = losses.kl_penalty(cur, ref, self.cfg.algo.kl_kind)
             kl_seq = np.asarray(jnp.sum(kl * batch.loss_mask, axis=-1))
             batch.rewards = batch.rewards - self.cfg.algo.kl_coef * kl_seq
             adv = group_advantages(batch.rewards, self.group_size, self.cfg.algo.advantage)
             batch.advantages = (adv[:, None] * batch.loss_mask).astype(np.float32)
-        return batch
+        return batch, arrays_of()
 
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
-        batch = self._batch_from_groups(groups)
-        arrays = _device(batch)
-        self.state, metrics = self._train_step(self.state, arrays, self.ref_params)
+        batch, arrays = self._batch_from_groups(groups)
+        self.state, metrics = self._train_step(self.state, _to_device(arrays), self.ref_params)
         return batch, metrics
 
     def _train_periodic(self, version: int, timings: dict) -> tuple[list, TrainBatch, dict]:
@@ -394,11 +401,17 @@ class Trainer:
             )
             wait += time.perf_counter() - t0
             groups.append(group)
-            part = self._batch_from_groups([group])
-            arrays = _device(part)
-            mbs = ts.split_micro_batches(arrays, self.group_size // mb)
+            _, arrays = self._batch_from_groups([group])
+            arrays = _to_device(arrays)
+            # A packed group is one row: it cannot be split further.
+            n_micro = 1 if self.settings.packed else self.group_size // mb
+            mbs = ts.split_micro_batches(arrays, n_micro)
             prox = ref = None
-            if self.settings.loss == "ppo" and self.settings.prox == "recompute":
+            if (
+                self.settings.loss == "ppo"
+                and self.settings.prox == "recompute"
+                and not self.settings.one_pass_old
+            ):
                 prox = jax.lax.stop_gradient(jax.vmap(lambda b: self._logprobs(params, b))(mbs))
             if self.settings.needs_reference:
                 ref = jax.vmap(lambda b: self._logprobs(self.ref_params, b))(mbs)
@@ -615,5 +628,5 @@ class Trainer:
             self.host.close()
 
 
-def _device(batch: TrainBatch) -> dict[str, jax.Array]:
-    return {k: jnp.asarray(v) for k, v in batch.arrays().items()}
+def _to_device(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in arrays.items()}

@@ -246,3 +246,31 @@ def test_train_step_traces_once_per_bucket_shape():
         state, _ = step(state, as_jnp(b))
     assert int(state.step) == 3
     chex.clear_trace_counter()
+
+
+def test_packed_and_one_pass_steps_equal_the_plain_recompute_step():
+    # Shared-prompt packing changes the layout, not the math; the one-pass old policy
+    # (old = sg(current) with one optimizer step) equals a separate no-grad pass.
+    from a3po_jax.packing import pack_groups
+
+    cfg = make_config(prox="recompute")
+    groups = make_groups(seed=6)
+    plain_batch = as_jnp(build_batch(groups, advantage="grpo", length_bucket=16))
+    packed_arrays = {
+        k: jnp.asarray(v)
+        for k, v in pack_groups(groups, advantage="grpo", length_bucket=16).arrays().items()
+    }
+    results = {}
+    for name, batch, overrides in (
+        ("plain", plain_batch, {}),
+        ("packed", packed_arrays, {"packed": True}),
+        ("one_pass", plain_batch, {"one_pass_old": True}),
+        ("packed_one_pass", packed_arrays, {"packed": True, "one_pass_old": True}),
+    ):
+        state, _ = setup(cfg)
+        results[name], metrics = step_fn(cfg, **overrides)(state, batch, None)
+        assert float(metrics["step/skipped"]) == 0.0
+    for name in ("packed", "one_pass", "packed_one_pass"):
+        chex.assert_trees_all_close(
+            results[name].params, results["plain"].params, rtol=1e-4, atol=1e-6
+        )

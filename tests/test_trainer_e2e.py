@@ -135,3 +135,20 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         assert other["reward/mean"] == pytest.approx(r["reward/mean"], abs=1e-6)
         assert other["loss/total"] == pytest.approx(r["loss/total"], rel=1e-4, abs=1e-6)
         assert other["optim/param_norm"] == pytest.approx(r["optim/param_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["periodic", "async"])
+def test_packed_prompts_and_one_pass_old_through_the_pipeline(tmp_path, mode):
+    # Periodic Asynchrony's system recipe: shared-prompt rows and the old policy's log-probs
+    # from the same pass (prox=recompute, one optimizer step per batch).
+    cfg = make_cfg(tmp_path, f"packed_{mode}", mode=mode, steps=2, prox="recompute")
+    cfg = dataclasses.replace(
+        cfg,
+        system=dataclasses.replace(cfg.system, packed_prompts=True, one_pass_old=True),
+    )
+    records = run(cfg)
+    assert [r["version"] for r in records] == [1, 2]
+    for r in records:
+        assert np.isfinite(r["loss/total"]) and r["step/skipped"] == 0
+        if mode == "periodic":
+            assert r["staleness/max"] == 0
