@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
     parser.add_argument("--log-level", default="WARNING", help="Python logging level")
-    return parser.parse_args(argv)
+    # Intermixed: flags may come before, between or after the key=value overrides.
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,101 @@
+"""Config validation, overrides and the CLI's refusal to start half-configured."""
+
+import dataclasses
+import json
+
+import pytest
+
+from a3po_jax.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    config_from_dict,
+    load_experiment,
+)
+from a3po_jax.train import main
+
+
+def test_overrides_parse_types_and_sections():
+    cfg = apply_overrides(
+        TrainConfig(),
+        [
+            "algo.prox=recompute",
+            "algo.clip_eps=0.1",
+            "system.max_staleness=4",
+            "algo.kl_in_reward=true",
+            "rollout.prompt_buckets=64,128",
+            "steps=7",
+        ],
+    )
+    assert cfg.algo.prox == "recompute" and cfg.algo.clip_eps == 0.1
+    assert cfg.system.max_staleness == 4 and cfg.algo.kl_in_reward is True
+    assert cfg.rollout.prompt_buckets == (64, 128) and cfg.steps == 7
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("algo.prox=magic", "algo.prox='magic' is not one of recompute, a3po, behav"),
+        ("algo.nope=1", "unknown config field 'algo.nope'"),
+        ("nosection.x=1", "unknown config section 'nosection'"),
+        ("system.max_staleness=two", "system.max_staleness expects an int"),
+        ("algo.kl_in_reward=maybe", "algo.kl_in_reward expects a bool"),
+        ("optim.learning_rate=0", "optim.learning_rate must be > 0"),
+        ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+        ("task.options=[1]", "task.options must be a JSON object"),
+        ("steps", "must look like section.field=value"),
+    ],
+)
+def test_bad_overrides_name_the_field(override, message):
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(TrainConfig(), [override])
+    assert message in str(err.value)
+
+
+def test_impossible_combinations_are_refused():
+    with pytest.raises(ConfigError, match="periodic.*max_staleness must be 0"):
+        apply_overrides(TrainConfig(), ["system.mode=periodic", "system.max_staleness=2"])
+    with pytest.raises(ConfigError, match="group_size must be 2"):
+        apply_overrides(TrainConfig(), ["algo.loss=dpo"])
+    with pytest.raises(ConfigError, match="micro_batch_size=5 must divide"):
+        apply_overrides(TrainConfig(), ["system.micro_batch_size=5"])
+    with pytest.raises(ConfigError, match="one_pass_old"):
+        apply_overrides(TrainConfig(), ["system.one_pass_old=true", "algo.prox=a3po"])
+    with pytest.raises(ConfigError, match="dual_clip must be > 1"):
+        apply_overrides(TrainConfig(), ["algo.dual_clip=0.5"])
+
+
+def test_modes_fix_staleness_and_update_policy():
+    def sys(mode, eta=0):
+        return dataclasses.replace(TrainConfig().system, mode=mode, max_staleness=eta)
+
+    assert sys("sync", 0).effective_staleness == 0
+    assert sys("one_step_off", 5).effective_staleness == 1
+    assert sys("async", 3).effective_staleness == 3
+    assert sys("one_step_off").effective_update_policy == "drain"
+    assert sys("async").effective_update_policy == "in_flight"
+
+
+def test_config_round_trips_through_json():
+    cfg = apply_overrides(TrainConfig(), ["algo.prox=behav", "rollout.prompt_buckets=32,64"])
+    again = config_from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    with pytest.raises(ConfigError, match="unknown config field"):
+        config_from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_experiment_files_and_cli(tmp_path, capsys):
+    cfg = load_experiment("experiments/quickstart_a3po.py")
+    assert cfg.model.name == "smollm2" and cfg.algo.prox == "a3po"
+    assert main(["experiments/smoke_tiny.py", "--print-config", "algo.prox=recompute"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["algo"]["prox"] == "recompute"
+    # A bad override stops the CLI before anything loads, with exit code 2 and the field.
+    assert main(["experiments/smoke_tiny.py", "algo.prox=nope"]) == 2
+    assert "algo.prox='nope'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_experiment(tmp_path / "missing.py")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def something():\n    return 1\n")
+    with pytest.raises(ConfigError, match="no config\\(\\) function"):
+        load_experiment(bad)
