@@ -1,0 +1,368 @@
+"""The decode engine as pure JAX functions: prefill, insert, generate over fixed slots.
+
+A `DecodeState` holds `N` slots, each one running sample: its KV cache rows, the last sampled
+token (not yet fed to the model), and its sampling settings and PRNG coordinates. One
+`generate` call feeds every slot's last token, writes its keys/values at the slot's length
+and samples the next token, for all `N` slots at once (inactive slots compute and are
+ignored: a fixed batch shape compiles once).
+
+    prompt ──prefill──▶ Prefix (cache [L,1,Tb,..], last logits [V]) ──insert(slot, i)──▶
+    DecodeState slot (first token sampled at step 0) ──generate──▶ next token per slot ...
+
+Prompts are right-padded to a bucket length `Tb`, so a run compiles one prefill (and one
+insert) per bucket. Nothing here knows about threads, queues or versions: the host
+(`host.py`) and the JetStream adapter (`jetstream_engine.py`) drive these functions.
+
+The log-prob of each sampled token is the behaviour log-prob, see `sampling.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from a3po_jax import model as model_lib
+from a3po_jax.inference import sampling
+
+Params = Any
+
+
+@struct.dataclass
+class Prefix:
+    """A prefilled prompt, ready to be inserted into one or more slots."""
+
+    cache: model_lib.KVCache  # k, v [L, 1, Tb, Hkv, K]; lengths [1] = true prompt length
+    last_logits: jax.Array  # [V] float32 logits after the last prompt token
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything one decode step reads, for N slots (a pytree; donated to each step)."""
+
+    cache: model_lib.KVCache  # k, v [L, N, S, Hkv, K]; lengths [N] tokens in the cache
+    tokens: jax.Array  # [N] int32 last sampled token, fed to the model at the next step
+    active: jax.Array  # [N] bool slot runs a sample
+    temperature: jax.Array  # [N] float32, 0 = greedy
+    top_k: jax.Array  # [N] int32, 0 = off
+    top_p: jax.Array  # [N] float32, 1 = off
+    seed_hi: jax.Array  # [N] uint32 request seed, high word
+    seed_lo: jax.Array  # [N] uint32 request seed, low word
+    sample_index: jax.Array  # [N] int32 sample number within its request
+    step: jax.Array  # [N] int32 index of the next token to draw (0 = first after prompt)
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.k.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSampling:
+    """Sampling coordinates of one sample, as written into a slot by `insert`."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    sample_index: int = 0
+
+    def as_arrays(self) -> dict[str, jax.Array]:
+        hi, lo = sampling.split_seed(self.seed)
+        return dict(
+            temperature=jnp.float32(self.temperature),
+            top_k=jnp.int32(self.top_k),
+            top_p=jnp.float32(self.top_p),
+            seed_hi=jnp.uint32(hi),
+            seed_lo=jnp.uint32(lo),
+            sample_index=jnp.int32(self.sample_index),
+        )
+
+
+def init_decode_state(
+    config: model_lib.ModelConfig, num_slots: int, capacity: int, dtype=None
+) -> DecodeState:
+    """N empty (inactive) slots with a KV cache of `capacity` positions each."""
+    if num_slots <= 0:
+        raise ValueError(f"num_slots must be > 0, got {num_slots}")
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0, got {capacity}")
+    N = num_slots
+    return DecodeState(
+        cache=model_lib.init_kv_cache(config, N, capacity, dtype=dtype),
+        tokens=jnp.zeros((N,), jnp.int32),
+        active=jnp.zeros((N,), jnp.bool_),
+        temperature=jnp.zeros((N,), jnp.float32),
+        top_k=jnp.zeros((N,), jnp.int32),
+        top_p=jnp.ones((N,), jnp.float32),
+        seed_hi=jnp.zeros((N,), jnp.uint32),
+        seed_lo=jnp.zeros((N,), jnp.uint32),
+        sample_index=jnp.zeros((N,), jnp.int32),
+        step=jnp.zeros((N,), jnp.int32),
+    )
+
+
+def prefill(
+    params: Params,
+    tokens: jax.Array,
+    true_length: jax.Array,
+    *,
+    config: model_lib.ModelConfig,
+    cache_dtype=None,
+) -> Prefix:
+    """Runs a right-padded prompt through the model, filling a KV cache of the bucket length.
+
+    Args:
+      params: model parameters.
+      tokens: `[Tb]` int32 prompt, right-padded to its bucket length Tb.
+      true_length: int32 scalar, number of real tokens (1 <= true_length <= Tb).
+      config: the model's config (static).
+      cache_dtype: KV cache dtype (default: the model's choice).
+
+    Returns:
+      `Prefix` with the cache (`lengths == [true_length]`) and the logits that predict the
+      first new token.
+    """
+    chex.assert_rank(tokens, 1)
+    (Tb,) = tokens.shape
+    t = jnp.arange(Tb, dtype=jnp.int32)  # [T]
+    segment_ids = (t < true_length).astype(jnp.int32)[None, :]  # [1, T]; 0 marks padding
+    cache = model_lib.init_kv_cache(config, 1, Tb, dtype=cache_dtype)
+    logits, cache = model_lib.apply(
+        params,
+        tokens[None, :].astype(jnp.int32),
+        t[None, :],
+        config=config,
+        segment_ids=segment_ids,
+        kv_cache=cache,
+    )  # [1, T, V]
+    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=False)
+    return Prefix(cache=cache, last_logits=last.astype(jnp.float32))
+
+
+def insert(
+    prefix: Prefix,
+    state: DecodeState,
+    slot: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed_hi: jax.Array,
+    seed_lo: jax.Array,
+    sample_index: jax.Array,
+) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """Starts one sample of a prefilled prompt in `slot`, drawing its first token (step 0).
+
+    The prefix cache is copied into the slot's first Tb positions (`Tb <= S`); positions past
+    the prompt keep stale values, which attention never reads (it stops at the length).
+    One prefix can be inserted into several slots with different sample indices.
+
+    Args:
+      prefix: from `prefill`.
+      state: the decode state (donated by the jitted wrapper).
+      slot: int32 scalar slot index.
+      temperature, top_k, top_p, seed_hi, seed_lo, sample_index: scalars, see `DecodeState`.
+
+    Returns:
+      (new state, first token int32 scalar, its behaviour log-prob float32 scalar).
+    """
+    Tb = prefix.cache.k.shape[2]
+    if Tb > state.capacity:
+        raise ValueError(f"prefix length {Tb} exceeds the cache capacity {state.capacity}")
+    as_row = lambda x, dtype: jnp.asarray(x, dtype).reshape(1)
+    temperature = as_row(temperature, jnp.float32)
+    top_k = as_row(top_k, jnp.int32)
+    top_p = as_row(top_p, jnp.float32)
+    seed_hi = as_row(seed_hi, jnp.uint32)
+    seed_lo = as_row(seed_lo, jnp.uint32)
+    sample_index = as_row(sample_index, jnp.int32)
+    step0 = jnp.zeros((1,), jnp.int32)
+
+    keys = sampling.sample_keys(seed_hi, seed_lo, sample_index, step0)
+    token, logprob = sampling.sample_tokens(
+        prefix.last_logits[None, :], keys, temperature, top_k, top_p
+    )  # [1], [1]
+
+    def write(dst, src):  # dst [L, N, S, Hkv, K], src [L, 1, Tb, Hkv, K]
+        zero = jnp.zeros((), jnp.int32)
+        return jax.lax.dynamic_update_slice(
+            dst, src.astype(dst.dtype), (zero, slot.astype(jnp.int32), zero, zero, zero)
+        )
+
+    cache = state.cache
+    cache = cache._replace(
+        k=write(cache.k, prefix.cache.k),
+        v=write(cache.v, prefix.cache.v),
+        lengths=cache.lengths.at[slot].set(prefix.cache.lengths[0]),
+    )
+    set_at = lambda arr, value: arr.at[slot].set(value[0])
+    state = state.replace(
+        cache=cache,
+        tokens=set_at(state.tokens, token),
+        active=state.active.at[slot].set(True),
+        temperature=set_at(state.temperature, temperature),
+        top_k=set_at(state.top_k, top_k),
+        top_p=set_at(state.top_p, top_p),
+        seed_hi=set_at(state.seed_hi, seed_hi),
+        seed_lo=set_at(state.seed_lo, seed_lo),
+        sample_index=set_at(state.sample_index, sample_index),
+        step=state.step.at[slot].set(1),
+    )
+    return state, token[0], logprob[0]
+
+
+def generate(
+    params: Params, state: DecodeState, *, config: model_lib.ModelConfig
+) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """One decode step for all N slots: feed each slot's last token, sample the next.
+
+    Inactive slots run too (fixed shapes) but their length, token and step do not change.
+    The caller must not run a slot whose length has reached the capacity S.
+
+    Returns:
+      (new state, tokens `[N]` int32, behaviour log-probs `[N]` float32); entries of
+      inactive slots are meaningless.
+    """
+    N = state.num_slots
+    positions = state.cache.lengths[:, None]  # [N, 1]; the fed token's position
+    segment_ids = state.active.astype(jnp.int32)[:, None]  # [N, 1]; 0 keeps lengths as is
+    logits, cache = model_lib.apply(
+        params,
+        state.tokens[:, None],
+        positions,
+        config=config,
+        segment_ids=segment_ids,
+        kv_cache=state.cache,
+    )  # [N, 1, V]
+    chex.assert_shape(logits, (N, 1, None))
+    keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
+    tokens, logprobs = sampling.sample_tokens(
+        logits[:, 0, :], keys, state.temperature, state.top_k, state.top_p
+    )  # [N], [N]
+    state = state.replace(
+        cache=cache,
+        tokens=jnp.where(state.active, tokens, state.tokens),
+        step=state.step + state.active.astype(jnp.int32),
+    )
+    return state, tokens, logprobs
+
+
+def release(state: DecodeState, finished: jax.Array) -> DecodeState:
+    """Marks the slots where `finished [N]` is true inactive (their cache is left to reuse)."""
+    chex.assert_shape(finished, (state.num_slots,))
+    return state.replace(active=state.active & ~finished)
+
+
+# Module-level jits keyed on the (hashable, frozen) config: every EngineCore with the same
+# model and shapes shares one compilation. The decode state is donated, so the KV cache is
+# updated in place instead of copied every step.
+_prefill_jit = jax.jit(prefill, static_argnames=("config", "cache_dtype"))
+_insert_jit = jax.jit(insert, donate_argnums=(1,))
+_generate_jit = jax.jit(generate, static_argnames=("config",), donate_argnums=(1,))
+_release_jit = jax.jit(release, donate_argnums=(0,))
+
+
+class EngineCore:
+    """The jitted engine functions for one model config and one slot layout.
+
+    Holds no weights: `params` are an argument of every call, so a weight swap is simply
+    calling with other params (same shapes and dtypes: no recompilation). The decode state
+    is donated to each step, so its KV cache is updated in place.
+    """
+
+    def __init__(
+        self,
+        config: model_lib.ModelConfig,
+        *,
+        num_slots: int,
+        capacity: int,
+        prefill_buckets: tuple[int, ...],
+        cache_dtype=None,
+    ):
+        buckets = tuple(sorted(set(int(b) for b in prefill_buckets)))
+        if not buckets or buckets[0] <= 0:
+            raise ValueError(f"prefill_buckets must be positive lengths, got {prefill_buckets}")
+        if buckets[-1] > capacity:
+            raise ValueError(
+                f"the largest prefill bucket {buckets[-1]} exceeds the cache capacity {capacity}"
+            )
+        if capacity > config.max_seq_len:
+            raise ValueError(
+                f"cache capacity {capacity} exceeds the model's max_seq_len {config.max_seq_len}"
+            )
+        self.config = config
+        self.num_slots = int(num_slots)
+        self.capacity = int(capacity)
+        self.prefill_buckets = buckets
+        self.cache_dtype = cache_dtype
+        self._prefill = functools.partial(_prefill_jit, config=config, cache_dtype=cache_dtype)
+        self._generate = functools.partial(_generate_jit, config=config)
+
+    @property
+    def max_prompt_length(self) -> int:
+        return self.prefill_buckets[-1]
+
+    def bucket_for(self, prompt_length: int) -> int:
+        """The smallest bucket that holds a prompt of this length (ValueError if none)."""
+        if prompt_length <= 0:
+            raise ValueError("prompt_tokens is empty: a prompt needs at least one token")
+        for b in self.prefill_buckets:
+            if prompt_length <= b:
+                return b
+        raise ValueError(
+            f"prompt_tokens has {prompt_length} tokens, more than the largest prefill bucket "
+            f"{self.prefill_buckets[-1]} (prefill_buckets={self.prefill_buckets})"
+        )
+
+    def init_decode_state(self) -> DecodeState:
+        state = init_decode_state(self.config, self.num_slots, self.capacity, self.cache_dtype)
+        # Committed like the outputs of the jitted steps, so the first insert compiles the
+        # same executable as every later one (jit keys on committed-ness too).
+        return jax.device_put(state, jax.devices()[0])
+
+    def prefill(self, params: Params, prompt_tokens) -> Prefix:
+        """Prefills one prompt (a sequence of ints), padded to its bucket."""
+        P = len(prompt_tokens)
+        Tb = self.bucket_for(P)
+        padded = jnp.zeros((Tb,), jnp.int32).at[:P].set(jnp.asarray(prompt_tokens, jnp.int32))
+        return self._prefill(params, padded, jnp.int32(P))
+
+    def prefill_padded(self, params: Params, tokens: jax.Array, true_length: int) -> Prefix:
+        """Prefills a prompt already right-padded to some length Tb <= capacity."""
+        (Tb,) = tokens.shape
+        if Tb > self.capacity:
+            raise ValueError(f"padded prompt length {Tb} exceeds the cache capacity")
+        if not 1 <= true_length <= Tb:
+            raise ValueError(f"true_length must be in [1, {Tb}], got {true_length}")
+        return self._prefill(params, jnp.asarray(tokens, jnp.int32), jnp.int32(true_length))
+
+    def insert(
+        self, prefix: Prefix, state: DecodeState, slot: int, slot_sampling: SlotSampling
+    ) -> tuple[DecodeState, jax.Array, jax.Array]:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
+        return _insert_jit(prefix, state, jnp.int32(slot), **slot_sampling.as_arrays())
+
+    def generate(self, params: Params, state: DecodeState):
+        return self._generate(params, state)
+
+    def release(self, state: DecodeState, finished) -> DecodeState:
+        return _release_jit(state, jnp.asarray(finished, jnp.bool_))
+
+    def warmup(self, params: Params) -> None:
+        """Compiles prefill and insert for every bucket, the decode step and release."""
+        state = self.init_decode_state()
+        for bucket in self.prefill_buckets:
+            prefix = self.prefill(params, [0] * bucket)
+            state, _, _ = self.insert(prefix, state, 0, SlotSampling())
+        state, tokens, _ = self.generate(params, state)
+        state = self.release(state, jnp.ones((self.num_slots,), jnp.bool_))
+        jax.block_until_ready((state, tokens))

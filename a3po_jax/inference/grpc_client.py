@@ -1,0 +1,218 @@
+"""Client for an inference host in another process, with `InferenceHost`'s methods.
+
+    client = GrpcInferenceClient("127.0.0.1:50051", token)   # or .from_token_file(...)
+    client.submit(GenerateRequest(...))       # ValueError if the host rejects the request
+    results = client.poll(timeout=1.0)        # finished samples, as they finish
+    client.update_weights(params, version)    # ValueError if names/shapes/dtypes differ
+
+Each submitted request opens one server-streaming Generate call, read by its own
+background thread into a shared result queue, so `poll` behaves as on the in-process host.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from a3po_jax.inference import inference_pb2 as pb
+from a3po_jax.inference import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference import weight_sync
+from a3po_jax.inference.grpc_messages import (
+    GRPC_OPTIONS,
+    auth_metadata,
+    request_to_proto,
+    result_from_proto,
+    stats_from_proto,
+    weight_messages,
+)
+from a3po_jax.inference.types import (
+    GenerateRequest,
+    HostClosedError,
+    InferenceError,
+    SampleResult,
+    error_result,
+)
+
+
+class HostAuthenticationError(PermissionError):
+    """The host refused the token (gRPC status UNAUTHENTICATED)."""
+
+
+def _raise_for(error: grpc.RpcError, what: str):
+    code, details = error.code(), error.details()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        raise ValueError(details) from None
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        raise HostAuthenticationError(f"{what}: UNAUTHENTICATED: {details}") from None
+    if code == grpc.StatusCode.UNAVAILABLE:
+        raise HostClosedError(f"{what}: host unavailable: {details}") from None
+    raise InferenceError(f"{what} failed: {code.name}: {details}") from None
+
+
+class GrpcInferenceClient:
+    """The trainer's handle on a remote `InferenceHost` (same methods, same results).
+
+    Args:
+      address: "host:port" of `grpc_server`.
+      token: the host's token (see `grpc_server.resolve_token`).
+      timeout: seconds to wait for the server at start and for unary calls.
+      chunk_bytes: size of the weight chunks sent by `update_weights`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        timeout: float = 60.0,
+        chunk_bytes: int = weight_sync.DEFAULT_CHUNK_BYTES,
+    ):
+        self.address = address
+        self._metadata = auth_metadata(token)
+        self._timeout = timeout
+        self._chunk_bytes = chunk_bytes
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.InferenceHostStub(self._channel)
+        self._results: queue.Queue[SampleResult] = queue.Queue()
+        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[grpc.Future, threading.Thread]] = {}
+        self._closed = False
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise HostClosedError(f"no inference host at {address} after {timeout} s") from None
+
+    @classmethod
+    def from_token_file(cls, address: str, token_file: str | Path, **kwargs) -> GrpcInferenceClient:
+        token = Path(token_file).expanduser().read_text().strip()
+        return cls(address, token, **kwargs)
+
+    # ------------------------------------------------------------------ InferenceHost API
+
+    def submit(self, request: GenerateRequest) -> None:
+        """Sends a request; returns once the host accepted it (ValueError if it did not)."""
+        if not isinstance(request, GenerateRequest):
+            raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
+        if self._closed:
+            raise HostClosedError("client is closed")
+        call = self._stub.Generate(request_to_proto(request), metadata=self._metadata)
+        # The server sends its initial metadata once the host accepted the request; a
+        # rejection ends the call first, with the host's error message.
+        call.initial_metadata()
+        if call.done() and call.code() != grpc.StatusCode.OK:
+            _raise_for(call, "Generate")
+        reader = threading.Thread(
+            target=self._read_stream,
+            args=(request, call),
+            name=f"generate-{request.request_id}",
+            daemon=True,
+        )
+        with self._lock:
+            self._streams[request.request_id] = (call, reader)
+        reader.start()
+
+    def poll(self, timeout: float | None = None, max_results: int | None = None):
+        """Finished samples of any request, as on `InferenceHost.poll`."""
+        if max_results is not None and max_results <= 0:
+            raise ValueError(f"max_results must be > 0 or None, got {max_results}")
+        out: list[SampleResult] = []
+        try:
+            out.append(self._results.get(timeout=timeout))
+        except queue.Empty:
+            return out
+        while max_results is None or len(out) < max_results:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """Streams the weights in chunks; returns once the host accepted them."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        try:
+            self._stub.UpdateWeights(
+                weight_messages(params, version, self._chunk_bytes), metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            _raise_for(e, "UpdateWeights")
+
+    @property
+    def version(self) -> int:
+        """Version of the weights the host is serving."""
+        try:
+            return int(self._stub.Health(pb.HealthRequest(), timeout=self._timeout).version)
+        except grpc.RpcError as e:
+            _raise_for(e, "Health")
+
+    def health(self) -> bool:
+        try:
+            return bool(self._stub.Health(pb.HealthRequest(), timeout=self._timeout).live)
+        except grpc.RpcError:
+            return False
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            response = self._stub.Stats(
+                pb.StatsRequest(), metadata=self._metadata, timeout=self._timeout
+            )
+        except grpc.RpcError as e:
+            _raise_for(e, "Stats")
+        return stats_from_proto(response)
+
+    def close(self) -> None:
+        """Cancels open streams and closes the channel (the host keeps running)."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams.values())
+        for call, _ in streams:
+            call.cancel()
+        for _, reader in streams:
+            reader.join(timeout=5)
+        self._channel.close()
+
+    def __enter__(self) -> GrpcInferenceClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ stream readers
+
+    def _read_stream(self, request: GenerateRequest, call) -> None:
+        received: set[int] = set()
+        try:
+            for message in call:
+                result = result_from_proto(message)
+                received.add(result.sample_index)
+                self._results.put(result)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED or not self._closed:
+                message = f"stream failed: {e.code().name}: {e.details()}"
+                for i in range(request.num_samples):
+                    if i not in received:
+                        self._results.put(error_result(request, i, message))
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+        # A stream that ends early without an error (the server shut down) loses samples;
+        # report them rather than let the caller wait forever.
+        missing = [i for i in range(request.num_samples) if i not in received]
+        if missing and not self._closed and call.code() == grpc.StatusCode.OK:
+            for i in missing:
+                self._results.put(error_result(request, i, "stream ended early"))
+
+    def wait_until_version(self, version: int, timeout: float = 60.0) -> None:
+        """Blocks until the host serves `version` (after an update was swapped in)."""
+        deadline = time.monotonic() + timeout
+        while self.version != version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"host still serves version {self.version}, not {version}")
+            time.sleep(0.01)

@@ -1,0 +1,160 @@
+"""Conversions between the host's types and the `inference.proto` messages, and gRPC limits.
+
+Shared by `grpc_server.py` and `grpc_client.py` so both sides agree on every field.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from a3po_jax.inference import inference_pb2 as pb
+from a3po_jax.inference import weight_sync
+from a3po_jax.inference.types import GenerateRequest, SampleResult, SamplingParams
+
+# Caps on one message; weight chunks are 4 MiB, so 64 MiB leaves room for long results.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+AUTH_HEADER = "authorization"
+TOKEN_ENV = "A3PO_HOST_TOKEN"
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((AUTH_HEADER, f"Bearer {token}"),)
+
+
+def token_matches(metadata: Any, token: str) -> bool:
+    """Constant-time check of the `authorization: Bearer <token>` metadata."""
+    sent = ""
+    for key, value in metadata or ():
+        if key.lower() == AUTH_HEADER:
+            sent = value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
+
+
+def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
+    s = request.sampling
+    return pb.GenerateRequest(
+        request_id=request.request_id,
+        prompt_tokens=list(request.prompt_tokens),
+        num_samples=request.num_samples,
+        sampling=pb.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            stop_tokens=list(s.stop_tokens),
+        ),
+        seed=request.seed,
+    )
+
+
+def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
+    """ValueError (naming the field) for a bad request, as the in-process host raises."""
+    if not message.HasField("sampling"):
+        raise ValueError("sampling is missing from the request")
+    s = message.sampling
+    return GenerateRequest(
+        request_id=message.request_id,
+        prompt_tokens=tuple(message.prompt_tokens),
+        num_samples=message.num_samples,
+        sampling=SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            stop_tokens=tuple(s.stop_tokens),
+        ),
+        seed=message.seed,
+    )
+
+
+def result_to_proto(result: SampleResult) -> pb.SampleResult:
+    return pb.SampleResult(
+        request_id=result.request_id,
+        sample_index=result.sample_index,
+        prompt_tokens=result.prompt_tokens.tolist(),
+        tokens=result.tokens.tolist(),
+        logprobs=result.logprobs.tolist(),
+        versions=result.versions.tolist(),
+        finish_reason=result.finish_reason,
+        error=result.error or "",
+        timing={k: float(v) for k, v in result.timing.items()},
+    )
+
+
+def result_from_proto(message: pb.SampleResult) -> SampleResult:
+    return SampleResult(
+        request_id=message.request_id,
+        sample_index=message.sample_index,
+        prompt_tokens=np.asarray(message.prompt_tokens, np.int32),
+        tokens=np.asarray(message.tokens, np.int32),
+        # float32 on the wire, so the host's float32 log-probs arrive bit for bit.
+        logprobs=np.asarray(message.logprobs, np.float32),
+        versions=np.asarray(message.versions, np.int32),
+        finish_reason=message.finish_reason,
+        error=message.error or None,
+        timing=dict(message.timing),
+    )
+
+
+def weight_messages(
+    params: Any, version: int, chunk_bytes: int = weight_sync.DEFAULT_CHUNK_BYTES
+) -> Iterator[pb.WeightUpdateMessage]:
+    """The UpdateWeights stream: every tensor's chunks, then the commit."""
+    for name, dtype, shape, index, num_chunks, data in weight_sync.iter_tensor_chunks(
+        params, chunk_bytes
+    ):
+        yield pb.WeightUpdateMessage(
+            chunk=pb.TensorChunk(
+                name=name,
+                dtype=dtype,
+                shape=list(shape),
+                chunk_index=index,
+                num_chunks=num_chunks,
+                data=data,
+            )
+        )
+    yield pb.WeightUpdateMessage(commit=pb.Commit(version=int(version)))
+
+
+def stats_to_proto(stats: dict[str, Any]) -> pb.StatsResponse:
+    values, labels = {}, {}
+    for key, value in stats.items():
+        if isinstance(value, bool | int | float | np.integer | np.floating):
+            values[key] = float(value)
+        else:
+            labels[key] = str(value)
+    return pb.StatsResponse(values=values, labels=labels)
+
+
+# Stats that are counts or flags in InferenceHost.stats(); everything else stays a float.
+_INT_STATS = (
+    "slots_busy",
+    "num_slots",
+    "queue_depth",
+    "version",
+    "samples_done",
+    "tokens_generated",
+    "decode_steps",
+    "weight_updates",
+)
+_BOOL_STATS = ("update_pending", "live")
+
+
+def stats_from_proto(message: pb.StatsResponse) -> dict[str, Any]:
+    out: dict[str, Any] = dict(message.labels)
+    for key, value in message.values.items():
+        if key in _INT_STATS:
+            out[key] = int(value)
+        elif key in _BOOL_STATS:
+            out[key] = bool(value)
+        else:
+            out[key] = value
+    return out

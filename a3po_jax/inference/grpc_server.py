@@ -1,0 +1,281 @@
+"""The inference host as a separate process, served over gRPC (`inference.proto`).
+
+    python -m a3po_jax.inference.grpc_server --model tiny --port 50051 \\
+        --host 127.0.0.1 --token-file ~/.a3po_host_token
+
+`--model` is `tiny` (random `ModelConfig.tiny()` params from `--init-seed`), `smollm2`
+(`a3po_jax.assets.load_smollm2()`), or a Hugging Face checkpoint directory (config.json +
+*.safetensors, e.g. one written by `checkpoint_io.save_hf_checkpoint`). The trainer connects with
+`GrpcInferenceClient(address, token)`, which offers the `InferenceHost` methods.
+
+Security: binds 127.0.0.1 unless told otherwise, and every call but Health needs the
+metadata `authorization: Bearer <token>` (compared in constant time). The token is read from
+`--token-file` if that file exists, else from `$A3PO_HOST_TOKEN`, else generated and written
+to `--token-file` (default `~/.cache/a3po_jax/host_token`) with mode 0600. Weights arrive as
+raw bytes with dtype and shape, never pickled, and are rejected whole on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import secrets
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from a3po_jax.inference import inference_pb2 as pb
+from a3po_jax.inference import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference import weight_sync
+from a3po_jax.inference.grpc_messages import (
+    GRPC_OPTIONS,
+    TOKEN_ENV,
+    request_from_proto,
+    result_to_proto,
+    stats_to_proto,
+    token_matches,
+)
+from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.types import HostClosedError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOKEN_FILE = Path("~/.cache/a3po_jax/host_token")
+READY_LINE = "A3PO_HOST_READY"
+
+
+class InferenceServicer(pb_grpc.InferenceHostServicer):
+    """Routes gRPC calls to an `InferenceHost` (which must be started)."""
+
+    def __init__(self, host: InferenceHost, token: str):
+        if not token:
+            raise ValueError("token must be a non-empty string")
+        self._host = host
+        self._token = token
+        self._routes: dict[str, queue.Queue] = {}
+        self._routes_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="dispatch", daemon=True)
+        self._dispatcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._dispatcher.join(timeout=5)
+
+    def _dispatch(self) -> None:
+        """Hands each finished sample to the stream of its request."""
+        while not self._stop.is_set():
+            try:
+                results = self._host.poll(timeout=0.2)
+            except HostClosedError:
+                return
+            for r in results:
+                with self._routes_lock:
+                    route = self._routes.get(r.request_id)
+                if route is not None:  # else the client went away; drop the sample
+                    route.put(r)
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        if not token_matches(context.invocation_metadata(), self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong host token")
+
+    def Generate(self, request, context):
+        self._authorize(context)
+        try:
+            req = request_from_proto(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        route: queue.Queue = queue.Queue()
+        with self._routes_lock:
+            if req.request_id in self._routes:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request_id {req.request_id!r} is already in flight",
+                )
+            self._routes[req.request_id] = route
+        try:
+            try:
+                self._host.submit(req)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except HostClosedError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            # Tells the client the request was accepted (its submit returns now).
+            context.send_initial_metadata((("accepted", req.request_id),))
+            remaining = req.num_samples
+            while remaining and context.is_active():
+                try:
+                    result = route.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                remaining -= 1
+                yield result_to_proto(result)
+        finally:
+            with self._routes_lock:
+                self._routes.pop(req.request_id, None)
+
+    def UpdateWeights(self, request_iterator, context):
+        self._authorize(context)
+        assembler = weight_sync.TensorAssembler(self._host.params)
+        version = None
+        try:
+            for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "chunk":
+                    c = message.chunk
+                    assembler.add(
+                        c.name, c.dtype, tuple(c.shape), c.chunk_index, c.num_chunks, c.data
+                    )
+                elif kind == "commit":
+                    version = message.commit.version
+                    break
+            if version is None:
+                raise ValueError("weights rejected: the stream ended without a commit")
+            flat = assembler.finish()
+            params = weight_sync.unflatten_params(flat, self._host.params)
+            self._host.update_weights(params, int(version))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except HostClosedError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.UpdateWeightsResponse(
+            version=int(version), num_tensors=len(flat), num_bytes=assembler.num_bytes
+        )
+
+    def Health(self, request, context):
+        return pb.HealthResponse(live=bool(self._host.stats()["live"]), version=self._host.version)
+
+    def Stats(self, request, context):
+        self._authorize(context)
+        return stats_to_proto(self._host.stats())
+
+
+def serve(
+    host: InferenceHost,
+    token: str,
+    *,
+    port: int = 0,
+    bind: str = "127.0.0.1",
+    max_streams: int = 512,
+) -> tuple[grpc.Server, InferenceServicer, int]:
+    """Starts a gRPC server for a started host; returns (server, servicer, bound port).
+
+    Each open Generate stream holds a worker thread while it waits, so `max_streams` bounds
+    the requests in flight at once.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_streams + 8),
+        options=GRPC_OPTIONS,
+        maximum_concurrent_rpcs=max_streams,
+    )
+    servicer = InferenceServicer(host, token)
+    pb_grpc.add_InferenceHostServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{bind}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {bind}:{port}")
+    server.start()
+    return server, servicer, bound
+
+
+def resolve_token(token_file: str | None) -> tuple[str, Path | None]:
+    """The host token and the file it lives in (None when it came from the environment)."""
+    path = Path(token_file).expanduser() if token_file else None
+    if path is not None and path.exists():
+        token = path.read_text().strip()
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token, path
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV], None
+    path = path or DEFAULT_TOKEN_FILE.expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    # O_EXCL + 0600 at creation: the token is never readable by others, not even briefly.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
+
+
+def load_model(spec: str, *, init_seed: int = 0) -> tuple[Any, Any]:
+    """(config, params) for `--model`: "tiny", "smollm2" or a Hugging Face checkpoint dir."""
+    import jax
+
+    from a3po_jax import model as model_lib
+
+    if spec == "tiny":
+        config = model_lib.ModelConfig.tiny()
+        return config, model_lib.init_params(config, jax.random.key(init_seed))
+    if spec == "smollm2":
+        from a3po_jax import assets
+
+        config, params, _ = assets.load_smollm2()
+        return config, params
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"--model must be 'tiny', 'smollm2' or a Hugging Face checkpoint directory "
+            f"(config.json + *.safetensors); got {spec!r}"
+        )
+    from a3po_jax import checkpoint_io
+
+    return checkpoint_io.load_hf_checkpoint(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | PATH")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--token-file", default=None)
+    parser.add_argument("--num-slots", type=int, default=8)
+    parser.add_argument("--prefill-buckets", default="32,64,128,256")
+    parser.add_argument("--max-cache-len", type=int, default=None)
+    parser.add_argument("--update-policy", default="in_flight", choices=["in_flight", "drain"])
+    parser.add_argument("--version", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="host seed mixed into requests")
+    parser.add_argument("--init-seed", type=int, default=0, help="params seed for --model tiny")
+    parser.add_argument("--max-streams", type=int, default=512)
+    parser.add_argument("--warmup", action="store_true", help="compile every bucket first")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    token, token_path = resolve_token(args.token_file)
+    config, params = load_model(args.model, init_seed=args.init_seed)
+    host = InferenceHost(
+        config,
+        params,
+        num_slots=args.num_slots,
+        prefill_buckets=tuple(int(b) for b in args.prefill_buckets.split(",")),
+        max_cache_len=args.max_cache_len,
+        version=args.version,
+        update_policy=args.update_policy,
+        seed=args.seed,
+    )
+    if args.warmup:
+        host.warmup()
+    host.start()
+    server, servicer, port = serve(
+        host, token, port=args.port, bind=args.host, max_streams=args.max_streams
+    )
+    where = f"token file {token_path}" if token_path else f"${TOKEN_ENV}"
+    log.info("serving %s on %s:%d (token from %s)", args.model, args.host, port, where)
+    print(f"{READY_LINE} {args.host}:{port}", flush=True)
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop(grace=2).wait()
+        servicer.close()
+        host.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,572 @@
+"""In-process continuous-batching inference host: a serving thread over `EngineCore`.
+
+The trainer talks to it through `submit` / `poll` / `update_weights` / `stats` (the gRPC
+client in `grpc_client.py` offers the same methods for a host in another process). One
+thread owns the engine and runs this loop:
+
+    apply a staged weight update if the policy allows it now
+    admit queued samples into free slots (prefill once per request, insert per sample)
+    one decode step for all slots; stamp each new token with the serving version
+    hand finished samples to `poll`
+
+Threads, queues and clocks live here; everything jitted is in `engine_core.py`.
+
+Weight updates (`update_weights`) are validated in the caller's thread (names, shapes and
+dtypes must match the serving params, else ValueError and the old weights keep serving),
+then staged; the serving thread swaps them in at a decode-step boundary:
+
+* ``"in_flight"`` (AReaL): at the next boundary; running samples continue with the new
+  weights (their KV cache stays as computed), so their version arrays step up once.
+* ``"drain"`` (Periodic Asynchrony): no new sample starts while an update is staged; the swap
+  happens once the running samples have finished, so no sample spans two versions.
+
+A decode step always runs with one params object, so versions never mix inside a step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+from a3po_jax import model as model_lib
+from a3po_jax.inference import engine_core, weight_sync
+from a3po_jax.inference.types import (
+    GenerateRequest,
+    HostClosedError,
+    SampleResult,
+    error_result,
+)
+
+log = logging.getLogger(__name__)
+
+UPDATE_POLICIES = ("in_flight", "drain")
+DEFAULT_PREFILL_BUCKETS = (32, 64, 128, 256)
+# Default decode room past the largest prompt bucket (the cache is read at every step, so a
+# much larger default would slow every decode step for nothing).
+DEFAULT_DECODE_ROOM = 512
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclasses.dataclass
+class _SampleRun:
+    """Host-side record of one sample occupying a slot."""
+
+    request: GenerateRequest
+    sample_index: int
+    submitted_at: float
+    started_at: float
+    prefill_s: float
+    length: int  # tokens in the slot's KV cache
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, token: int, logprob: float, version: int) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+
+    def finish_reason(self, capacity: int) -> str | None:
+        sampling = self.request.sampling
+        if self.tokens[-1] in sampling.stop_tokens:
+            return "stop"
+        if len(self.tokens) >= sampling.max_new_tokens:
+            return "length"
+        # The last token is fed at position `length`; a full cache cannot take it.
+        if self.length >= capacity:
+            return "length"
+        return None
+
+
+@dataclasses.dataclass
+class _PrefixEntry:
+    """A prefilled prompt kept until every sample of its request has a slot."""
+
+    prefix: engine_core.Prefix
+    version: int
+    prefill_s: float
+
+
+class InferenceHost:
+    """Serves `GenerateRequest`s from one model on this process's default device.
+
+    Args:
+      config: the model's config.
+      params: the model's params (copied: the caller may donate or overwrite its own).
+      num_slots: samples decoded concurrently (the decode batch size).
+      prefill_buckets: prompt lengths compiled for prefill; the largest bounds prompts.
+      max_cache_len: KV cache positions per slot (prompt + generated tokens);
+        default min(max bucket + 512, config.max_seq_len).
+      version: version number of `params`.
+      update_policy: "in_flight" or "drain" (see the module docstring).
+      seed: host seed mixed into every request seed (0 = request seeds used as they are).
+      cache_dtype: KV cache dtype (default: the model's compute dtype).
+    """
+
+    def __init__(
+        self,
+        config: model_lib.ModelConfig,
+        params: Any,
+        *,
+        num_slots: int = 8,
+        prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS,
+        max_cache_len: int | None = None,
+        version: int = 0,
+        update_policy: str = "in_flight",
+        seed: int = 0,
+        cache_dtype=None,
+    ):
+        if update_policy not in UPDATE_POLICIES:
+            raise ValueError(
+                f"update_policy must be one of {UPDATE_POLICIES}, got {update_policy!r}"
+            )
+        if not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValueError(f"num_slots must be an int > 0, got {num_slots!r}")
+        if not prefill_buckets or any(int(b) <= 0 for b in prefill_buckets):
+            raise ValueError(f"prefill_buckets must be positive lengths, got {prefill_buckets}")
+        if not isinstance(version, int | np.integer):
+            raise ValueError(f"version must be an int, got {version!r}")
+        if not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        max_bucket = max(int(b) for b in prefill_buckets)
+        if max_cache_len is None:
+            max_cache_len = min(max_bucket + DEFAULT_DECODE_ROOM, config.max_seq_len)
+        if max_cache_len < max_bucket:
+            raise ValueError(
+                f"max_cache_len={max_cache_len} is smaller than the largest prefill bucket "
+                f"{max_bucket}"
+            )
+        self.config = config
+        self.update_policy = update_policy
+        self.seed = seed
+        self._core = engine_core.EngineCore(
+            config,
+            num_slots=num_slots,
+            capacity=max_cache_len,
+            prefill_buckets=tuple(prefill_buckets),
+            cache_dtype=cache_dtype,
+        )
+        self._device = jax.devices()[0]
+        self._params = self._to_device(params)
+        self._version = int(version)
+
+        self._inbox: queue.Queue[GenerateRequest] = queue.Queue()
+        self._results: queue.Queue[SampleResult] = queue.Queue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards the fields below
+        self._staged: tuple[Any, int] | None = None
+        self._in_flight: dict[str, int] = {}  # request_id -> samples not yet returned
+        self._closing = False
+        self._dead: str | None = None
+
+        # Owned by the serving thread.
+        self._waiting: collections.deque[tuple[GenerateRequest, int, float]] = collections.deque()
+        self._prefixes: dict[str, _PrefixEntry] = {}
+        self._slots: list[_SampleRun | None] = [None] * num_slots
+        self._state: engine_core.DecodeState | None = None
+        self._thread: threading.Thread | None = None
+
+        # Counters for `stats` (written by the serving thread, read anywhere).
+        self._samples_done = 0
+        self._tokens_generated = 0
+        self._steps = 0
+        self._weight_updates = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._last_step_s = 0.0
+
+    # ------------------------------------------------------------------ public interface
+
+    @property
+    def version(self) -> int:
+        """Version of the weights currently serving."""
+        return self._version
+
+    @property
+    def params(self) -> Any:
+        """The params currently serving (read-only: never modify them in place)."""
+        return self._params
+
+    @property
+    def num_slots(self) -> int:
+        return self._core.num_slots
+
+    @property
+    def max_prompt_length(self) -> int:
+        return self._core.max_prompt_length
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._core.capacity
+
+    def start(self) -> InferenceHost:
+        if self._thread is not None:
+            raise RuntimeError("InferenceHost.start() called twice")
+        if self._state is None:
+            self._state = self._core.init_decode_state()
+        self._thread = threading.Thread(target=self._serve, name="inference-host", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_once(self) -> bool:
+        """Runs one iteration of the serving loop in the calling thread.
+
+        For a host that was not started: lets a test or a debugger place a weight update
+        between two exact decode steps. Returns True if a decode step ran.
+        """
+        if self._thread is not None:
+            raise RuntimeError("serve_once() is for a host that was not started")
+        with self._lock:
+            self._check_alive()
+        if self._state is None:
+            self._state = self._core.init_decode_state()
+        return self._iteration()
+
+    def warmup(self) -> None:
+        """Compiles prefill and insert for every bucket, and the decode step, now."""
+        self._core.warmup(self._params)
+
+    def close(self) -> None:
+        """Stops the serving thread; unfinished samples come back as error results."""
+        with self._lock:
+            self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._fail_everything("host closed")
+
+    def __enter__(self) -> InferenceHost:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def submit(self, request: GenerateRequest) -> None:
+        """Queues a request (non-blocking). Bad requests raise ValueError naming the field."""
+        if not isinstance(request, GenerateRequest):
+            raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
+        self._core.bucket_for(len(request.prompt_tokens))  # ValueError if too long
+        bad = [t for t in request.prompt_tokens if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_tokens has ids {bad[:4]} outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+        with self._lock:
+            self._check_alive()
+            if request.request_id in self._in_flight:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self._in_flight[request.request_id] = request.num_samples
+            self._inbox.put(request)
+        self._wake.set()
+
+    def poll(self, timeout: float | None = None, max_results: int | None = None):
+        """Finished samples, as soon as each finishes (any request, in finishing order).
+
+        Blocks up to `timeout` seconds (None: until at least one result) for the first
+        result, then takes whatever else is ready, up to `max_results`. Returns [] on
+        timeout; raises HostClosedError if the host is dead and nothing is left.
+        """
+        if max_results is not None and max_results <= 0:
+            raise ValueError(f"max_results must be > 0 or None, got {max_results}")
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        out: list[SampleResult] = []
+        while True:
+            wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            try:
+                out.append(self._results.get(timeout=max(0.0, wait)))
+                break
+            except queue.Empty:
+                if self._results.empty() and (self._closing or self._dead) and not self._busy():
+                    if self._dead:
+                        raise HostClosedError(f"inference host died: {self._dead}") from None
+                    return out
+                if deadline is not None and time.monotonic() >= deadline:
+                    return out
+        while max_results is None or len(out) < max_results:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """Stages new weights (validated whole; the old ones serve until the swap).
+
+        Returns once accepted; the swap happens at the next decode-step boundary
+        ("in_flight") or when the running samples have finished ("drain"). A later update
+        staged before the swap replaces this one (it never served).
+        """
+        if not isinstance(version, int | np.integer) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        weight_sync.check_params_match(self._params, params)
+        on_device = self._to_device(params)
+        with self._lock:
+            self._check_alive()
+            self._staged = (on_device, int(version))
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._lock:
+            recent = [(t, n) for t, n in self._recent if now - t <= _THROUGHPUT_WINDOW_S]
+            unreturned = sum(self._in_flight.values())  # waiting or running samples
+            staged = self._staged is not None
+        busy = sum(s is not None for s in self._slots)
+        span = (now - recent[0][0]) if len(recent) > 1 else 0.0
+        tokens = sum(n for _, n in recent[1:]) if len(recent) > 1 else 0
+        return {
+            "slots_busy": busy,
+            "num_slots": self.num_slots,
+            # Samples submitted and not yet started (waiting for a slot).
+            "queue_depth": max(0, unreturned - busy),
+            "version": self._version,
+            "update_pending": staged,
+            "update_policy": self.update_policy,
+            "tokens_per_s": tokens / span if span > 0 else 0.0,
+            "samples_done": self._samples_done,
+            "tokens_generated": self._tokens_generated,
+            "decode_steps": self._steps,
+            "weight_updates": self._weight_updates,
+            "last_step_s": self._last_step_s,
+            "live": self._thread is not None and self._thread.is_alive(),
+        }
+
+    # ------------------------------------------------------------------ helpers (any thread)
+
+    def _to_device(self, params: Any) -> Any:
+        # A copy, never an alias: the trainer may donate its buffers to the next step.
+        return jax.tree.map(lambda x: jax.device_put(x, self._device, may_alias=False), params)
+
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise HostClosedError(f"inference host died: {self._dead}")
+        if self._closing:
+            raise HostClosedError("inference host is closed")
+
+    def _busy(self) -> bool:
+        with self._lock:
+            return bool(self._in_flight)
+
+    def _emit(self, result: SampleResult) -> None:
+        with self._lock:
+            left = self._in_flight.get(result.request_id, 0) - 1
+            if left <= 0:
+                self._in_flight.pop(result.request_id, None)
+            else:
+                self._in_flight[result.request_id] = left
+        if result.finish_reason != "error":
+            self._samples_done += 1
+        self._results.put(result)
+
+    def _request_seed(self, request: GenerateRequest) -> int:
+        if self.seed == 0:
+            return request.seed
+        digest = hashlib.blake2b(f"{self.seed}:{request.seed}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (2**63 - 1)
+
+    # ------------------------------------------------------------------ serving thread
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    closing = self._closing
+                if closing:
+                    break
+                if not self._iteration():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+            self._fail_everything("host closed")
+        except Exception as e:  # noqa: BLE001 - the host must report, not vanish
+            log.error("inference host died:\n%s", traceback.format_exc())
+            with self._lock:
+                self._dead = f"{type(e).__name__}: {e}"
+            self._fail_everything(f"inference host died: {type(e).__name__}: {e}")
+
+    def _iteration(self) -> bool:
+        """One pass of the serving loop; True if a decode step ran."""
+        self._take_inbox()
+        self._maybe_swap_weights()
+        self._admit()
+        if any(s is not None for s in self._slots):
+            self._step()
+            return True
+        return False
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                request = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            now = time.monotonic()
+            for i in range(request.num_samples):
+                self._waiting.append((request, i, now))
+
+    def _maybe_swap_weights(self) -> None:
+        with self._lock:
+            staged = self._staged
+            if staged is None:
+                return
+            if self.update_policy == "drain" and any(s is not None for s in self._slots):
+                return
+            self._staged = None
+        self._params, self._version = staged
+        self._weight_updates += 1
+        # Prefixes were computed with the old weights; a sample started from one would
+        # carry old-weight KV (and, under "drain", span two versions). Recompute instead.
+        self._prefixes.clear()
+
+    def _admit(self) -> None:
+        if self.update_policy == "drain":
+            with self._lock:
+                if self._staged is not None:
+                    return  # drain: nothing new starts until the staged weights serve
+        finished = np.zeros((self.num_slots,), bool)
+        for slot in range(self.num_slots):
+            if self._slots[slot] is not None:
+                continue
+            if not self._waiting:
+                break
+            request, sample_index, submitted_at = self._waiting.popleft()
+            try:
+                run = self._start_sample(slot, request, sample_index, submitted_at)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the host
+                log.error("sample failed to start:\n%s", traceback.format_exc())
+                self._fail_request(request, sample_index, f"{type(e).__name__}: {e}")
+                if self._state is None or _is_deleted(self._state):
+                    self._state = self._core.init_decode_state()
+                    self._fail_running("decode state was lost after an error")
+                continue
+            reason = run.finish_reason(self._core.capacity)
+            if reason is None:
+                self._slots[slot] = run
+            else:
+                finished[slot] = True
+                self._emit(self._result(run, reason))
+        if finished.any():
+            self._state = self._core.release(self._state, finished)
+
+    def _start_sample(
+        self, slot: int, request: GenerateRequest, sample_index: int, submitted_at: float
+    ) -> _SampleRun:
+        entry = self._prefixes.get(request.request_id)
+        if entry is None:
+            t0 = time.monotonic()
+            prefix = self._core.prefill(self._params, request.prompt_tokens)
+            jax.block_until_ready(prefix)
+            entry = _PrefixEntry(prefix, self._version, time.monotonic() - t0)
+            self._prefixes[request.request_id] = entry
+        if sample_index == request.num_samples - 1:
+            self._prefixes.pop(request.request_id, None)
+        s = request.sampling
+        slot_sampling = engine_core.SlotSampling(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=self._request_seed(request),
+            sample_index=sample_index,
+        )
+        started_at = time.monotonic()
+        self._state, token, logprob = self._core.insert(
+            entry.prefix, self._state, slot, slot_sampling
+        )
+        run = _SampleRun(
+            request=request,
+            sample_index=sample_index,
+            submitted_at=submitted_at,
+            started_at=started_at,
+            prefill_s=entry.prefill_s,
+            length=len(request.prompt_tokens),
+        )
+        run.add(int(token), float(logprob), entry.version)
+        self._tokens_generated += 1
+        return run
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        self._state, tokens, logprobs = self._core.generate(self._params, self._state)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)  # waits for the step
+        self._last_step_s = time.monotonic() - t0
+        self._steps += 1
+        finished = np.zeros((self.num_slots,), bool)
+        produced = 0
+        for slot, run in enumerate(self._slots):
+            if run is None:
+                continue
+            run.length += 1  # the fed token is now in the cache
+            run.add(int(tokens[slot]), float(logprobs[slot]), self._version)
+            produced += 1
+            reason = run.finish_reason(self._core.capacity)
+            if reason is not None:
+                finished[slot] = True
+                self._slots[slot] = None
+                self._emit(self._result(run, reason))
+        self._tokens_generated += produced
+        with self._lock:
+            self._recent.append((time.monotonic(), produced))
+            while self._recent and time.monotonic() - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
+                self._recent.popleft()
+        if finished.any():
+            self._state = self._core.release(self._state, finished)
+
+    def _result(self, run: _SampleRun, reason: str) -> SampleResult:
+        now = time.monotonic()
+        return SampleResult(
+            request_id=run.request.request_id,
+            sample_index=run.sample_index,
+            prompt_tokens=np.asarray(run.request.prompt_tokens, np.int32),
+            tokens=np.asarray(run.tokens, np.int32),
+            logprobs=np.asarray(run.logprobs, np.float32),
+            versions=np.asarray(run.versions, np.int32),
+            finish_reason=reason,
+            timing={
+                "queue_s": run.started_at - run.submitted_at,
+                "prefill_s": run.prefill_s,
+                "decode_s": now - run.started_at,
+                "total_s": now - run.submitted_at,
+            },
+        )
+
+    def _fail_request(self, request: GenerateRequest, sample_index: int, message: str) -> None:
+        """Fails this sample and the request's samples still waiting (same cause)."""
+        self._prefixes.pop(request.request_id, None)
+        self._emit(error_result(request, sample_index, message))
+        keep = collections.deque()
+        for item in self._waiting:
+            if item[0] is request:
+                self._emit(error_result(request, item[1], message))
+            else:
+                keep.append(item)
+        self._waiting = keep
+
+    def _fail_running(self, message: str) -> None:
+        for slot, run in enumerate(self._slots):
+            if run is not None:
+                self._slots[slot] = None
+                result = self._result(run, "error")
+                result.error = message
+                self._emit(result)
+
+    def _fail_everything(self, message: str) -> None:
+        self._take_inbox()
+        self._fail_running(message)
+        while self._waiting:
+            request, index, _ = self._waiting.popleft()
+            self._emit(error_result(request, index, message))
+        self._prefixes.clear()
+
+
+def _is_deleted(state: engine_core.DecodeState) -> bool:
+    return any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))

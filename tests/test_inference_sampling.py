@@ -1,0 +1,181 @@
+"""Golden-value and invariance tests for a3po_jax.inference.sampling and request types."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from a3po_jax.inference import sampling
+from a3po_jax.inference.types import GenerateRequest, SampleResult, SamplingParams
+
+JIT_VARIANTS = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["nojit", "jit"])
+
+PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+
+
+def _kept(masked) -> list[list[int]]:
+    return [np.flatnonzero(np.isfinite(row)).tolist() for row in np.asarray(masked)]
+
+
+@JIT_VARIANTS
+def test_truncate_logits_golden(maybe_jit):
+    logits = jnp.log(jnp.asarray(np.tile(PROBS, (5, 1))))  # [5, 4]
+    top_k = jnp.array([0, 2, 0, 0, 2], jnp.int32)
+    top_p = jnp.array([1.0, 1.0, 0.7, 0.5, 0.6], jnp.float32)
+    kept = _kept(maybe_jit(sampling.truncate_logits)(logits, top_k, top_p))
+    assert kept[0] == [0, 1, 2, 3]  # both off
+    assert kept[1] == [0, 1]  # top-2
+    # top_p 0.7: mass before token 1 is 0.5 < 0.7 (kept), before token 2 it is 0.8 (cut).
+    # An inclusive cumsum (0.8 >= 0.7 at token 1) would wrongly cut token 1 as well.
+    assert kept[2] == [0, 1]
+    # top_p 0.5: mass before token 1 is exactly 0.5, not < 0.5: only the argmax survives.
+    assert kept[3] == [0]
+    # top_k 2 then top_p 0.6 on the renormalised pair [0.625, 0.375]: 0.625 >= 0.6 cuts
+    # token 1. Top-p on the unrenormalised probabilities (0.5 < 0.6) would keep it.
+    assert kept[4] == [0]
+
+
+def test_truncate_keeps_unmasked_values():
+    logits = jnp.array([[3.0, 1.0, 2.0, -1.0]])
+    out = sampling.truncate_logits(logits, jnp.array([2]), jnp.array([1.0]))
+    np.testing.assert_array_equal(out, [[3.0, -np.inf, 2.0, -np.inf]])
+
+
+@JIT_VARIANTS
+def test_sample_tokens_logprob_is_before_truncation(maybe_jit):
+    logits = jnp.log(jnp.asarray(np.tile(PROBS, (3, 1)))) * 2.0  # [3, 4]
+    keys = sampling.sample_keys(
+        *(jnp.zeros((3,), d) for d in (jnp.uint32, jnp.uint32)),
+        jnp.arange(3, dtype=jnp.int32),
+        jnp.zeros((3,), jnp.int32),
+    )
+    temperature = jnp.array([0.0, 2.0, 2.0], jnp.float32)
+    top_k = jnp.array([0, 1, 0], jnp.int32)
+    top_p = jnp.array([1.0, 1.0, 1.0], jnp.float32)
+    tokens, logprobs = maybe_jit(sampling.sample_tokens)(logits, keys, temperature, top_k, top_p)
+    # Row 0 greedy: argmax with log_softmax(logits) (T := 1): log(0.5^2 / sum p^2).
+    p2 = PROBS**2 / np.sum(PROBS**2)
+    assert int(tokens[0]) == 0
+    np.testing.assert_allclose(logprobs[0], np.log(p2[0]), rtol=1e-5)
+    # Row 1, T=2 undoes the doubling, top_k=1 forces token 0; its log-prob is log 0.5 under
+    # softmax(logits / T), not 0 (the truncated distribution's log-prob).
+    assert int(tokens[1]) == 0
+    np.testing.assert_allclose(logprobs[1], np.log(0.5), rtol=1e-5)
+    # Row 2: whatever was drawn, its log-prob is log p under softmax(logits / 2) = PROBS.
+    np.testing.assert_allclose(logprobs[2], np.log(PROBS[int(tokens[2])]), rtol=1e-5)
+
+
+def test_sample_tokens_distribution():
+    n = 4000
+    logits = jnp.log(jnp.asarray(np.tile(PROBS, (n, 1))))
+    keys = sampling.sample_keys(
+        jnp.zeros((n,), jnp.uint32),
+        jnp.full((n,), 7, jnp.uint32),
+        jnp.arange(n, dtype=jnp.int32),
+        jnp.zeros((n,), jnp.int32),
+    )
+    ones = jnp.ones((n,), jnp.float32)
+    tokens, _ = sampling.sample_tokens(logits, keys, ones, jnp.zeros((n,), jnp.int32), ones)
+    freq = np.bincount(np.asarray(tokens), minlength=4) / n
+    np.testing.assert_allclose(freq, PROBS, atol=0.03)  # ~4 standard errors
+    # top_k=2: only tokens 0 and 1, renormalised to [0.625, 0.375].
+    tokens, _ = sampling.sample_tokens(logits, keys, ones, jnp.full((n,), 2, jnp.int32), ones)
+    freq = np.bincount(np.asarray(tokens), minlength=4) / n
+    np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.03)
+
+
+def test_keys_depend_only_on_seed_index_step():
+    hi = jnp.array([0, 0, 0, 1], jnp.uint32)
+    lo = jnp.array([5, 5, 5, 5], jnp.uint32)
+    idx = jnp.array([0, 0, 1, 0], jnp.int32)
+    step = jnp.array([3, 3, 3, 3], jnp.int32)
+    data = np.asarray(jax.random.key_data(sampling.sample_keys(hi, lo, idx, step)))
+    np.testing.assert_array_equal(data[0], data[1])  # same coordinates, same key
+    assert not np.array_equal(data[0], data[2])  # sample index matters
+    assert not np.array_equal(data[0], data[3])  # the seed's high word matters
+    # The same coordinates alone in a batch of one give the same key (no batch dependence).
+    alone = sampling.sample_keys(hi[2:3], lo[2:3], idx[2:3], step[2:3])
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(alone))[0], data[2])
+    # key(seed) is PRNGKey(seed) for a seed below 2**32.
+    ref = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(5), 1), 3)
+    np.testing.assert_array_equal(data[2], np.asarray(ref))
+
+
+def test_split_seed():
+    assert sampling.split_seed(5) == (0, 5)
+    assert sampling.split_seed(2**32 + 3) == (1, 3)
+    with pytest.raises(ValueError, match="seed"):
+        sampling.split_seed(-1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=-3), "max_new_tokens"),
+        (dict(stop_tokens=(1, -2)), "stop_tokens"),
+        (dict(stop_tokens=3), "stop_tokens"),
+    ],
+)
+def test_sampling_params_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_from_dict():
+    assert SamplingParams.from_dict({"temperature": 0.5, "stop_tokens": [2]}) == SamplingParams(
+        temperature=0.5, stop_tokens=(2,)
+    )
+    with pytest.raises(ValueError, match="temprature"):
+        SamplingParams.from_dict({"temprature": 0.5})
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(prompt_tokens=()), "prompt_tokens"),
+        (dict(prompt_tokens=(1, -1)), "prompt_tokens"),
+        (dict(prompt_tokens="abc"), "prompt_tokens"),
+        (dict(request_id=""), "request_id"),
+        (dict(num_samples=0), "num_samples"),
+        (dict(seed=-1), "seed"),
+        (dict(sampling={"top_q": 0.9}), "top_q"),
+    ],
+)
+def test_generate_request_errors_name_the_field(kwargs, field):
+    args = dict(request_id="r", prompt_tokens=(1, 2))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        GenerateRequest(**args)
+
+
+def test_generate_request_normalises():
+    r = GenerateRequest("r", np.array([3, 4]), sampling={"temperature": 0.0})
+    assert r.prompt_tokens == (3, 4) and r.sampling.temperature == 0.0
+
+
+def test_sample_result_checks_shapes():
+    with pytest.raises(ValueError, match="same shape"):
+        SampleResult("r", 0, [1], [1, 2], [0.0], [0], "stop")
+    with pytest.raises(ValueError, match="finish_reason"):
+        SampleResult("r", 0, [1], [1], [0.0], [0], "done")
+
+
+def test_package_import_does_not_load_jetstream_or_tensorflow():
+    # The trainer and benchmarks import a3po_jax.inference; JetStream pulls in TensorFlow,
+    # which the GPU machines do not have and which costs seconds to import.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, a3po_jax.inference\n"
+        "bad = [m for m in ('jetstream', 'tensorflow', 'seqio', 'grpc') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
