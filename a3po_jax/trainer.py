@@ -203,6 +203,16 @@ class Trainer:
                 seed=0,
             ).start()
         self.host = host
+        if not self._own_host:
+            # A remote host's update policy is fixed when it starts: refuse a mismatch now
+            # rather than train on samples that span versions in a mode that forbids it.
+            want = cfg.system.effective_update_policy
+            got = host.stats().get("update_policy", want)
+            if got != want:
+                raise ValueError(
+                    f"system.mode={self.mode!r} needs inference hosts with update policy "
+                    f"{want!r}, but the host runs {got!r} (start it with --update-policy {want})"
+                )
 
         # Producer bookkeeping: group id -> (prompt, admitted version, iterator state before).
         self._inflight: dict[int, tuple[Any, int, dict]] = {}
@@ -498,6 +508,9 @@ class Trainer:
         Returns the last step's metrics.
         """
         start = self._resume() if resume else 0
+        if start == 0 and not self._own_host:
+            # A remote host starts with weights of its own: serve ours before generating.
+            self.host.update_weights(self.state.params, int(self.state.step))
         logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
         progress = ProgressBar(self.cfg.steps, initial=start) if self.console else None
         self._start_threads()
