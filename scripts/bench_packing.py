@@ -36,59 +36,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model, packing
 from a3po_jax import train_step as ts
 from a3po_jax.batching import build_batch
-from a3po_jax.rollout_queue import Rollout, RolloutGroup
-
-CONFIGS = {
-    "tiny": model.ModelConfig.tiny(max_seq_len=4096),
-    "small": model.ModelConfig(
-        vocab_size=8192,
-        d_model=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=64,
-        ffn_dim=768,
-        max_seq_len=4096,
-    ),
-    "smollm2": model.ModelConfig(
-        vocab_size=49152,
-        d_model=576,
-        n_layers=30,
-        n_heads=9,
-        n_kv_heads=3,
-        head_dim=64,
-        ffn_dim=1536,
-        rope_theta=100000.0,
-        max_seq_len=8192,
-    ),
-}
-
-
-def synthetic_groups(n_groups, group_size, prompt_len, response_len, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(n_groups):
-        prompt = rng.integers(3, vocab, size=prompt_len)
-        rollouts = [
-            Rollout(
-                prompt_id=f"p{g}",
-                group_id=g,
-                sample_index=i,
-                prompt_tokens=prompt,
-                completion_tokens=rng.integers(3, vocab, size=response_len),
-                behav_logprobs=-rng.uniform(0.5, 3.0, size=response_len),
-                versions=np.zeros(response_len, np.int32),
-                finish_reason="stop",
-                reward=float(rng.integers(0, 2)),
-            )
-            for i in range(group_size)
-        ]
-        groups.append(RolloutGroup(f"p{g}", g, rollouts, admitted_at_version=0))
-    return groups
+from a3po_jax.rollout_queue import RolloutGroup
 
 
 def singleton_groups(groups):
