@@ -267,6 +267,17 @@ class TrainConfig:
                 f"system.packed_prompts packs whole groups: system.micro_batch_size={mb} must "
                 f"be a multiple of rollout.group_size={self.rollout.group_size}"
             )
+        if (
+            self.system.mode == "periodic"
+            and mb
+            and not self.system.packed_prompts
+            and self.rollout.group_size % mb
+        ):
+            raise ConfigError(
+                "system.mode='periodic' folds each group into the gradient as it arrives: "
+                f"system.micro_batch_size={mb} must divide rollout.group_size="
+                f"{self.rollout.group_size}"
+            )
         if self.system.mode == "periodic" and self.algo.num_minibatches != 1:
             raise ConfigError(
                 "system.mode='periodic' takes one optimizer step per iteration: "

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _read_token(path: str) -> str:
     if path:
-        with open(path) as f:
+        with open(os.path.expanduser(path)) as f:
             return f.read().strip()
     token = os.environ.get("A3PO_HOST_TOKEN", "")
     if not token:

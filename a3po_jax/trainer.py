@@ -110,10 +110,13 @@ def request_seed(run_seed: int, group_id: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def staleness_histogram(batch: TrainBatch, version: int, max_bins: int = 16) -> np.ndarray:
-    """Token counts by staleness d = 0, 1, …, max_bins-1 (the last bin holds d ≥ max_bins-1)."""
-    d = (version - batch.versions)[batch.loss_mask > 0]
-    return np.bincount(np.clip(d, 0, max_bins - 1), minlength=max_bins)
+def token_staleness(batch: TrainBatch, version: int) -> np.ndarray:
+    """Staleness d = v_θ - v_behav of every trained (completion) token, ``[N]`` int32.
+
+    Logged as an integer array, which the metrics logger summarises with one bin per value:
+    the exact staleness histogram in the JSONL file and in TensorBoard.
+    """
+    return (version - batch.versions)[batch.loss_mask > 0].astype(np.int32)
 
 
 class Trainer:
@@ -598,7 +601,7 @@ class Trainer:
     def _record(self, batch, groups, version, metrics, timings) -> dict[str, Any]:
         infos = [r.info for g in groups for r in g.rollouts]
         lengths = np.array([r.num_tokens for g in groups for r in g.rollouts], np.float32)
-        hist = staleness_histogram(batch, version)
+        staleness = token_staleness(batch, version)
         n_tok = float(batch.loss_mask.sum())
         host_stats = self.host.stats()
         record = {
@@ -612,8 +615,8 @@ class Trainer:
             "response/finished_frac": float(
                 np.mean([r.finish_reason == "stop" for g in groups for r in g.rollouts])
             ),
-            "staleness/hist": hist,
-            "staleness/max_observed": float(np.max(np.nonzero(hist)[0])) if hist.any() else 0.0,
+            "staleness/tokens": staleness,
+            "staleness/max_observed": float(staleness.max()) if staleness.size else 0.0,
             "throughput/train_tokens_per_s": n_tok / max(timings["time/train_s"], 1e-9),
             "throughput/host_tokens_per_s": float(host_stats.get("tokens_per_s", 0.0)),
             "host/version": int(host_stats.get("version", -1)),

@@ -99,3 +99,11 @@ def test_experiment_files_and_cli(tmp_path, capsys):
     bad.write_text("def something():\n    return 1\n")
     with pytest.raises(ConfigError, match="no config\\(\\) function"):
         load_experiment(bad)
+
+
+def test_periodic_micro_batches_must_divide_the_group():
+    with pytest.raises(ConfigError, match="micro_batch_size=8 must divide rollout.group_size=4"):
+        apply_overrides(
+            TrainConfig(),
+            ["system.mode=periodic", "system.max_staleness=0", "system.micro_batch_size=8"],
+        )

@@ -484,6 +484,7 @@ def test_make_task_registry():
         "gsm8k",
         "gsm8k_offline",
         "jsonl",
+        "letters",
     }
     task = make_task("basic_arithmetic", min_terms=2, max_terms=2, train_size=4, test_size=4)
     assert task.name == "basic_arithmetic"

@@ -9,6 +9,7 @@ from a3po_jax.tasks.gsm8k import Gsm8kOfflineTask, Gsm8kTask
 from a3po_jax.tasks.jsonl_task import JsonlTask
 from a3po_jax.tasks.reasoning_gym_tasks import ReasoningGymTask
 from a3po_jax.tasks.task import Task
+from a3po_jax.tasks.toy import LetterTask
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 
@@ -20,6 +21,7 @@ _BUILDERS: dict[str, Callable[..., Task]] = {
     "gsm8k": Gsm8kTask,
     "gsm8k_offline": Gsm8kOfflineTask,
     "jsonl": JsonlTask,
+    "letters": LetterTask,
 }
 TASK_NAMES = tuple(_BUILDERS)
 
@@ -31,7 +33,8 @@ def make_task(name: str, **kwargs: Any) -> Task:
     kwargs: seed, train_size, test_size, partial_credit, instruction, system_prompt and the
     dataset's difficulty options), "gsm8k" (tfds; data_dir, download), "gsm8k_offline"
     (100 GSM8K test problems shipped offline), "jsonl" (path, prompt_field, answer_field,
-    id_field), and "reasoning_gym:<dataset>" for any other reasoning-gym dataset (scored
+    id_field), "letters" (toy task for tiny models; letters, seed, train_size,
+    test_size), and "reasoning_gym:<dataset>" for any other reasoning-gym dataset (scored
     on its final line or boxed text).
 
     Raises:
