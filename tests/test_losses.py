@@ -470,6 +470,8 @@ def test_online_dpo_pair_mask_and_global_denominator():
     c4 = jnp.array([0.5, -1.0, 2.0, 0.0])
     z4 = jnp.zeros(4)
     full, _ = L.online_dpo_loss(c4, z4, z4, z4, beta=0.5)
-    halves = [L.online_dpo_loss(c4[s], z4[s], z4[s], z4[s], beta=0.5, denominator=4.0)[0]
-              for s in (slice(0, 2), slice(2, 4))]
+    halves = [
+        L.online_dpo_loss(c4[s], z4[s], z4[s], z4[s], beta=0.5, denominator=4.0)[0]
+        for s in (slice(0, 2), slice(2, 4))
+    ]
     np.testing.assert_allclose(sum(halves), full, rtol=1e-6)
