@@ -166,6 +166,15 @@ class CheckpointManager:
         )
         return restored.params, restored.opt_state, dict(restored.extra)
 
+    def restore_params(self, step: int | None = None, *, params_template: Any) -> Any:
+        """Only the params of ``step`` (default: latest), e.g. to evaluate a trained run
+        without building an optimizer state."""
+        step = self._complete_step(step)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(params_template))
+        )
+        return restored.params
+
     def read_extra(self, step: int | None = None) -> dict:
         """Only the ``extra`` dict of ``step`` (default: latest), e.g. to read the config or
         version of a run before building the templates."""

@@ -294,6 +294,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | checkpoint path")
+    parser.add_argument(
+        "--run-dir",
+        help="evaluate a trained run: its config's model with the params of its newest "
+        "checkpoint (overrides --model)",
+    )
+    parser.add_argument("--step", type=int, help="checkpoint step with --run-dir (default: newest)")
     parser.add_argument("--task", default="chain_sum")
     parser.add_argument(
         "--task-options",
@@ -316,7 +322,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from a3po_jax.trainer import load_policy
 
     task = make_task(args.task, **json.loads(args.task_options))
-    policy = load_policy(ModelSection(name=args.model))
+    if args.run_dir:
+        import pathlib
+
+        from a3po_jax.checkpointing import CheckpointManager
+        from a3po_jax.config import config_from_dict
+
+        run_cfg = config_from_dict(
+            json.loads((pathlib.Path(args.run_dir) / "config.json").read_text())
+        )
+        policy = load_policy(run_cfg.model)
+        manager = CheckpointManager(pathlib.Path(args.run_dir) / "checkpoints", async_save=False)
+        policy.params = manager.restore_params(args.step, params_template=policy.params)
+        print(f"evaluating {args.run_dir} at step {args.step or manager.latest_step()}")
+    else:
+        policy = load_policy(ModelSection(name=args.model))
     eos = policy.tokenizer.eos_token_id
     longest = max(
         len(render_prompt(policy.tokenizer, p))

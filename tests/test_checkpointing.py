@@ -221,3 +221,16 @@ def test_second_signal_goes_to_the_previous_handler():
         assert previous_calls == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, original)
+
+
+def test_restore_params_only(tmp_path):
+    # Evaluation restores just the params of a run, without an optimizer state template.
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16)}
+    opt_state = optax.adamw(1e-3).init(params)
+    manager = CheckpointManager(tmp_path / "ckpt", async_save=False)
+    manager.save(4, params=params, opt_state=opt_state, extra={"version": 4}, force=True)
+    manager.wait_until_finished()
+    restored = manager.restore_params(params_template=jax.tree.map(jnp.zeros_like, params))
+    np.testing.assert_array_equal(restored["w"], params["w"])
+    assert restored["b"].dtype == jnp.bfloat16
+    manager.close()
