@@ -67,3 +67,66 @@ def collect(host, n, timeout=120.0) -> dict:
         for r in host.poll(timeout=1.0):
             out[(r.request_id, r.sample_index)] = r
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A gRPC inference host in a subprocess (for the gRPC, trainer-over-gRPC and fuzz tests).
+
+
+def start_grpc_server(token_file, *args):
+    """Start `python -m a3po_jax.inference.grpc_server --model tiny` on a free port.
+
+    Returns (process, "host:port"); the server writes its token to `token_file`. Extra
+    command-line flags go in `args`. Fails the test if the server is not ready in 180 s.
+    """
+    import os
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    import pytest
+
+    from a3po_jax.inference.grpc_messages import TOKEN_ENV
+    from a3po_jax.inference.grpc_server import READY_LINE
+
+    cmd = [
+        sys.executable, "-m", "a3po_jax.inference.grpc_server", "--model", "tiny",
+        "--port", "0", "--host", "127.0.0.1", "--token-file", str(token_file), *args,
+    ]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop(TOKEN_ENV, None)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    address = []
+
+    def read_ready():
+        for line in proc.stdout:
+            if line.startswith(READY_LINE):
+                address.append(line.split()[1])
+                return
+
+    reader = threading.Thread(target=read_ready, daemon=True)
+    reader.start()
+    reader.join(timeout=180)
+    if not address:
+        proc.kill()
+        pytest.fail("gRPC server did not report ready within 180 s")
+    return proc, address[0]
+
+
+def stop_grpc_server(proc) -> None:
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -6,24 +6,27 @@ and then checks greedy tokens and log-probs against a full recomputation.
 """
 
 import os
-import signal
 import stat
-import subprocess
-import sys
-import threading
 
 import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from inference_reference import collect, recompute_greedy, recompute_logprobs, scaled_params
+from inference_reference import (
+    collect,
+    recompute_greedy,
+    recompute_logprobs,
+    scaled_params,
+    start_grpc_server,
+    stop_grpc_server,
+)
 
 from a3po_jax.inference import inference_pb2 as pb
 from a3po_jax.inference import inference_pb2_grpc as pb_grpc
 from a3po_jax.inference.grpc_client import GrpcInferenceClient, HostAuthenticationError
 from a3po_jax.inference.grpc_messages import TOKEN_ENV, auth_metadata
-from a3po_jax.inference.grpc_server import READY_LINE, resolve_token
+from a3po_jax.inference.grpc_server import resolve_token
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,39 +36,13 @@ PROMPT = (5, 6, 7, 8, 9, 10)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("token") / "host_token"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop(TOKEN_ENV, None)
-    cmd = [
-        sys.executable, "-m", "a3po_jax.inference.grpc_server",
-        "--model", "tiny", "--port", "0", "--host", "127.0.0.1",
-        "--token-file", str(token_file),
-        "--num-slots", "4", "--prefill-buckets", "8,16", "--max-cache-len", "128",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    proc, address = start_grpc_server(
+        token_file, "--num-slots", "4", "--prefill-buckets", "8,16", "--max-cache-len", "128"
     )
-    address = []
-
-    def read_ready():
-        for line in proc.stdout:
-            if line.startswith(READY_LINE):
-                address.append(line.split()[1])
-                return
-
-    reader = threading.Thread(target=read_ready, daemon=True)
-    reader.start()
-    reader.join(timeout=180)
-    if not address:
-        proc.kill()
-        pytest.fail("gRPC server did not report ready within 180 s")
     # The server generated the token file itself, readable by its owner only.
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
-    yield address[0], token_file.read_text().strip()
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    yield address, token_file.read_text().strip()
+    stop_grpc_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -1,59 +1,29 @@
 """The trainer against a separate-process gRPC inference host (tiny model): weights are
 pushed over the wire with their versions and the rollouts come back stamped with them."""
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-from pathlib import Path
-
 import pytest
+from inference_reference import start_grpc_server, stop_grpc_server
 from test_trainer_e2e import LetterTask, make_cfg
 
 from a3po_jax.inference.grpc_client import GrpcInferenceClient
-from a3po_jax.inference.grpc_server import READY_LINE
 from a3po_jax.metrics_logging import read_metrics
 from a3po_jax.trainer import Trainer, load_policy
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 
 
 def start_server(tmp_path, update_policy):
+    """(process, address, token) of a tiny-model host with the given update policy."""
     token_file = tmp_path / "token"
-    cmd = [
-        sys.executable, "-m", "a3po_jax.inference.grpc_server", "--model", "tiny", "--port", "0",
-        "--token-file", str(token_file), "--num-slots", "8", "--prefill-buckets", "64",
-        "--max-cache-len", "96", "--update-policy", update_policy,
-    ]  # fmt: skip
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    address = []
-
-    def read_ready():
-        for line in proc.stdout:
-            if line.startswith(READY_LINE):
-                address.append(line.split()[1])
-                return
-
-    reader = threading.Thread(target=read_ready, daemon=True)
-    reader.start()
-    reader.join(timeout=180)
-    if not address:
-        proc.kill()
-        pytest.fail("gRPC server did not start")
-    return proc, address[0], token_file.read_text().strip()
+    proc, address = start_grpc_server(
+        token_file, "--num-slots", "8", "--prefill-buckets", "64", "--max-cache-len", "96",
+        "--update-policy", update_policy,
+    )  # fmt: skip
+    return proc, address, token_file.read_text().strip()
 
 
 def stop(proc):
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_grpc_server(proc)
 
 
 def test_async_training_through_a_grpc_host(tmp_path):
