@@ -5,7 +5,6 @@ reference params over UpdateWeights (in small chunks, so tensors span several me
 and then checks greedy tokens and log-probs against a full recomputation.
 """
 
-import os
 import stat
 
 import grpc
@@ -29,7 +28,6 @@ from a3po_jax.inference.grpc_messages import TOKEN_ENV, auth_metadata
 from a3po_jax.inference.grpc_server import resolve_token
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = (5, 6, 7, 8, 9, 10)
 
 
