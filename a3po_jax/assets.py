@@ -103,7 +103,15 @@ def prepare_smollm2(
     try:
         config, params = load_gguf(gguf_path, param_dtype="float32")
         save_hf_checkpoint(params, config, tmp)
-        load_tokenizer(gguf_path).save_pretrained(str(tmp))
+        try:
+            tokenizer = load_tokenizer(gguf_path)
+        except ModuleNotFoundError as err:
+            raise ModuleNotFoundError(
+                f"preparing SmolLM2 reads the tokenizer from its GGUF with transformers, which "
+                f"needs torch ({err}); install it with: pip install -e '.[assets]' "
+                f"(scripts/setup.sh does)"
+            ) from err
+        tokenizer.save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
         if cache_dir.exists():

@@ -17,8 +17,9 @@ fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 
 "${PIP[@]}" --upgrade pip
-extras=""
-if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+# "assets": torch (CPU), which transformers needs to read the SmolLM2 GGUF's tokenizer once.
+extras="[assets]"
+if [ "${1:-}" = "--test" ]; then extras="[assets,test]"; fi
 echo "[setup] installing a3po_jax${extras} (first run: several minutes, ~3 GB with TensorFlow)"
 "${PIP[@]}" -e ".${extras}"
 
