@@ -510,6 +510,13 @@ class Trainer:
 
         Returns the last step's metrics.
         """
+        if not resume and self.checkpoints is not None and self.checkpoints.latest_step():
+            self.close()
+            raise FileExistsError(
+                f"{self.run_dir} already has checkpoints (newest step "
+                f"{self.checkpoints.latest_step()}): pass --resume to continue that run, or "
+                "choose a new run_dir=... (nothing was overwritten)"
+            )
         start = self._resume() if resume else 0
         if start == 0 and not self._own_host:
             # A remote host starts with weights of its own: serve ours before generating.

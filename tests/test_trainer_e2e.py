@@ -146,3 +146,12 @@ def test_packed_prompts_and_one_pass_old_through_the_pipeline(tmp_path, mode):
         assert np.isfinite(r["loss/total"]) and r["step/skipped"] == 0
         if mode == "periodic":
             assert r["staleness/max"] == 0
+
+
+def test_a_second_fresh_run_into_a_used_run_dir_is_refused(tmp_path):
+    cfg = dataclasses.replace(make_cfg(tmp_path, "again", mode="sync", steps=1), checkpoint_every=1)
+    run(cfg)
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        run(cfg)
+    # --resume at the last step has nothing left to do and is fine.
+    assert [r["version"] for r in run(cfg, resume=True)] == [1]
