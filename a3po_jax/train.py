@@ -60,6 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         f"model={cfg.model.name} task={cfg.task.name} steps={cfg.steps} -> {cfg.run_dir}",
         file=sys.stderr,
     )
+    from a3po_jax.tasks import make_task
+
+    try:  # the task first: a bad task.options fails in a second, not after loading a model
+        task = make_task(cfg.task.name, **cfg.task.kwargs)
+    except (TypeError, ValueError) as err:
+        print(
+            f"a3po-train: config error: task.name={cfg.task.name!r} with "
+            f"task.options={cfg.task.options}: {err}",
+            file=sys.stderr,
+        )
+        return 2
     policy = load_policy(cfg.model)
     host = None
     if cfg.system.inference_hosts:
@@ -71,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             print("a3po-train: one remote inference host is supported so far", file=sys.stderr)
             return 2
         host = GrpcInferenceClient(addresses[0], token=token)
-    trainer = Trainer(cfg, policy, host=host)
+    trainer = Trainer(cfg, policy, host=host, task=task)
     record = trainer.run(resume=args.resume)
     summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
     print(json.dumps({"final": summary}, sort_keys=True))

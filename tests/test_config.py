@@ -107,3 +107,11 @@ def test_periodic_micro_batches_must_divide_the_group():
             TrainConfig(),
             ["system.mode=periodic", "system.max_staleness=0", "system.micro_batch_size=8"],
         )
+
+
+def test_bad_task_options_stop_the_cli_before_the_model_loads(capsys):
+    # letters takes no min_terms: the error names the task and its options, exit code 2.
+    code = main(["experiments/smoke_tiny.py", "task.name=letters"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "task.name='letters'" in err and "min_terms" in err
