@@ -270,7 +270,8 @@ def loss_sums(
     return loss, sums
 
 
-def _combine(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def combine_metric_sums(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Merge two micro-batches' metric sums: max/min metrics by max/min, the rest added."""
     out = {}
     for k in a:
         if k in _MAX_METRICS:
@@ -339,7 +340,7 @@ def accumulate_grads(
         mb, prox, ref = xs
         (loss, sums), grads = grad_fn(params, mb, version=version, prox_logp=prox, ref_logp=ref)
         g_acc = jax.tree.map(jnp.add, g_acc, grads)
-        m_acc = sums if m_acc is None else _combine(m_acc, sums)
+        m_acc = sums if m_acc is None else combine_metric_sums(m_acc, sums)
         return (g_acc, l_acc + loss, m_acc), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)

@@ -434,7 +434,7 @@ class Trainer:
             else:
                 g_total = jax.tree.map(jnp.add, g_total, g)
                 l_total = l_total + loss_sum
-                m_total = ts._combine(m_total, m)
+                m_total = ts.combine_metric_sums(m_total, m)
             denom += float(ts.global_denominator(arrays, self.settings))
         timings["time/wait_rollouts_s"] = wait
         self.state, opt_metrics = self._apply(
