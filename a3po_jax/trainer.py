@@ -128,7 +128,8 @@ class Trainer:
       host: an object with the inference-host interface (``submit``, ``poll``,
         ``update_weights``, ``stats``, ``close``); if None an embedded in-process host is
         started (closed by :meth:`close`).
-      task: a task object (``prompts``, ``score``); default ``make_task(cfg.task.name)``.
+      task: an object with the ``a3po_jax.tasks.Task`` protocol (``prompts``, ``score``,
+        ``format_ok``, ``extract_answer``); default ``make_task(cfg.task.name, ...)``.
       console: print a progress line per step.
     """
 
