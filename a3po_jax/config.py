@@ -179,6 +179,10 @@ class SystemSection:
     inference_hosts: str = ""  # comma-separated gRPC addresses; empty = embedded host
     host_token_file: str = ""  # file holding the remote hosts' token
     rollout_timeout_s: float = 600.0  # give up waiting for a batch after this long
+    host_timeout_s: float = 60.0  # remote hosts: stats/health call deadline (frozen host)
+    host_hang_timeout_s: float = 300.0  # remote host with work and no new token: hung
+    host_health_interval_s: float = 2.0  # remote hosts: seconds between health checks
+    max_reissues: int = 2  # re-issues of a request after host failures before it is lost
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row
     packed_prompts: bool = False  # shared-prompt packing: one row per group (Periodic Async.)
     one_pass_old: bool = False  # prox=recompute with 1 minibatch: old = sg(current), no pass
@@ -194,6 +198,10 @@ class SystemSection:
         _positive("system", "length_bucket", self.length_bucket)
         _positive("system", "rollout_timeout_s", self.rollout_timeout_s)
         _positive("system", "max_nonfinite_steps", self.max_nonfinite_steps)
+        _positive("system", "host_timeout_s", self.host_timeout_s)
+        _positive("system", "host_hang_timeout_s", self.host_hang_timeout_s)
+        _positive("system", "host_health_interval_s", self.host_health_interval_s)
+        _positive("system", "max_reissues", self.max_reissues, allow_zero=True)
         for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
             value = getattr(self, name)
             if value != -1 and value < 1:

@@ -74,19 +74,42 @@ def main(argv: list[str] | None = None) -> int:
     policy = load_policy(cfg.model)
     host = None
     if cfg.system.inference_hosts:
-        from a3po_jax.inference.grpc_client import GrpcInferenceClient
-
-        token = _read_token(cfg.system.host_token_file)
-        addresses = [a.strip() for a in cfg.system.inference_hosts.split(",") if a.strip()]
-        if len(addresses) != 1:
-            print("a3po-train: one remote inference host is supported so far", file=sys.stderr)
-            return 2
-        host = GrpcInferenceClient(addresses[0], token=token)
+        host = connect_hosts(cfg.system)
     trainer = Trainer(cfg, policy, host=host, task=task)
     record = trainer.run(resume=args.resume)
     summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
     print(json.dumps({"final": summary}, sort_keys=True))
     return 0
+
+
+def connect_hosts(system):
+    """A `HostPool` over the gRPC hosts of ``system.inference_hosts`` (comma-separated).
+
+    Requests spread over the hosts; one that dies or hangs is taken out and its work
+    re-issued to the others, and it is taken back (current weights first) when it answers
+    again. Every host must be up at start.
+    """
+    from a3po_jax.inference.grpc_client import GrpcInferenceClient
+    from a3po_jax.inference.pool import HostPool
+
+    token = _read_token(system.host_token_file)
+    addresses = [a.strip() for a in system.inference_hosts.split(",") if a.strip()]
+    if len(set(addresses)) != len(addresses):
+        raise SystemExit(f"a3po-train: system.inference_hosts lists a host twice: {addresses}")
+    clients = []
+    try:
+        for address in addresses:
+            clients.append(GrpcInferenceClient(address, token, timeout=system.host_timeout_s))
+        return HostPool(
+            clients,
+            health_interval_s=system.host_health_interval_s,
+            hang_timeout_s=system.host_hang_timeout_s,
+            max_reissues=system.max_reissues,
+        )
+    except BaseException:
+        for client in clients:
+            client.close()
+        raise
 
 
 def _read_token(path: str) -> str:

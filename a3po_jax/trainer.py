@@ -27,6 +27,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from a3po_jax import train_step as ts
 from a3po_jax.batching import TrainBatch, build_batch, group_advantages
 from a3po_jax.checkpointing import CheckpointManager, install_sigterm_handler
 from a3po_jax.config import TrainConfig
+from a3po_jax.inference.pool import LOST_PREFIX
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 from a3po_jax.metrics_logging import MetricsLogger, ProgressBar
 from a3po_jax.rollout_queue import (
@@ -131,6 +133,8 @@ class Trainer:
       task: an object with the ``a3po_jax.tasks.Task`` protocol (``prompts``, ``score``,
         ``format_ok``, ``extract_answer``); default ``make_task(cfg.task.name, ...)``.
       console: print a progress line per step.
+      on_step: called as ``on_step(step, record)`` after each step is logged (notebooks,
+        tests, custom stopping rules); an exception from it stops the run.
     """
 
     def __init__(
@@ -141,8 +145,10 @@ class Trainer:
         host: Any = None,
         task: Any = None,
         console: bool = True,
+        on_step: Callable[[int, dict[str, Any]], None] | None = None,
     ):
         self.cfg = cfg
+        self.on_step = on_step
         self.policy = policy
         self.mode = cfg.system.mode
         self.eta = cfg.system.effective_staleness
@@ -310,7 +316,8 @@ class Trainer:
                 prompt, version, _ = entry
                 if res.finish_reason == "error":
                     log.warning("group %d failed on the host: %s", group_id, res.error)
-                    self.queue.drop_group(group_id, "host_error")
+                    lost = (res.error or "").startswith(LOST_PREFIX)
+                    self.queue.drop_group(group_id, "host_lost" if lost else "host_error")
                     self._forget(group_id)
                     continue
                 text = tokenizer.decode(res.tokens, skip_special_tokens=True)
@@ -532,6 +539,8 @@ class Trainer:
                 logger.log(step + 1, record)
                 if progress is not None:
                     progress.update(step + 1, {k: record[k] for k in CONSOLE_KEYS if k in record})
+                if self.on_step is not None:
+                    self.on_step(step + 1, record)
                 if self._sigterm.is_set():
                     log.warning("SIGTERM: saving a checkpoint at step %d and stopping", step + 1)
                     self._checkpoint(step + 1, force=True)
@@ -630,12 +639,16 @@ class Trainer:
             "host/version": int(host_stats.get("version", -1)),
             "step/skipped_total": self.skipped_steps,
         }
-        for key, value in self.queue.counters().items():
-            if isinstance(value, dict):
-                for reason, count in value.items():
-                    record[f"queue/{key}/{reason}"] = count
-            else:
-                record[f"queue/{key}"] = value
+        counters = {"queue": self.queue.counters()}
+        if hasattr(self.host, "counters"):  # a HostPool: failover accounting
+            counters["hosts"] = self.host.counters()
+        for prefix, table in counters.items():
+            for key, value in table.items():
+                if isinstance(value, dict):
+                    for reason, count in value.items():
+                        record[f"{prefix}/{key}/{reason}"] = count
+                else:
+                    record[f"{prefix}/{key}"] = value
         return record
 
     def close(self) -> None:

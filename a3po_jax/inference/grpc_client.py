@@ -31,6 +31,7 @@ from a3po_jax.inference.grpc_messages import (
     weight_messages,
 )
 from a3po_jax.inference.types import (
+    TRANSPORT_ERROR_PREFIX,
     GenerateRequest,
     HostClosedError,
     InferenceError,
@@ -60,8 +61,13 @@ class GrpcInferenceClient:
     Args:
       address: "host:port" of `grpc_server`.
       token: the host's token (see `grpc_server.resolve_token`).
-      timeout: seconds to wait for the server at start and for unary calls.
+      timeout: seconds to wait for the server at start and for unary calls (stats,
+        health): a frozen host makes them fail after this long instead of hanging.
+      weight_timeout: seconds allowed for one `update_weights` (None: no limit).
       chunk_bytes: size of the weight chunks sent by `update_weights`.
+
+    A stream that breaks (host killed, network gone) reports its missing samples as error
+    results whose reason starts with ``TRANSPORT_ERROR_PREFIX``, which `HostPool` re-issues.
     """
 
     def __init__(
@@ -70,11 +76,13 @@ class GrpcInferenceClient:
         token: str,
         *,
         timeout: float = 60.0,
+        weight_timeout: float | None = 600.0,
         chunk_bytes: int = weight_sync.DEFAULT_CHUNK_BYTES,
     ):
         self.address = address
         self._metadata = auth_metadata(token)
         self._timeout = timeout
+        self._weight_timeout = weight_timeout
         self._chunk_bytes = chunk_bytes
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.InferenceHostStub(self._channel)
@@ -139,7 +147,9 @@ class GrpcInferenceClient:
             raise ValueError(f"version must be an int, got {version!r}")
         try:
             self._stub.UpdateWeights(
-                weight_messages(params, version, self._chunk_bytes), metadata=self._metadata
+                weight_messages(params, version, self._chunk_bytes),
+                metadata=self._metadata,
+                timeout=self._weight_timeout,
             )
         except grpc.RpcError as e:
             _raise_for(e, "UpdateWeights")
@@ -195,7 +205,7 @@ class GrpcInferenceClient:
                 self._results.put(result)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED or not self._closed:
-                message = f"stream failed: {e.code().name}: {e.details()}"
+                message = f"{TRANSPORT_ERROR_PREFIX}stream failed: {e.code().name}: {e.details()}"
                 for i in range(request.num_samples):
                     if i not in received:
                         self._results.put(error_result(request, i, message))
@@ -207,7 +217,9 @@ class GrpcInferenceClient:
         missing = [i for i in range(request.num_samples) if i not in received]
         if missing and not self._closed and call.code() == grpc.StatusCode.OK:
             for i in missing:
-                self._results.put(error_result(request, i, "stream ended early"))
+                self._results.put(
+                    error_result(request, i, f"{TRANSPORT_ERROR_PREFIX}stream ended early")
+                )
 
     def wait_until_version(self, version: int, timeout: float = 60.0) -> None:
         """Blocks until the host serves `version` (after an update was swapped in)."""

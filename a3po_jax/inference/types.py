@@ -17,6 +17,11 @@ FINISH_REASONS = ("stop", "length", "error")
 MAX_SEED = 2**63 - 1
 
 
+# Error results whose reason starts with this report a failure to reach the host (a broken
+# stream, a host gone), not a problem with the request: `HostPool` re-issues those.
+TRANSPORT_ERROR_PREFIX = "transport: "
+
+
 class InferenceError(RuntimeError):
     """The host failed while serving (not a problem with the request itself)."""
 

@@ -1,0 +1,581 @@
+"""Several inference hosts behind the one-host interface, with failure detection and failover.
+
+    pool = HostPool([GrpcInferenceClient(a, token) for a in addresses])
+    pool.submit(request); pool.poll(timeout=0.2); pool.update_weights(params, version)
+
+The trainer talks to a `HostPool` exactly as to one `InferenceHost` (``submit``, ``poll``,
+``update_weights``, ``stats``, ``close``). Behind it:
+
+* **Placement.** A request goes to the healthy host with the fewest samples outstanding
+  (ties in turn), so work spreads round-robin over equal hosts.
+* **Failure detection.** A monitor thread asks every host for its stats each
+  ``health_interval_s``. A host is marked *down* when that call fails or times out (dead,
+  unreachable, or frozen), when its serving loop reports not live, when it has work
+  outstanding and its generated-token count has not moved for ``hang_timeout_s`` (hung), or
+  when a call to it fails at the transport level (submit, poll, weight push, a broken stream).
+* **Failover.** The requests outstanding on a host that goes down are re-issued, whole, to
+  another healthy host under a new wire id (``<id>~retry<k>``). Samples already delivered are
+  not delivered again: a re-issued request's copies of them are discarded, as is anything
+  the old host sends later (a host that was only frozen may wake up and finish its old work).
+  Each sample reaches ``poll`` at most once; a sample whose request was re-issued
+  ``max_reissues`` times without finishing comes back as an error result whose reason starts
+  with ``lost:`` (the trainer drops the group). Nothing is trained on twice or half-used.
+* **No host left.** Requests are parked (with one warning) until a host returns; the
+  trainer's ``rollout_timeout_s`` bounds the wait.
+* **Return.** A down host is probed every ``health_interval_s``; once it answers it is sent
+  the newest weights (and version) first, and only then given work again.
+
+Counters (``counters()``) account for every sample requested::
+
+    samples_requested = samples_delivered + samples_lost + samples_outstanding
+
+Hosts are anything with the `InferenceHost` methods; in practice `GrpcInferenceClient`s
+(one per remote host). Their calls should time out (the client's ``timeout``), or a host
+that hangs a call hangs the thread that made it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from a3po_jax.inference.types import (
+    TRANSPORT_ERROR_PREFIX,
+    GenerateRequest,
+    InferenceError,
+    SampleResult,
+    error_result,
+)
+
+log = logging.getLogger(__name__)
+
+LOST_PREFIX = "lost: "
+_RETRY_SEP = "~retry"
+
+
+@dataclasses.dataclass
+class _Member:
+    """One host of the pool and what the pool knows about it."""
+
+    name: str
+    host: Any
+    healthy: bool = True
+    reason: str = ""  # why it is down
+    outstanding: set[str] = dataclasses.field(default_factory=set)  # request ids on it
+    progress: tuple = ()  # (tokens_generated, samples_done) from its last stats
+    progress_at: float = 0.0  # when that last changed (or work was first assigned)
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # last stats seen
+    version: int | None = None  # weights version last pushed to it
+    failures: int = 0
+    returns: int = 0
+    # Weight pushes to one host go one at a time, in order: a push stuck on a frozen host
+    # must finish (or fail) before the newest weights are sent when it returns.
+    push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """A request the pool has accepted and not yet fully delivered."""
+
+    request: GenerateRequest
+    member: int | None = None  # index of the host it is on; None while parked
+    attempt: int = -1  # submissions so far - 1 (0 = the first)
+    delivered: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def wire_id(self) -> str:
+        rid = self.request.request_id
+        return rid if self.attempt == 0 else f"{rid}{_RETRY_SEP}{self.attempt}"
+
+
+class HostPool:
+    """Inference hosts behind one host interface: placement, health checks and failover.
+
+    Args:
+      hosts: the hosts (at least one), e.g. `GrpcInferenceClient`s.
+      names: a name per host for messages and counters (default: ``address`` or ``host<i>``).
+      health_interval_s: seconds between health checks (and probes of down hosts).
+      hang_timeout_s: a host with work outstanding whose generated-token count has not moved
+        for this long is marked down as hung.
+      max_reissues: how many times one request may be re-issued after host failures before
+        its missing samples are reported lost.
+      close_hosts: `close()` also closes the hosts (the pool owns them).
+    """
+
+    def __init__(
+        self,
+        hosts: list[Any],
+        *,
+        names: list[str] | None = None,
+        health_interval_s: float = 2.0,
+        hang_timeout_s: float = 60.0,
+        max_reissues: int = 2,
+        close_hosts: bool = True,
+    ):
+        if not hosts:
+            raise ValueError("HostPool needs at least one host")
+        if names is None:
+            names = [getattr(h, "address", None) or f"host{i}" for i, h in enumerate(hosts)]
+        if len(names) != len(hosts) or len(set(names)) != len(names):
+            raise ValueError(f"names must be unique, one per host; got {names}")
+        for field, value in (
+            ("health_interval_s", health_interval_s),
+            ("hang_timeout_s", hang_timeout_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{field} must be > 0, got {value}")
+        if not isinstance(max_reissues, int) or max_reissues < 0:
+            raise ValueError(f"max_reissues must be an int >= 0, got {max_reissues!r}")
+        self.health_interval_s = float(health_interval_s)
+        self.hang_timeout_s = float(hang_timeout_s)
+        self.max_reissues = max_reissues
+        self._close_hosts = close_hosts
+        self._members = [_Member(name, host) for name, host in zip(names, hosts, strict=True)]
+        self._lock = threading.RLock()
+        self._tracked: dict[str, _Tracked] = {}
+        self._parked: collections.deque[str] = collections.deque()
+        self._results: queue.Queue[SampleResult] = queue.Queue()
+        self._latest: tuple[Any, int] | None = None  # newest weights (host numpy) + version
+        self._turn = itertools.count()
+        self._closed = threading.Event()
+        self._warned_no_host = False
+        self._counters = collections.Counter()
+        self._lost_reasons: collections.Counter = collections.Counter()
+
+        # All hosts must agree on the update policy; unreachable ones start down.
+        policies = {}
+        now = time.monotonic()
+        for member in self._members:
+            try:
+                member.stats = dict(member.host.stats())
+            except Exception as err:  # noqa: BLE001 -- any failure means "not reachable"
+                member.healthy = False
+                member.reason = f"unreachable at start: {err}"
+                log.warning("inference host %s is down: %s", member.name, member.reason)
+                continue
+            member.progress = _progress_of(member.stats)
+            member.progress_at = now
+            policies[member.name] = member.stats.get("update_policy")
+        if not policies:
+            raise InferenceError(
+                "no inference host reachable: "
+                + "; ".join(f"{m.name}: {m.reason}" for m in self._members)
+            )
+        if len(set(policies.values())) > 1:
+            raise ValueError(f"inference hosts disagree on update_policy: {policies}")
+        self.update_policy = next(iter(policies.values()))
+
+        self._threads = [
+            threading.Thread(target=self._read, args=(i,), name=f"pool-read-{i}", daemon=True)
+            for i in range(len(self._members))
+        ]
+        self._threads.append(
+            threading.Thread(target=self._monitor, name="pool-monitor", daemon=True)
+        )
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ host interface
+
+    def submit(self, request: GenerateRequest) -> None:
+        """Places a request on a healthy host (or parks it until one returns).
+
+        Raises ValueError if the request is invalid (a host rejected it, or its id is in flight).
+        """
+        if not isinstance(request, GenerateRequest):
+            raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
+        if _RETRY_SEP in request.request_id:
+            raise ValueError(f"request_id must not contain {_RETRY_SEP!r}: {request.request_id!r}")
+        with self._lock:
+            if self._closed.is_set():
+                raise InferenceError("host pool is closed")
+            if request.request_id in self._tracked:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self._tracked[request.request_id] = _Tracked(request)
+            self._counters["requests"] += 1
+            self._counters["samples_requested"] += request.num_samples
+        self._dispatch(request.request_id, first=True)
+
+    def poll(self, timeout: float | None = None, max_results: int | None = None):
+        """Finished samples from any host, each sample at most once (as `InferenceHost.poll`)."""
+        if max_results is not None and max_results <= 0:
+            raise ValueError(f"max_results must be > 0 or None, got {max_results}")
+        out: list[SampleResult] = []
+        try:
+            out.append(self._results.get(timeout=timeout))
+        except queue.Empty:
+            return out
+        while max_results is None or len(out) < max_results:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """Sends the weights to every healthy host at once; returns when each has accepted
+        them or has been marked down meanwhile (a frozen host does not block the trainer
+        longer than the health check takes to notice). Hosts that are down get the newest
+        weights when they return.
+
+        ValueError (wrong names/shapes/dtypes) propagates: every host would refuse them.
+        """
+        # One host copy (not a view: the trainer donates its buffers), kept for hosts that
+        # return later, and sent to every host.
+        host_params = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(params))
+        version = int(version)
+        with self._lock:
+            self._latest = (host_params, version)
+            targets = [i for i, m in enumerate(self._members) if m.healthy]
+        errors: dict[int, BaseException] = {}
+
+        def push(i: int) -> None:
+            member = self._members[i]
+            try:
+                with member.push_lock:
+                    member.host.update_weights(host_params, version)
+                    member.version = version
+            except BaseException as err:  # noqa: BLE001 -- sorted out below
+                errors[i] = err
+
+        threads = {
+            i: threading.Thread(target=push, args=(i,), name=f"pool-push-{i}", daemon=True)
+            for i in targets
+        }
+        for thread in threads.values():
+            thread.start()
+        for i, thread in threads.items():
+            while thread.is_alive() and self._members[i].healthy:
+                thread.join(timeout=0.05)
+        for i, err in errors.items():
+            if isinstance(err, ValueError):
+                raise err
+            self._mark_down(i, f"weight push failed: {err}")
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over the healthy hosts, from the monitor's last look (never blocks on a host)."""
+        with self._lock:
+            healthy = [m for m in self._members if m.healthy]
+            parked = sum(self._tracked[r].request.num_samples for r in self._parked)
+            out: dict[str, Any] = {
+                "update_policy": self.update_policy,
+                "version": self._latest[1] if self._latest else _min_version(healthy),
+                "hosts_healthy": len(healthy),
+                "hosts_total": len(self._members),
+                "live": bool(healthy),
+                "queue_depth": parked,
+            }
+            for key in ("slots_busy", "num_slots", "tokens_per_s", "tokens_generated"):
+                out[key] = sum(m.stats.get(key, 0) for m in healthy)
+            out["queue_depth"] += sum(m.stats.get("queue_depth", 0) for m in healthy)
+            out["hosts"] = {
+                m.name: {"healthy": m.healthy, "reason": m.reason, "version": m.version}
+                for m in self._members
+            }
+        return out
+
+    def counters(self) -> dict[str, Any]:
+        """Sample and host accounting (see the module docstring for the invariant)."""
+        with self._lock:
+            outstanding = sum(
+                t.request.num_samples - len(t.delivered) for t in self._tracked.values()
+            )
+            return {
+                "requests": self._counters["requests"],
+                "samples_requested": self._counters["samples_requested"],
+                "samples_delivered": self._counters["samples_delivered"],
+                "samples_lost": self._counters["samples_lost"],
+                "samples_outstanding": outstanding,
+                "reissued_requests": self._counters["reissued_requests"],
+                "discarded_stale": self._counters["discarded_stale"],
+                "discarded_duplicate": self._counters["discarded_duplicate"],
+                "host_failures": {m.name: m.failures for m in self._members},
+                "host_returns": {m.name: m.returns for m in self._members},
+                "lost_reasons": dict(self._lost_reasons),
+                "hosts_healthy": sum(m.healthy for m in self._members),
+            }
+
+    def check_invariant(self) -> None:
+        """Raises AssertionError if the sample counts do not add up."""
+        c = self.counters()
+        accounted = c["samples_delivered"] + c["samples_lost"] + c["samples_outstanding"]
+        if c["samples_requested"] != accounted:
+            raise AssertionError(f"samples_requested != delivered + lost + outstanding: {c}")
+
+    def close(self) -> None:
+        self._closed.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        if self._close_hosts:
+            for member in self._members:
+                try:
+                    member.host.close()
+                except Exception:  # noqa: BLE001 -- closing a dead host may fail; ignore
+                    log.debug("closing %s failed", member.name, exc_info=True)
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ placement
+
+    def _pick(self) -> int | None:
+        """The healthy host with the fewest samples outstanding (ties in turn). Lock held."""
+        healthy = [i for i, m in enumerate(self._members) if m.healthy]
+        if not healthy:
+            return None
+        load = {
+            i: sum(
+                self._tracked[r].request.num_samples - len(self._tracked[r].delivered)
+                for r in self._members[i].outstanding
+            )
+            for i in healthy
+        }
+        start = next(self._turn) % len(self._members)
+        order = sorted(healthy, key=lambda i: (load[i], (i - start) % len(self._members)))
+        return order[0]
+
+    def _dispatch(self, request_id: str, *, first: bool = False) -> None:
+        """Submit a tracked request to a healthy host, trying others on transport failures."""
+        while True:
+            with self._lock:
+                tracked = self._tracked.get(request_id)
+                if tracked is None or self._closed.is_set():
+                    return
+                index = self._pick()
+                if index is None:
+                    self._parked.append(request_id)
+                    if not self._warned_no_host:
+                        self._warned_no_host = True
+                        log.warning(
+                            "all %d inference hosts are down (%s); requests wait for one to return",
+                            len(self._members),
+                            "; ".join(f"{m.name}: {m.reason}" for m in self._members),
+                        )
+                    return
+                member = self._members[index]
+                tracked.attempt += 1
+                tracked.member = index
+                if not member.outstanding:
+                    member.progress_at = time.monotonic()  # the hang clock starts with work
+                member.outstanding.add(request_id)
+                wire = dataclasses.replace(tracked.request, request_id=tracked.wire_id)
+            try:
+                member.host.submit(wire)
+                return
+            except ValueError:
+                if first and tracked.attempt == 0:
+                    with self._lock:  # the request itself is bad: forget it, tell the caller
+                        member.outstanding.discard(request_id)
+                        self._tracked.pop(request_id, None)
+                        self._counters["requests"] -= 1
+                        self._counters["samples_requested"] -= tracked.request.num_samples
+                    raise
+                # A re-issue refused (e.g. the new host is smaller): nothing else can serve it.
+                self._lose(request_id, f"re-issue refused by {member.name}", "reissue_refused")
+                return
+            except Exception as err:  # noqa: BLE001 -- transport failure: host is down
+                self._mark_down(index, f"submit failed: {err}")
+                # _mark_down re-issued this request (it was outstanding there); done.
+                return
+
+    # ------------------------------------------------------------------ failures
+
+    def _mark_down(self, index: int, reason: str) -> None:
+        with self._lock:
+            member = self._members[index]
+            if not member.healthy:
+                return
+            member.healthy = False
+            member.reason = reason
+            member.failures += 1
+            moved = sorted(member.outstanding)
+            member.outstanding.clear()
+            for request_id in moved:
+                self._tracked[request_id].member = None
+            remaining = sum(m.healthy for m in self._members)
+        log.warning(
+            "inference host %s is down (%s): %d request(s) in flight re-issued; %d host(s) left",
+            member.name,
+            reason,
+            len(moved),
+            remaining,
+        )
+        for request_id in moved:
+            self._reissue(request_id, f"host {member.name} down: {reason}")
+
+    def _reissue(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                return
+            if tracked.attempt >= self.max_reissues:
+                give_up = True
+            else:
+                give_up = False
+                self._counters["reissued_requests"] += 1
+        if give_up:
+            self._lose(request_id, f"{reason} (after {self.max_reissues} re-issue(s))", "host_down")
+        else:
+            self._dispatch(request_id)
+
+    def _lose(self, request_id: str, reason: str, kind: str) -> None:
+        """Report a request's undelivered samples as lost (error results), counted by kind."""
+        with self._lock:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is None:
+                return
+            if tracked.member is not None:
+                self._members[tracked.member].outstanding.discard(request_id)
+            missing = [i for i in range(tracked.request.num_samples) if i not in tracked.delivered]
+            self._counters["samples_lost"] += len(missing)
+            self._lost_reasons[kind] += len(missing)
+        for i in missing:
+            self._results.put(error_result(tracked.request, i, LOST_PREFIX + reason))
+
+    # ------------------------------------------------------------------ threads
+
+    def _read(self, index: int) -> None:
+        member = self._members[index]
+        while not self._closed.is_set():
+            if not member.healthy:
+                self._closed.wait(0.1)
+                continue
+            try:
+                results = member.host.poll(timeout=0.2)
+            except Exception as err:  # noqa: BLE001 -- the host died under us
+                self._mark_down(index, f"poll failed: {err}")
+                continue
+            for result in results:
+                self._on_result(index, result)
+
+    def _on_result(self, index: int, result: SampleResult) -> None:
+        request_id, _, attempt = result.request_id.partition(_RETRY_SEP)
+        attempt = int(attempt) if attempt else 0
+        transport_failure = False
+        with self._lock:
+            tracked = self._tracked.get(request_id)
+            if tracked is None or tracked.attempt != attempt or tracked.member != index:
+                self._counters["discarded_stale"] += 1  # from a host the request left
+                return
+            if result.sample_index in tracked.delivered:
+                self._counters["discarded_duplicate"] += 1
+                return
+            if result.finish_reason == "error" and (result.error or "").startswith(
+                TRANSPORT_ERROR_PREFIX
+            ):
+                transport_failure = True
+            else:
+                tracked.delivered.add(result.sample_index)
+                self._counters["samples_delivered"] += 1
+                self._members[index].progress_at = time.monotonic()
+                if len(tracked.delivered) == tracked.request.num_samples:
+                    del self._tracked[request_id]
+                    self._members[index].outstanding.discard(request_id)
+                result.request_id = request_id  # the caller's id, not the wire's
+                self._results.put(result)
+        if transport_failure:
+            self._mark_down(index, result.error)
+
+    def _monitor(self) -> None:
+        while not self._closed.wait(self.health_interval_s):
+            for index in range(len(self._members)):
+                if self._closed.is_set():
+                    return
+                if self._members[index].healthy:
+                    self._check(index)
+                else:
+                    self._probe(index)
+
+    def _check(self, index: int) -> None:
+        member = self._members[index]
+        try:
+            stats = dict(member.host.stats())
+        except Exception as err:  # noqa: BLE001 -- failed or timed out: down
+            self._mark_down(index, f"health check failed: {err}")
+            return
+        now = time.monotonic()
+        reason = None
+        with self._lock:
+            member.stats = stats
+            progress = _progress_of(stats)
+            if progress != member.progress or not member.outstanding:
+                member.progress, member.progress_at = progress, now
+            elif now - member.progress_at > self.hang_timeout_s:
+                reason = (
+                    f"hung: no token generated for {now - member.progress_at:.0f} s with "
+                    f"{len(member.outstanding)} request(s) outstanding"
+                )
+            if stats.get("live") is False:
+                reason = "serving loop not live"
+        if reason:
+            self._mark_down(index, reason)
+
+    def _probe(self, index: int) -> None:
+        """A down host that answers again, and is not stuck (it generated something since it
+        went down, or has nothing running), gets the newest weights, then work."""
+        member = self._members[index]
+        try:
+            stats = dict(member.host.stats())
+        except Exception:  # noqa: BLE001 -- still down
+            return
+        if stats.get("live") is False or stats.get("update_policy") != self.update_policy:
+            return
+        idle = not stats.get("slots_busy") and not stats.get("queue_depth")
+        if _progress_of(stats) == member.progress and not idle:
+            return  # answers, but its old work has not moved: still hung
+        while True:
+            with self._lock:
+                latest = self._latest
+            if latest is not None:
+                if not member.push_lock.acquire(timeout=1.0):
+                    return  # an older push is still running: try again at the next probe
+                try:
+                    member.host.update_weights(*latest)
+                except Exception as err:  # noqa: BLE001 -- not usable yet
+                    log.info("host %s answers but refused the weights: %s", member.name, err)
+                    return
+                finally:
+                    member.push_lock.release()
+            with self._lock:
+                if self._latest is not latest:
+                    continue  # newer weights arrived meanwhile: send those first
+                member.healthy = True
+                member.reason = ""
+                member.returns += 1
+                member.stats = stats
+                member.progress = _progress_of(stats)
+                member.progress_at = time.monotonic()
+                member.version = None if latest is None else latest[1]
+                parked = list(self._parked)
+                self._parked.clear()
+                self._warned_no_host = False
+            break
+        log.warning(
+            "inference host %s is back (serving version %s); %d parked request(s) placed",
+            member.name,
+            member.version,
+            len(parked),
+        )
+        for request_id in parked:
+            self._dispatch(request_id)
+
+
+def _progress_of(stats: dict[str, Any]) -> tuple:
+    return (stats.get("tokens_generated"), stats.get("samples_done"))
+
+
+def _min_version(members: list[_Member]) -> int:
+    versions = [m.stats.get("version") for m in members if m.stats.get("version") is not None]
+    return min(versions) if versions else -1
