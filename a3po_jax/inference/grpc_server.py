@@ -115,10 +115,19 @@ class InferenceServicer(pb_grpc.InferenceHostServicer):
                 except queue.Empty:
                     continue
                 remaining -= 1
+                if not remaining:
+                    # The request leaves flight before its last sample reaches the client,
+                    # as on the in-process host: a client may reuse the id at once.
+                    self._drop_route(req.request_id, route)
                 yield result_to_proto(result)
         finally:
-            with self._routes_lock:
-                self._routes.pop(req.request_id, None)
+            self._drop_route(req.request_id, route)
+
+    def _drop_route(self, request_id: str, route: queue.Queue) -> None:
+        # Only this call's route: a later request may already have reused the id.
+        with self._routes_lock:
+            if self._routes.get(request_id) is route:
+                del self._routes[request_id]
 
     def UpdateWeights(self, request_iterator, context):
         self._authorize(context)
