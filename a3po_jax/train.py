@@ -52,11 +52,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
 
+    # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
+    # scripts/launch.py sets them) join one job before anything touches a device.
+    from a3po_jax import distributed
+
+    try:
+        setup = distributed.initialize()
+    except ValueError as err:
+        print(f"a3po-train: distributed setup: {err}", file=sys.stderr)
+        return 2
+    leader = setup.process_id == 0
+
     # Heavy imports only once the config is known to be good.
     from a3po_jax.trainer import Trainer, load_policy
 
     print(
-        f"a3po-train: mode={cfg.system.mode} prox={cfg.algo.prox} loss={cfg.algo.loss} "
+        f"a3po-train[{setup.process_id}/{setup.num_processes}]: mode={cfg.system.mode} "
+        f"prox={cfg.algo.prox} loss={cfg.algo.loss} "
         f"model={cfg.model.name} task={cfg.task.name} steps={cfg.steps} -> {cfg.run_dir}",
         file=sys.stderr,
     )
@@ -73,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     policy = load_policy(cfg.model)
     host = None
-    if cfg.system.inference_hosts:
+    if cfg.system.inference_hosts and leader:  # only process 0 talks to the hosts
         host = connect_hosts(cfg.system)
     trainer = Trainer(cfg, policy, host=host, task=task)
     record = trainer.run(resume=args.resume)
+    if not leader:
+        return 0
     summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
     print(json.dumps({"final": summary}, sort_keys=True))
     return 0

@@ -15,6 +15,11 @@ The training mode only changes three knobs (design §4): the staleness budget η
 policy (``drain`` except for ``async``), and, for ``periodic``, that groups are folded into
 the gradient one by one as they finish and one optimizer step is taken per iteration.
 
+With several processes (``a3po_jax.distributed.initialize``), process 0 alone runs the
+threads, the inference host, logging and checkpoint metadata; every step it broadcasts the
+batch, all processes run the jitted step over one global mesh, and the weights are gathered
+to process 0 for the push. The other processes run :meth:`Trainer._follow`.
+
 Nothing here enters jit; everything jitted lives in ``train_step.py``.
 """
 
@@ -35,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from a3po_jax import losses, model
+from a3po_jax import distributed, losses, model
 from a3po_jax import train_step as ts
 from a3po_jax.batching import TrainBatch, build_batch, group_advantages
 from a3po_jax.checkpointing import CheckpointManager, install_sigterm_handler
@@ -150,6 +155,19 @@ class Trainer:
         self.cfg = cfg
         self.on_step = on_step
         self.policy = policy
+        # Process 0 talks to the inference hosts; the others only run the step with it.
+        self.leader = distributed.is_coordinator()
+        self.multi_process = jax.process_count() > 1
+        if self.multi_process and cfg.system.mode == "periodic":
+            raise ValueError(
+                "system.mode='periodic' runs in one process so far (it folds groups in as they "
+                f"arrive); this job has {jax.process_count()} processes"
+            )
+        if self.multi_process and cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward:
+            raise ValueError(
+                "algo.kl_in_reward=True runs in one process so far (process 0 scores the batch "
+                f"with the sharded params); this job has {jax.process_count()} processes"
+            )
         self.mode = cfg.system.mode
         self.eta = cfg.system.effective_staleness
         self.group_size = cfg.rollout.group_size
@@ -199,8 +217,8 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if needs_ref else None
         self._build_jitted()
 
-        self._own_host = host is None
-        if host is None:
+        self._own_host = host is None and self.leader
+        if self._own_host:
             from a3po_jax.inference.host import InferenceHost
 
             host = InferenceHost(
@@ -213,7 +231,7 @@ class Trainer:
                 seed=0,
             ).start()
         self.host = host
-        if not self._own_host:
+        if self.leader and not self._own_host:
             # A remote host's update policy is fixed when it starts: refuse a mismatch now
             # rather than train on samples that span versions in a mode that forbids it.
             want = cfg.system.effective_update_policy
@@ -241,7 +259,8 @@ class Trainer:
             if cfg.checkpoint_every
             else None
         )
-        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if self.leader:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
     # ------------------------------------------------------------------ jitted pieces
 
@@ -254,10 +273,12 @@ class Trainer:
         # Each micro-batch splits evenly over the mesh (packed arrays lead with groups).
         rows_per_micro = mb // self.group_size if self.settings.packed else mb
         check_batch_divisible(rows_per_micro, self.mesh, TRAIN_RULES)
+        step_rows = self.batch_groups if self.settings.packed else batch_rows
+        self._batch_sharding = ts.batch_shardings(self.mesh, step_rows)
         self._train_step = ts.jit_train_step(
             self.state,
             self.mesh,
-            self.batch_groups if self.settings.packed else batch_rows,
+            step_rows,
             optimizer=self.optimizer,
             grad_clip=self.cfg.optim.grad_clip,
             with_reference=self.ref_params is not None,
@@ -403,8 +424,27 @@ class Trainer:
 
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
         batch, arrays = self._batch_from_groups(groups)
-        self.state, metrics = self._train_step(self.state, _to_device(arrays), self.ref_params)
+        self.state, metrics = self._train_step(
+            self.state, self._step_input(arrays), self.ref_params
+        )
         return batch, metrics
+
+    def _step_input(self, arrays: dict[str, np.ndarray] | None) -> dict[str, jax.Array]:
+        """The step's batch on the mesh. With several processes, process 0's arrays (None on
+        the others) are broadcast first: a collective, called by every process."""
+        if not self.multi_process:
+            return _to_device(arrays)
+        arrays = distributed.broadcast_batch(arrays if self.leader else None)
+        return distributed.global_batch(arrays, self._batch_sharding)
+
+    def _push_weights(self) -> None:
+        """Serve the current weights on the inference host (process 0's). With several
+        processes they are gathered to process 0 first: a collective, called by every process."""
+        params = self.state.params
+        if self.multi_process:
+            params = distributed.gather_params(params)
+        if self.leader:
+            self.host.update_weights(params, int(self.state.step))
 
     def _train_periodic(self, version: int, timings: dict) -> tuple[list, TrainBatch, dict]:
         """Periodic Asynchrony: consume groups as they finish, fold each into the gradient,
@@ -507,7 +547,7 @@ class Trainer:
         self.controller.notify_version(int(extra["version"]))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         # The host must serve the resumed weights before it generates anything.
-        self.host.update_weights(self.state.params, int(extra["version"]))
+        self._push_weights()
         log.info("resumed from step %d (version %d)", step, extra["version"])
         return step
 
@@ -526,9 +566,12 @@ class Trainer:
                 "choose a new run_dir=... (nothing was overwritten)"
             )
         start = self._resume() if resume else 0
-        if start == 0 and not self._own_host:
+        if start == 0 and (self.multi_process or not self._own_host):
             # A remote host starts with weights of its own: serve ours before generating.
-            self.host.update_weights(self.state.params, int(self.state.step))
+            # (With several processes every process takes part, whoever hosts it.)
+            self._push_weights()
+        if not self.leader:
+            return self._follow(start)
         logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
         progress = ProgressBar(self.cfg.steps, initial=start) if self.console else None
         self._start_threads()
@@ -541,7 +584,7 @@ class Trainer:
                     progress.update(step + 1, {k: record[k] for k in CONSOLE_KEYS if k in record})
                 if self.on_step is not None:
                     self.on_step(step + 1, record)
-                if self._sigterm.is_set():
+                if self._stop_requested():  # SIGTERM here or on another process
                     log.warning("SIGTERM: saving a checkpoint at step %d and stopping", step + 1)
                     self._checkpoint(step + 1, force=True)
                     break
@@ -554,6 +597,32 @@ class Trainer:
             logger.close()
             self.close()
         return record
+
+    def _stop_requested(self) -> bool:
+        """SIGTERM here, or (with several processes) on any process: all stop together."""
+        if not self.multi_process:
+            return self._sigterm.is_set()
+        return distributed.sync_stop(self._sigterm.is_set())
+
+    def _follow(self, start: int) -> dict[str, Any]:
+        """The loop of every process but 0: receive the batch, run the step, take part in
+        the weight gather and the checkpoints, stop when any process stops. Process 0's
+        :meth:`run` makes the same collective calls in the same order. If process 0 dies,
+        the JAX coordination service (which it hosts) ends this process too."""
+        try:
+            for step in range(start, self.cfg.steps):
+                self.state, metrics = self._train_step(
+                    self.state, self._step_input(None), self.ref_params
+                )
+                if not bool(jax.device_get(metrics["step/skipped"])):
+                    self._push_weights()
+                if self._stop_requested():
+                    self._checkpoint(step + 1, force=True)
+                    break
+                self._checkpoint(step + 1, force=step + 1 == self.cfg.steps)
+        finally:
+            self.close()
+        return {}
 
     def _one_step(self, step: int) -> dict[str, Any]:
         timings: dict[str, float] = {}
@@ -592,7 +661,7 @@ class Trainer:
         else:
             self._nonfinite_in_a_row = 0
             t0 = time.perf_counter()
-            self.host.update_weights(self.state.params, int(self.state.step))
+            self._push_weights()
             timings["time/weight_push_s"] = time.perf_counter() - t0
         timings["time/step_s"] = time.perf_counter() - t_step
         return self._record(batch, groups, version, metrics, timings)

@@ -15,13 +15,14 @@ What works today, and what does not (the launcher does not pretend otherwise):
   The trainer jits on ONE device: with several ``--trainer-gpus`` only the first is used
   (``Trainer`` does not place the model on a mesh yet). The trainer supports exactly one
   remote inference host.
-* ``tpu-pod``: prints (and, for a single-worker slice, runs over ``gcloud ... ssh``) the
-  trainer command for every worker, with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``
-  and ``JAX_PROCESS_ID`` set, and the inference host on its own TPU VM. ``a3po_jax.train``
-  does NOT call ``jax.distributed.initialize`` yet, so a multi-worker trainer is not
-  supported: with ``--workers`` > 1 only ``--dry-run`` is allowed (it shows the intended
-  layout). The token file must exist on the inference VM and on every worker (copy it,
-  or set ``A3PO_HOST_TOKEN`` on all of them).
+* ``tpu-pod``: prints and runs (over ``gcloud ... ssh``) the trainer command for every
+  worker, with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
+  set (``a3po_jax.distributed.initialize`` reads them: worker 0 talks to the inference host
+  and broadcasts each batch, all workers train on one global mesh), and the inference host
+  on its own TPU VM. ``run_dir`` must be a path every worker can write (checkpoints are
+  saved by all of them). ``system.mode=periodic`` and ``algo.kl_in_reward`` are
+  single-process only. The token file must exist on the inference VM and on worker 0 (copy
+  it, or set ``A3PO_HOST_TOKEN``).
 * ``inference-host``: a standalone host for any of the above (or for a trainer elsewhere,
   ``system.inference_hosts=ADDRESS:PORT``). Every RPC but Health needs the token.
 """
@@ -136,8 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tpu-pod",
         help="trainer on every worker of a TPU slice, inference host on its own TPU VM",
         description=(
-            "Multi-worker trainers need jax.distributed, which a3po_jax.train does not "
-            "initialise yet: with --workers > 1 only --dry-run is allowed."
+            "Every worker runs the trainer under jax.distributed (JAX_COORDINATOR_ADDRESS, "
+            "JAX_NUM_PROCESSES, JAX_PROCESS_ID); worker 0 talks to the inference host."
         ),
     )
     _add_run_args(tpu)
@@ -416,13 +417,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {command.role}")
             print(command.shell())
         return 0
-    if args.target == "tpu-pod" and args.workers > 1:
-        print(
-            "launch.py: a multi-worker trainer needs jax.distributed, which a3po_jax.train "
-            "does not initialise yet; use --dry-run to see the intended commands",
-            file=sys.stderr,
-        )
-        return 2
     if any(c.role == "inference host" for c in commands) and not any(c.ssh for c in commands):
         ensure_token_file(args.token_file)
     return run(commands)
