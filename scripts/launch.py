@@ -12,9 +12,10 @@ What works today, and what does not (the launcher does not pretend otherwise):
 * ``cpu``: one process, embedded inference host (``a3po-train`` as is).
 * ``gpu-node``: the inference host (``python -m a3po_jax.inference.grpc_server``) on its own
   GPUs and the trainer on others, talking over gRPC on localhost with a shared token file.
-  The trainer jits on ONE device: with several ``--trainer-gpus`` only the first is used
-  (``Trainer`` does not place the model on a mesh yet). The trainer supports exactly one
-  remote inference host.
+  The trainer shards the model over all its ``--trainer-gpus`` (``system.mesh_*``; FSDP
+  over all of them by default). More inference hosts (other nodes) can be added with
+  ``system.inference_hosts=a:50051,b:50051``: the trainer spreads requests over them and
+  fails over when one dies (``a3po_jax.inference.pool``).
 * ``tpu-pod``: prints and runs (over ``gcloud ... ssh``) the trainer command for every
   worker, with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
   set (``a3po_jax.distributed.initialize`` reads them: worker 0 talks to the inference host
@@ -239,7 +240,7 @@ def plan_gpu_node(args: argparse.Namespace) -> list[HostCommand]:
     trainer_gpus = args.trainer_gpus.split(",")
     if args.inference_gpus and set(args.inference_gpus.split(",")) & set(trainer_gpus):
         raise SystemExit("launch.py: --trainer-gpus and --inference-gpus must not overlap")
-    env = {"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": trainer_gpus[0]}
+    env = {"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": ",".join(trainer_gpus)}
     if not args.inference_gpus:
         argv = _train_argv(sys.executable, args.experiment, args.overrides, args.resume)
         return [HostCommand("trainer (embedded inference host)", env, argv)]
