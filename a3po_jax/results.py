@@ -769,7 +769,10 @@ def write_summary(
         "## Settings shared by all runs",
         "",
         ", ".join(
-            f"`{k}={_fmt(v)}`" for k, v in sorted(common.items()) if k not in IGNORED_CONFIG_KEYS
+            # Settings are shown as given (3e-05, 1e-08), not rounded to a table's digits.
+            f"`{k}={v if isinstance(v, float) else _fmt(v)}`"
+            for k, v in sorted(common.items())
+            if k not in IGNORED_CONFIG_KEYS
         ),
         "",
     ]

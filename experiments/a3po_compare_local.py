@@ -42,6 +42,7 @@ def config() -> TrainConfig:
         parent,
         # Keep the parent's packing and length bucket (unpacked steps were ~3x slower).
         system=dataclasses.replace(parent.system, max_staleness=2),
+        steps=12,
         run_dir="runs/a3po_compare_local",
         checkpoint_every=0,
     )
