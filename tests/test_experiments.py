@@ -355,3 +355,28 @@ def test_launch_inference_host_dry_run(capsys):
     assert words[words.index("--model") + 1] == "smollm2"
     assert words[words.index("--host") + 1] == "0.0.0.0"
     assert not words[words.index("--token-file") + 1].startswith("~")  # expanded here
+
+
+def test_run_sweep_subprocess_mode_runs_each_run_in_a_child(tmp_path, capsys):
+    run_sweep = load_script("run_sweep")
+    path = str(ROOT / "experiments" / "a3po_compare_toy.py")
+    argv = [path, "--out", str(tmp_path), "--prune", "--subprocess", "steps=2"]
+    assert run_sweep.main([*argv, "--only", "mode-sync_prox-behav_seed-0"]) == 0
+    assert completed_steps(tmp_path / "mode-sync_prox-behav_seed-0") == 2
+    assert "done in" in capsys.readouterr().out
+
+
+def test_run_sweep_stops_when_a_run_is_stopped(tmp_path, capsys, monkeypatch):
+    """A run that returns 0 before its last step was stopped (SIGTERM): the sweep stops too,
+    instead of going on with the next run."""
+    run_sweep = load_script("run_sweep")
+    from a3po_jax import train
+
+    calls = []
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 0)
+    path = str(ROOT / "experiments" / "a3po_compare_toy.py")
+    only = ["mode-sync_prox-behav_seed-0", "mode-async_prox-a3po_seed-0"]
+    argv = [path, "--out", str(tmp_path), "--compile-cache", "", "--only", *only]
+    assert run_sweep.main(argv) == 1
+    assert len(calls) == 1
+    assert "stopped after" in capsys.readouterr().out
