@@ -10,8 +10,11 @@ attention, SwiGLU MLP, tied or untied embeddings) with Qwen2's q/k/v bias and Qw
 RMSNorm as switches.
 
 Layers are one `nn.scan` over stacked parameters (leading axis L), so compile time does not
-grow with depth. The model names logical axes only (`logical_axes`); `sharding.py` maps them
-to mesh axes.
+grow with depth. Decode steps use `apply_decode` instead: the same layer math unrolled over
+per-layer weights (`decode_params`, split once per weight update), because XLA:CPU copies
+each scanned layer's weight slice before the matmuls read it, so a memory-bound decode step
+moved the layer weights three times (read, write, read) instead of once.
+The model names logical axes only (`logical_axes`); `sharding.py` maps them to mesh axes.
 
 Shapes: B batch, T new tokens, S key slots (T without a cache, the cache capacity with one),
 L layers, V vocab, D d_model, F ffn_dim, H query heads, N kv heads, G = H / N query heads per
@@ -220,8 +223,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 _init = nn.initializers.normal(stddev=0.02)  # HF `initializer_range` default.
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * scale over the last axis ([..., D] -> [..., D] in x's dtype), statistics
+    in float32."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    # transformers casts back to the input dtype before scaling; doing the same keeps
+    # bfloat16 runs close to it.
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale over the last axis, statistics in float32."""
+    """`rms_norm` with its scale as a parameter."""
 
     eps: float
     param_dtype: Any
@@ -229,11 +242,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):  # [..., D] -> [..., D] in x's dtype
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        # transformers casts back to the input dtype before scaling; doing the same keeps
-        # bfloat16 runs close to it.
-        return scale.astype(x.dtype) * normed.astype(x.dtype)
+        return rms_norm(x, scale, self.eps)
 
 
 class Projection(nn.Module):
@@ -261,12 +270,30 @@ def _write_slots(
     """cache[layer, b, write_pos[b, t]] = new[b, t]; slots past the capacity are dropped.
 
     cache [L, B, S, N, K], layer a scalar, new [B, T, N, K], write_pos [B, T]. The whole
-    cache is the scan carry, so this scatter updates it in place: only the T new tokens are
-    written per step, never a copy of the cache. A scatter rather than
-    `dynamic_update_slice`, which would clamp an overflowing start and shift the write.
+    cache is carried from layer to layer (the scan carry, or `apply_decode`'s loop), so this
+    scatter updates it in place: only the T new tokens are written per step, never a copy of
+    the cache. A scatter rather than `dynamic_update_slice`, which would clamp an
+    overflowing start and shift the write.
     """
     rows = jnp.arange(cache.shape[1])[:, None]  # [B, 1]
     return cache.at[layer, rows, write_pos].set(new.astype(cache.dtype), mode="drop")
+
+
+def _attend(
+    q: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array, config: ModelConfig
+) -> jax.Array:
+    """Grouped-query attention: q [B,T,H,K], key/value [B,S,N,K], mask [B,T,S] bool ->
+    [B,T,H,K] in the compute dtype."""
+    b, t, h, k = q.shape
+    n = key.shape[2]
+    g = h // n
+    q = q.reshape(b, t, n, g, k)  # query head h = n * G + g, as HF's repeat_kv implies
+    # Scores and softmax in float32 whatever the compute dtype.
+    scores = jnp.einsum("btngk,bsnk->bngts", q, key, preferred_element_type=jnp.float32)
+    scores = scores * (k**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(jnp.dtype(config.compute_dtype))  # [B,N,G,T,S]
+    return jnp.einsum("bngts,bsnk->btngk", probs, value).reshape(b, t, h, k)
 
 
 class Attention(nn.Module):
@@ -298,15 +325,7 @@ class Attention(nn.Module):
             key, value = cache_k[layer].astype(cdt), cache_v[layer].astype(cdt)  # [B, S, N, K]
             cache = (cache_k, cache_v, layer)
 
-        b, t = x.shape[:2]
-        g = h // n
-        q = q.reshape(b, t, n, g, k)  # query head h = n * G + g, as HF's repeat_kv implies
-        # Scores and softmax in float32 whatever the compute dtype.
-        scores = jnp.einsum("btngk,bsnk->bngts", q, key, preferred_element_type=jnp.float32)
-        scores = scores * (k**-0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cdt)  # [B, N, G, T, S]
-        out = jnp.einsum("bngts,bsnk->btngk", probs, value).reshape(b, t, h, k)
+        out = _attend(q, key, value, mask, c)  # [B, T, H, K]
         out = proj((h, k, d), "bthk,hkd->btd", None, name="o_proj")(out)
         return out, cache
 
@@ -415,6 +434,45 @@ def _causal_segment_mask(t: int, segment_ids: jax.Array | None, batch: int) -> j
     return causal[None] & same & key_valid
 
 
+def _cache_write_pos_and_mask(
+    kv_cache: KVCache,
+    config: ModelConfig,
+    b: int,
+    t: int,
+    attention_mask: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Cache slots the T new tokens are written to, write_pos [B, T] = lengths + t, and the
+    [B, T, S] attention mask: `attention_mask` if given, else slots s <= write_pos."""
+    capacity = kv_cache.k.shape[2]
+    chex.assert_shape(
+        [kv_cache.k, kv_cache.v],
+        (config.n_layers, b, capacity, config.n_kv_heads, config.head_dim),
+    )
+    chex.assert_shape(kv_cache.lengths, (b,))
+    write_pos = kv_cache.lengths[:, None].astype(jnp.int32) + jnp.arange(t)[None, :]  # [B, T]
+    if attention_mask is not None:
+        chex.assert_shape(attention_mask, (b, t, capacity))
+        return write_pos, attention_mask.astype(bool)
+    return write_pos, jnp.arange(capacity)[None, None, :] <= write_pos[:, :, None]  # [B, T, S]
+
+
+def _advanced_cache(
+    kv_cache: KVCache,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    segment_ids: jax.Array | None,
+    b: int,
+    t: int,
+) -> KVCache:
+    """The written cache with lengths + n_valid, n_valid[b] = tokens of row b with a non-zero
+    segment id (all T without segment ids)."""
+    if segment_ids is None:
+        n_valid = jnp.full((b,), t, jnp.int32)
+    else:
+        n_valid = jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32)
+    return KVCache(k=cache_k, v=cache_v, lengths=kv_cache.lengths + n_valid)
+
+
 def apply(
     params: Params,
     tokens: jax.Array,
@@ -467,18 +525,7 @@ def apply(
             mask = _causal_segment_mask(t, segment_ids, b)
         write_pos, cache_k, cache_v = None, None, None
     else:
-        capacity = kv_cache.k.shape[2]
-        chex.assert_shape(
-            [kv_cache.k, kv_cache.v],
-            (config.n_layers, b, capacity, config.n_kv_heads, config.head_dim),
-        )
-        chex.assert_shape(kv_cache.lengths, (b,))
-        write_pos = kv_cache.lengths[:, None].astype(jnp.int32) + jnp.arange(t)[None, :]  # [B,T]
-        if attention_mask is not None:
-            chex.assert_shape(attention_mask, (b, t, capacity))
-            mask = attention_mask.astype(bool)
-        else:
-            mask = jnp.arange(capacity)[None, None, :] <= write_pos[:, :, None]  # [B, T, S]
+        write_pos, mask = _cache_write_pos_and_mask(kv_cache, config, b, t, attention_mask)
         cache_k, cache_v = kv_cache.k, kv_cache.v
 
     logits, hidden, cache_k, cache_v = Decoder(config).apply(
@@ -494,11 +541,7 @@ def apply(
 
     new_cache = None
     if kv_cache is not None:
-        if segment_ids is None:
-            n_valid = jnp.full((b,), t, jnp.int32)
-        else:
-            n_valid = jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32)
-        new_cache = KVCache(k=cache_k, v=cache_v, lengths=kv_cache.lengths + n_valid)
+        new_cache = _advanced_cache(kv_cache, cache_k, cache_v, segment_ids, b, t)
     if return_hidden:
         return logits, new_cache, hidden
     return logits, new_cache
@@ -531,6 +574,170 @@ def _init_fn(config: ModelConfig):
 def abstract_params(config: ModelConfig) -> Params:
     """Shapes and dtypes of `init_params` (jax.ShapeDtypeStruct leaves), without allocating."""
     return jax.eval_shape(_init_fn(config), jax.random.key(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode path: the same layer math, unrolled over per-layer weights laid out for it.
+
+
+class DecodeParams(NamedTuple):
+    """`apply`'s params laid out for decode steps: one weight tree per layer.
+
+    Inside `apply`'s `nn.scan` each layer's weights are a dynamic slice of the stacked
+    [L, ...] arrays, and XLA's CPU backend materialises that slice before the matmuls read
+    it: a decode step wrote a copy of every layer's weights and read them twice. Made once
+    per weight update (`decode_params`), each layer's matmuls read their own arrays in place,
+    and q/k/v and gate/up are one matrix each (fewer, longer reads).
+
+    Each entry of `layers` holds: `input_norm` [D], `qkv` [D, (H + 2N)·K] (q, k, v kernels
+    side by side, heads flattened), `qkv_bias` [(H + 2N)·K] (Qwen2 only), `q_norm` and
+    `k_norm` [K] (Qwen3 only), `o` [H, K, D], `post_attn_norm` [D], `gate_up` [D, 2F] and
+    `down` [F, D], in the parameter dtype.
+    """
+
+    embed: jax.Array  # [V, D] embedding table; also the tied lm_head (shared, not copied).
+    layers: tuple[dict[str, jax.Array], ...]  # L per-layer trees (see above).
+    final_norm: jax.Array  # [D] final RMSNorm scale.
+    lm_head: jax.Array | None  # [D, V] untied output kernel; None when tied.
+
+
+@jax.jit
+def _decode_layers(stacked: Params) -> tuple[dict[str, jax.Array], ...]:
+    """params["layers"] ([L, ...] leaves) -> L trees of `DecodeParams.layers`."""
+    n_layers = stacked["input_norm"]["scale"].shape[0]
+
+    def layer(i: int) -> dict[str, jax.Array]:
+        w = jax.tree.map(lambda x: x[i], stacked)
+        attn, mlp = w["attn"], w["mlp"]
+        d = attn["q_proj"]["kernel"].shape[0]
+        qkv = [attn[f"{x}_proj"]["kernel"].reshape(d, -1) for x in "qkv"]  # [D, heads·K]
+        out = {
+            "input_norm": w["input_norm"]["scale"],
+            "qkv": jnp.concatenate(qkv, axis=-1),
+            "o": attn["o_proj"]["kernel"],
+            "post_attn_norm": w["post_attn_norm"]["scale"],
+            "gate_up": jnp.concatenate([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]], -1),
+            "down": mlp["down_proj"]["kernel"],
+        }
+        if "bias" in attn["q_proj"]:
+            out["qkv_bias"] = jnp.concatenate([attn[f"{x}_proj"]["bias"].ravel() for x in "qkv"])
+        if "q_norm" in attn:
+            out["q_norm"], out["k_norm"] = attn["q_norm"]["scale"], attn["k_norm"]["scale"]
+        return out
+
+    return tuple(layer(i) for i in range(n_layers))
+
+
+def decode_params(params: Params, config: ModelConfig) -> DecodeParams:
+    """`params` as `apply_decode` takes them: the layer weights copied once into L per-layer
+    trees (one more copy of the layers in memory); embedding, final norm and lm_head are
+    shared with `params`. Run it once per weight update, not per step."""
+    chex.assert_shape(params["embed"]["embedding"], (config.vocab_size, config.d_model))
+    return DecodeParams(
+        embed=params["embed"]["embedding"],
+        layers=_decode_layers(params["layers"]),
+        final_norm=params["final_norm"]["scale"],
+        lm_head=None if config.tie_embeddings else params["lm_head"]["kernel"],
+    )
+
+
+def _decode_layer(
+    w: dict[str, jax.Array],
+    x: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array,
+    write_pos: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    layer: int,
+    config: ModelConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`DecoderLayer` with a cache, on one `DecodeParams.layers` tree: x [B,T,D] ->
+    (x, cache_k, cache_v), the caches [L,B,S,N,K] written at `layer`."""
+    c = config
+    cdt = jnp.dtype(c.compute_dtype)
+    b, t, _ = x.shape
+    h, n, k, f = c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim
+    mm = lambda eq, a, kernel: jnp.einsum(eq, a.astype(cdt), kernel.astype(cdt))  # Projection
+
+    qkv = mm("btd,de->bte", rms_norm(x, w["input_norm"], c.rms_eps), w["qkv"])
+    if "qkv_bias" in w:
+        qkv = qkv + w["qkv_bias"].astype(cdt)
+    q = qkv[..., : h * k].reshape(b, t, h, k)
+    key = qkv[..., h * k : (h + n) * k].reshape(b, t, n, k)
+    value = qkv[..., (h + n) * k :].reshape(b, t, n, k)
+    if "q_norm" in w:
+        q = rms_norm(q, w["q_norm"], c.rms_eps)
+        key = rms_norm(key, w["k_norm"], c.rms_eps)
+    inv_freq = rope_inverse_frequencies(c)
+    q = apply_rope(q, positions, inv_freq)
+    key = apply_rope(key, positions, inv_freq)
+    cache_k = _write_slots(cache_k, layer, key, write_pos)
+    cache_v = _write_slots(cache_v, layer, value, write_pos)
+    out = _attend(q, cache_k[layer].astype(cdt), cache_v[layer].astype(cdt), mask, c)
+    x = x + mm("bthk,hkd->btd", out, w["o"])
+
+    gate_up = mm("btd,df->btf", rms_norm(x, w["post_attn_norm"], c.rms_eps), w["gate_up"])
+    gate, up = gate_up[..., :f], gate_up[..., f:]
+    x = x + mm("btf,fd->btd", nn.silu(gate) * up, w["down"])
+    return x, cache_k, cache_v
+
+
+def apply_decode(
+    params: DecodeParams,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    config: ModelConfig,
+    kv_cache: KVCache,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """`apply` with a KV cache, its layers unrolled over `decode_params` weights.
+
+    The same math as `apply` (shared norm, rotary, cache-write and attention functions, and
+    matmuls in the compute dtype, final norm and lm_head in float32); only the layout
+    differs: per-layer weights read in place, q/k/v and gate/up fused into one matmul each,
+    and the tied lm_head contracting the [V, D] table over D instead of multiplying by its
+    transpose. Logits agree with `apply`'s up to float rounding. The cache is written in
+    place at `lengths[b] + t`, as in `apply`. Unrolling makes compile time grow with depth;
+    the decode step compiles once per engine.
+
+    Args:
+      params: from `decode_params`.
+      tokens: [B, T] int32 token ids.
+      positions: [B, T] int32 RoPE positions.
+      config: the architecture.
+      kv_cache: the cache to attend to and write into (as in `apply`).
+      segment_ids: [B, T] int32, 0 = padding (not counted in the new lengths).
+    Returns:
+      (logits [B, T, V] float32, new KVCache).
+    """
+    c = config
+    chex.assert_rank([tokens, positions], 2)
+    chex.assert_equal_shape([tokens, positions])
+    b, t = tokens.shape
+    if segment_ids is not None:
+        chex.assert_shape(segment_ids, (b, t))
+    if len(params.layers) != c.n_layers:
+        raise ValueError(f"DecodeParams has {len(params.layers)} layers, config {c.n_layers}")
+    write_pos, mask = _cache_write_pos_and_mask(kv_cache, c, b, t, None)
+    positions = positions.astype(jnp.int32)
+
+    # nn.Embed's lookup (rows by token id, in the compute dtype); rows cast after the take.
+    x = jnp.take(params.embed, tokens.astype(jnp.int32), axis=0).astype(c.compute_dtype)
+    cache_k, cache_v = kv_cache.k, kv_cache.v
+    for i, w in enumerate(params.layers):
+        x, cache_k, cache_v = _decode_layer(
+            w, x, positions, mask, write_pos, cache_k, cache_v, i, c
+        )
+
+    # Final norm and lm_head in float32, as in `apply`.
+    hidden = rms_norm(x.astype(jnp.float32), params.final_norm, c.rms_eps)
+    if params.lm_head is None:  # tied: contract the [V, D] table over D, no transpose
+        logits = jnp.einsum("btd,vd->btv", hidden, params.embed.astype(jnp.float32))
+    else:
+        logits = jnp.einsum("btd,dv->btv", hidden, params.lm_head.astype(jnp.float32))
+    return logits, _advanced_cache(kv_cache, cache_k, cache_v, segment_ids, b, t)
 
 
 # ---------------------------------------------------------------------------------------------

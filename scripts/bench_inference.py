@@ -6,7 +6,10 @@
 Prints, side by side on the same model, prompts and CPU/GPU:
 
 * engine: `EngineCore` decode steps (greedy, KV cache, all slots busy), tokens/s at each
-  batch size, and the same through `InferenceHost` (prefill, Python loop and queues included);
+  batch size, and the same through `InferenceHost` (prefill, Python loop and queues included).
+  Decode steps run `model.apply_decode` on the weights split per layer (`model.decode_params`),
+  which the engine makes once per weight update: its time is printed separately ("weight
+  split"), not counted in the steps;
 * naive: a jitted full forward over the whole padded sequence per token (no KV cache);
 * hf: transformers' PyTorch `LlamaForCausalLM.generate` (greedy, KV cache) with the same
   weights (converted from the JAX params; the script checks logits and greedy tokens agree);
@@ -214,6 +217,14 @@ def measure_weight_read(params, repeats: int = 5) -> float:
     return sum(x.nbytes for x in jax.tree.leaves(params)) / best
 
 
+def measure_decode_split(config, params, repeats: int = 3) -> float:
+    """Seconds to lay the weights out for the decode step (`model.decode_params`), which the
+    engine pays once per weight update, before the first step with the new weights."""
+    split = lambda: jax.block_until_ready(model_lib.decode_params(params, config))
+    split()  # compiles
+    return min(_timed(split) for _ in range(repeats))
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -276,6 +287,8 @@ def main() -> None:
         f"bandwidth: numpy copy {bandwidth / 1e9:.1f} GB/s (read + write); XLA weight read "
         f"{weight_read / 1e9:.1f} GB/s (jitted sum over all params)"
     )
+    split_s = measure_decode_split(config, params)
+    print(f"weight split for the decode step (once per weight update): {split_s * 1e3:.1f} ms")
 
     hf_model = None
     if not args.no_hf:

@@ -179,3 +179,71 @@ def test_package_import_does_not_load_jetstream_or_tensorflow():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's decode step runs on per-layer weights (`model.apply_decode`); it must compute
+# what `model.apply` computes, with whichever weights it is handed at that step.
+
+
+def test_engine_splits_weights_once_per_version():
+    from inference_reference import CFG, scaled_params
+
+    from a3po_jax.inference.engine_core import EngineCore
+
+    core = EngineCore(CFG, num_slots=1, capacity=16, prefill_buckets=(8,))
+    a, b = scaled_params(0), scaled_params(1)
+    split_a = core.decode_params(a)
+    assert core.decode_params(a) is split_a  # every step of one version: no new copy
+    assert core.decode_params(dict(a)) is split_a  # keyed on the arrays, not the dict
+    split_b = core.decode_params(b)  # a weight update
+    assert split_b is not split_a
+    assert core.decode_params(split_b) is split_b  # already split: used as it is
+    # Only the latest split is kept (one extra copy of the layers, not one per version).
+    assert core.decode_params(a) is not split_a
+
+
+def test_engine_step_equals_apply_across_a_weight_swap():
+    """Each decode step's tokens and behaviour log-probs equal `model.apply` (scanned
+    layers, stacked params) run on the same state with the weights of that step, before
+    and after a swap between two steps, with no recompilation. A stale split would keep
+    the old weights after the swap and give other log-probs."""
+    from inference_reference import CFG, scaled_params
+
+    from a3po_jax import model as M
+    from a3po_jax.inference import engine_core
+
+    @jax.jit
+    def reference(params, state):
+        logits, _ = M.apply(
+            params,
+            state.tokens[:, None],
+            state.cache.lengths[:, None],
+            config=CFG,
+            segment_ids=state.active.astype(jnp.int32)[:, None],
+            kv_cache=state.cache,
+        )
+        keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
+        return sampling.sample_tokens(
+            logits[:, 0], keys, state.temperature, state.top_k, state.top_p
+        )
+
+    core = engine_core.EngineCore(CFG, num_slots=2, capacity=32, prefill_buckets=(8,))
+    a, b = scaled_params(0), scaled_params(1)
+    state = core.init_decode_state()
+    prefix = core.prefill(a, [5, 6, 7])
+    sampled = engine_core.SlotSampling(temperature=0.8, top_k=20, seed=3)
+    state, _, _ = core.insert(prefix, state, 0, sampled)
+    state, _, _ = core.insert(prefix, state, 1, engine_core.SlotSampling())  # greedy
+    state, _, _ = core.generate(a, state)  # compiles
+    compiled = engine_core._generate_jit._cache_size()
+    for params in [a, a, b, b]:
+        ref_tokens, ref_logprobs = reference(params, state)  # state is not donated here
+        _, stale_logprobs = reference(a, state)
+        state, tokens, lp = core.generate(params, state)
+        np.testing.assert_array_equal(tokens, ref_tokens)
+        np.testing.assert_allclose(lp, ref_logprobs, atol=1e-5)
+        if params is b:  # the swap changed the model: a's log-probs would be far off
+            assert np.abs(np.asarray(lp) - np.asarray(stale_logprobs)).max() > 1e-2
+    assert engine_core._generate_jit._cache_size() == compiled
+    np.testing.assert_array_equal(state.cache.lengths, [3 + 5, 3 + 5])

@@ -2,8 +2,11 @@
 
 The reference-implementation comparisons (transformers logits, SmolLM2) live in
 `test_checkpoint_io.py`; here the model is checked against itself: cache == no cache,
-packed == unpacked, mask == segment ids, remat == no remat, bf16 ≈ f32.
+packed == unpacked, mask == segment ids, remat == no remat, bf16 ≈ f32, and the unrolled
+decode path (`apply_decode`) == `apply`.
 """
+
+import functools
 
 import chex
 import jax
@@ -12,10 +15,13 @@ import numpy as np
 import pytest
 
 from a3po_jax.model import (
+    DecodeParams,
     KVCache,
     ModelConfig,
     abstract_params,
     apply,
+    apply_decode,
+    decode_params,
     greedy_generate,
     init_kv_cache,
     init_params,
@@ -344,3 +350,131 @@ def test_logical_axes_rejects_unknown_parameter():
     params["layers"]["attn"]["mystery"] = {"kernel": jnp.zeros((2, 3))}
     with pytest.raises(ValueError, match="layers/attn/mystery/kernel"):
         logical_axes(params)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode path: `apply_decode` over `decode_params` must be `apply` with another layout.
+
+
+def _apply_vs_apply_decode(config, params, cache_capacity=8):
+    """Right-padded prefill (rows of 5 and 3 valid tokens), then decode steps where row 1 is
+    idle (segment 0) in the second one and row 0 writes at the last slot: logits, caches and
+    lengths of `apply` and `apply_decode` at every step."""
+    b, p = 2, 5
+    dparams = decode_params(params, config)
+    tokens = jax.random.randint(jax.random.key(11), (b, p), 0, config.vocab_size)
+    prefill_seg = (jnp.arange(p)[None, :] < jnp.array([[5], [3]])).astype(jnp.int32)
+    steps = [
+        (tokens, _arange(b, p), prefill_seg),
+        (jnp.array([[7], [9]]), jnp.array([[5], [3]]), jnp.ones((b, 1), jnp.int32)),
+        (jnp.array([[4], [2]]), jnp.array([[6], [4]]), jnp.array([[1], [0]], jnp.int32)),
+        (jnp.array([[8], [5]]), jnp.array([[7], [4]]), jnp.ones((b, 1), jnp.int32)),
+    ]
+    run = {
+        "apply": jax.jit(
+            lambda w, tok, pos, seg, cache: apply(
+                w, tok, pos, config=config, segment_ids=seg, kv_cache=cache
+            )
+        ),
+        "apply_decode": jax.jit(
+            lambda w, tok, pos, seg, cache: apply_decode(
+                w, tok, pos, config=config, segment_ids=seg, kv_cache=cache
+            )
+        ),
+    }
+    weights = {"apply": params, "apply_decode": dparams}
+    out = {}
+    for name, fn in run.items():
+        cache = init_kv_cache(config, b, cache_capacity)
+        trace = []
+        for tok, pos, seg in steps:
+            logits, cache = fn(weights[name], tok.astype(jnp.int32), pos, seg, cache)
+            trace.append((np.asarray(logits), np.asarray(cache.k), np.asarray(cache.v)))
+        out[name] = (trace, np.asarray(cache.lengths))
+    return out["apply"], out["apply_decode"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_apply_decode_equals_apply(name):
+    """Same logits and caches as `apply` for Llama, Qwen2 (q/k/v bias, untied lm_head) and
+    Qwen3 (q/k norm, one kv head), through prefill, decode, an idle row and a full cache.
+    The two differ only in layout (fused q/k/v and gate/up, unrolled layers), so anything
+    beyond float rounding is a wiring error: a swapped q/k/v block or a wrong head order
+    shifts logits by O(1)."""
+    config = CONFIGS[name]
+    params = _sharp_params(config)
+    (ref, ref_lengths), (got, got_lengths) = _apply_vs_apply_decode(config, params)
+    np.testing.assert_array_equal(got_lengths, ref_lengths)
+    np.testing.assert_array_equal(ref_lengths, [8, 5])  # row 1 skipped one step
+    for (ref_logits, ref_k, ref_v), (logits, k, v) in zip(ref, got, strict=True):
+        np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(k, ref_k, atol=1e-5)
+        np.testing.assert_allclose(v, ref_v, atol=1e-5)
+
+
+def test_apply_decode_equals_apply_in_bfloat16():
+    """bfloat16 weights and matmuls (logits still float32): fusing q/k/v and gate/up may
+    round differently, so the bound is bfloat16's precision (~0.4 %) of the logit scale, far
+    below the O(1) error of a wiring bug."""
+    config = ModelConfig.tiny(param_dtype="bfloat16", compute_dtype="bfloat16", qkv_bias=True)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _sharp_params(config))
+    (ref, _), (got, _) = _apply_vs_apply_decode(config, params)
+    for (ref_logits, _, _), (logits, _, _) in zip(ref, got, strict=True):
+        assert logits.dtype == np.float32
+        scale = np.abs(ref_logits).max()
+        assert np.abs(logits - ref_logits).max() < 0.01 * scale
+
+
+def test_decode_params_layout():
+    """Per-layer trees whose fused blocks are the original kernels; the embedding table is
+    shared with `params` (the tied lm_head reads it as it is), not copied."""
+    config = CONFIGS["qwen2"]  # biases and an untied lm_head
+    params = init_params(config, jax.random.key(0))
+    dp = decode_params(params, config)
+    assert isinstance(dp, DecodeParams) and len(dp.layers) == config.n_layers
+    assert dp.embed is params["embed"]["embedding"]
+    assert dp.lm_head is params["lm_head"]["kernel"]
+    d, h, n, k, f = (
+        config.d_model,
+        config.n_heads,
+        config.n_kv_heads,
+        config.head_dim,
+        config.ffn_dim,
+    )
+    attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+    w = dp.layers[1]
+    assert w["qkv"].shape == (d, (h + 2 * n) * k)
+    np.testing.assert_array_equal(w["qkv"][:, : h * k], attn["q_proj"]["kernel"][1].reshape(d, -1))
+    np.testing.assert_array_equal(
+        w["qkv"][:, (h + n) * k :], attn["v_proj"]["kernel"][1].reshape(d, -1)
+    )
+    np.testing.assert_array_equal(
+        w["qkv_bias"][h * k : (h + n) * k], attn["k_proj"]["bias"][1].ravel()
+    )
+    np.testing.assert_array_equal(w["gate_up"][:, f:], mlp["up_proj"]["kernel"][1])
+    np.testing.assert_array_equal(w["down"], mlp["down_proj"]["kernel"][1])
+    tied = ModelConfig.tiny()
+    assert decode_params(init_params(tied, jax.random.key(0)), tied).lm_head is None
+
+
+def test_apply_decode_traces_once_and_writes_the_cache_in_place():
+    """One trace for repeated steps; with the cache donated, XLA writes the new slots into
+    the donated buffer (no [L, B, S, N, K] copy per step): the input cache is consumed."""
+    config = ModelConfig.tiny()
+    dp = decode_params(_sharp_params(config), config)
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    @chex.assert_max_traces(n=1)
+    def step(w, tok, pos, cache):
+        return apply_decode(w, tok, pos, config=config, kv_cache=cache)
+
+    cache = init_kv_cache(config, 2, 8)
+    tok = jnp.zeros((2, 1), jnp.int32)
+    for _ in range(3):
+        old = cache
+        _, cache = step(dp, tok, cache.lengths[:, None], cache)
+        assert old.k.is_deleted() and old.v.is_deleted()
+    np.testing.assert_array_equal(cache.lengths, [3, 3])
+    hlo = step.lower(dp, tok, cache.lengths[:, None], cache).compile().as_text()
+    cache_shape = f"f32[{config.n_layers},2,8,{config.n_kv_heads},{config.head_dim}]"
+    assert not [line for line in hlo.splitlines() if cache_shape in line and " copy(" in line]
