@@ -37,6 +37,7 @@ from a3po_jax.inference.types import (
     InferenceError,
     SampleResult,
     error_result,
+    take_results,
 )
 
 
@@ -127,19 +128,7 @@ class GrpcInferenceClient:
 
     def poll(self, timeout: float | None = None, max_results: int | None = None):
         """Finished samples of any request, as on `InferenceHost.poll`."""
-        if max_results is not None and max_results <= 0:
-            raise ValueError(f"max_results must be > 0 or None, got {max_results}")
-        out: list[SampleResult] = []
-        try:
-            out.append(self._results.get(timeout=timeout))
-        except queue.Empty:
-            return out
-        while max_results is None or len(out) < max_results:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                break
-        return out
+        return take_results(self._results, timeout, max_results)
 
     def update_weights(self, params: Any, version: int) -> None:
         """Streams the weights in chunks; returns once the host accepted them."""

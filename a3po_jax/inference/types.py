@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
 from typing import Any
 
 import numpy as np
@@ -173,3 +174,21 @@ def error_result(request: GenerateRequest, sample_index: int, message: str) -> S
         finish_reason="error",
         error=message,
     )
+
+
+def take_results(results: queue.Queue, timeout: float | None, max_results: int | None) -> list:
+    """`poll` over a queue of results: wait up to `timeout` (None: forever) for the first,
+    then take whatever else is ready, up to `max_results`. [] on timeout."""
+    if max_results is not None and max_results <= 0:
+        raise ValueError(f"max_results must be > 0 or None, got {max_results}")
+    out = []
+    try:
+        out.append(results.get(timeout=timeout))
+    except queue.Empty:
+        return out
+    while max_results is None or len(out) < max_results:
+        try:
+            out.append(results.get_nowait())
+        except queue.Empty:
+            break
+    return out
