@@ -241,19 +241,50 @@ def test_update_weights_drain_no_sample_spans_versions(params, params_v1):
     h.submit(GenerateRequest("new", prompt, sampling=greedy(10)))
     stats = h.stats()
     assert (stats["queue_depth"], stats["update_pending"], stats["version"]) == (2, True, 0)
-    # Sample 2 of "old" has not started: under drain it waits for the swap and so runs
-    # entirely at version 1, like "new"; samples 0 and 1 finish at version 0.
-    results = drive(h, 4)
+    # Sample 2 of "old" had not started, but "old" was submitted before the update: under
+    # drain it still runs on version 0 (a request's samples share one version, and a group
+    # admitted before a push is exactly one version stale). "new" waits for the swap.
+    order = []
+    for _ in range(1000):
+        order += h.poll(timeout=0)
+        if len(order) >= 4:
+            break
+        h.serve_once()
     h.close()
+    results = {(r.request_id, r.sample_index): r for r in order}
     old_ref = recompute_greedy(params, prompt, 10)
     new_ref = recompute_greedy(params_v1, prompt, 10)
-    for i in range(2):
+    for i in range(3):
         r = results[("old", i)]
         np.testing.assert_array_equal(r.versions, [0] * 10)
         np.testing.assert_array_equal(r.tokens, old_ref)
-    for key in [("old", 2), ("new", 0)]:
-        np.testing.assert_array_equal(results[key].versions, [1] * 10)
-        np.testing.assert_array_equal(results[key].tokens, new_ref)
+    np.testing.assert_array_equal(results[("new", 0)].versions, [1] * 10)
+    np.testing.assert_array_equal(results[("new", 0)].tokens, new_ref)
+    assert order[-1].request_id == "new"  # it started only after every "old" sample ended
+
+
+def test_update_weights_drain_replaced_update_keeps_first_cut(params, params_v1):
+    # Two updates staged before the swap: the second replaces the first (which never
+    # serves), and the requests to finish on the old weights stay those submitted before
+    # the first, so a request submitted between the two gets the newest weights.
+    h = _host(params, update_policy="drain", num_slots=1)
+    prompt = PROMPTS["short"]
+    h.submit(GenerateRequest("before", prompt, 2, greedy(6)))  # 2 samples, 1 slot
+    h.serve_once()
+    h.update_weights(params, 1)
+    h.submit(GenerateRequest("between", prompt, sampling=greedy(6)))
+    h.update_weights(params_v1, 2)
+    h.submit(GenerateRequest("after", prompt, sampling=greedy(6)))
+    results = drive(h, 4)
+    h.close()
+    for i in range(2):
+        np.testing.assert_array_equal(results[("before", i)].versions, [0] * 6)
+    for rid in ("between", "after"):
+        np.testing.assert_array_equal(results[(rid, 0)].versions, [2] * 6)
+        np.testing.assert_array_equal(
+            results[(rid, 0)].tokens, recompute_greedy(params_v1, prompt, 6)
+        )
+    assert h.stats()["weight_updates"] == 1
 
 
 def test_threaded_update_then_new_requests_use_new_version(params, params_v1):

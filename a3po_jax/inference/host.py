@@ -17,8 +17,12 @@ then staged; the serving thread swaps them in at a decode-step boundary:
 
 * ``"in_flight"`` (AReaL): at the next boundary; running samples continue with the new
   weights (their KV cache stays as computed), so their version arrays step up once.
-* ``"drain"`` (Periodic Asynchrony): no new sample starts while an update is staged; the swap
-  happens once the running samples have finished, so no sample spans two versions.
+* ``"drain"`` (Periodic Asynchrony): the samples of requests submitted before the update are
+  finished with the old weights (those still waiting for a slot are started with them too);
+  samples of later requests wait. The swap happens once none of the earlier ones is left, so
+  no sample spans two versions and a request's samples share one version. This is what makes
+  ``one_step_off`` exactly one step stale: a group submitted while batch t trains is generated
+  by version t, even if it only reaches a slot after version t+1 was pushed.
 
 A decode step always runs with one params object, so versions never mix inside a step.
 """
@@ -160,17 +164,24 @@ class InferenceHost:
         self._params = self._to_device(params)
         self._version = int(version)
 
-        self._inbox: queue.Queue[GenerateRequest] = queue.Queue()
+        self._inbox: queue.Queue[tuple[GenerateRequest, int]] = queue.Queue()
         self._results: queue.Queue[SampleResult] = queue.Queue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the fields below
         self._staged: tuple[Any, int] | None = None
+        # Submit order: every request gets the next number; a staged update records the
+        # number the next request would get ("drain" finishes all requests below it first).
+        self._submit_seq = 0
+        self._staged_seq = 0
         self._in_flight: dict[str, int] = {}  # request_id -> samples not yet returned
         self._closing = False
         self._dead: str | None = None
 
-        # Owned by the serving thread.
-        self._waiting: collections.deque[tuple[GenerateRequest, int, float]] = collections.deque()
+        # Owned by the serving thread. Waiting samples: (request, sample index, submit time,
+        # submit sequence number).
+        self._waiting: collections.deque[tuple[GenerateRequest, int, float, int]] = (
+            collections.deque()
+        )
         self._prefixes: dict[str, _PrefixEntry] = {}
         self._slots: list[_SampleRun | None] = [None] * num_slots
         self._state: engine_core.DecodeState | None = None
@@ -267,7 +278,8 @@ class InferenceHost:
             if request.request_id in self._in_flight:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self._in_flight[request.request_id] = request.num_samples
-            self._inbox.put(request)
+            self._inbox.put((request, self._submit_seq))
+            self._submit_seq += 1
         self._wake.set()
 
     def poll(self, timeout: float | None = None, max_results: int | None = None):
@@ -304,8 +316,10 @@ class InferenceHost:
         """Stages new weights (validated whole; the old ones serve until the swap).
 
         Returns once accepted; the swap happens at the next decode-step boundary
-        ("in_flight") or when the running samples have finished ("drain"). A later update
-        staged before the swap replaces this one (it never served).
+        ("in_flight") or, under "drain", once every sample of the requests submitted before
+        this call has finished with the old weights. A later update staged before the swap
+        replaces this one (it never served); the requests to finish first stay those
+        submitted before the first of them, so replacing never makes a sample staler.
         """
         if not isinstance(version, int | np.integer) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
@@ -313,6 +327,8 @@ class InferenceHost:
         on_device = self._to_device(params)
         with self._lock:
             self._check_alive()
+            if self._staged is None:
+                self._staged_seq = self._submit_seq
             self._staged = (on_device, int(version))
         self._wake.set()
 
@@ -407,19 +423,24 @@ class InferenceHost:
     def _take_inbox(self) -> None:
         while True:
             try:
-                request = self._inbox.get_nowait()
+                request, seq = self._inbox.get_nowait()
             except queue.Empty:
                 return
             now = time.monotonic()
             for i in range(request.num_samples):
-                self._waiting.append((request, i, now))
+                self._waiting.append((request, i, now, seq))
 
     def _maybe_swap_weights(self) -> None:
         with self._lock:
             staged = self._staged
             if staged is None:
                 return
-            if self.update_policy == "drain" and any(s is not None for s in self._slots):
+            # Under the lock every request submitted before the update is in the inbox or
+            # already waiting: take them so "drain" sees them all.
+            self._take_inbox()
+            if self.update_policy == "drain" and (
+                any(s is not None for s in self._slots) or self._drain_waiting()
+            ):
                 return
             self._staged = None
         self._params, self._version = staged
@@ -428,18 +449,23 @@ class InferenceHost:
         # carry old-weight KV (and, under "drain", span two versions). Recompute instead.
         self._prefixes.clear()
 
+    def _drain_waiting(self) -> bool:
+        """Under "drain" with an update staged: does a sample submitted before it wait?
+        (Call with the lock held.) Submit order is kept, so the oldest waiting one decides."""
+        return bool(self._waiting) and self._waiting[0][3] < self._staged_seq
+
     def _admit(self) -> None:
-        if self.update_policy == "drain":
-            with self._lock:
-                if self._staged is not None:
-                    return  # drain: nothing new starts until the staged weights serve
         finished = np.zeros((self.num_slots,), bool)
         for slot in range(self.num_slots):
             if self._slots[slot] is not None:
                 continue
             if not self._waiting:
                 break
-            request, sample_index, submitted_at = self._waiting.popleft()
+            if self.update_policy == "drain":
+                with self._lock:
+                    if self._staged is not None and not self._drain_waiting():
+                        break  # drain: later requests start once the staged weights serve
+            request, sample_index, submitted_at, _ = self._waiting.popleft()
             try:
                 run = self._start_sample(slot, request, sample_index, submitted_at)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the host
@@ -563,7 +589,7 @@ class InferenceHost:
         self._take_inbox()
         self._fail_running(message)
         while self._waiting:
-            request, index, _ = self._waiting.popleft()
+            request, index, _, _ = self._waiting.popleft()
             self._emit(error_result(request, index, message))
         self._prefixes.clear()
 
