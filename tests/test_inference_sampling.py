@@ -247,3 +247,35 @@ def test_engine_step_equals_apply_across_a_weight_swap():
             assert np.abs(np.asarray(lp) - np.asarray(stale_logprobs)).max() > 1e-2
     assert engine_core._generate_jit._cache_size() == compiled
     np.testing.assert_array_equal(state.cache.lengths, [3 + 5, 3 + 5])
+
+
+def test_engine_decode_windows():
+    """The windows double from the smallest prefill bucket up to the capacity; a step's
+    window is the smallest one past its longest slot, and a step run with it samples what a
+    step attending to the whole cache samples."""
+    from inference_reference import CFG, scaled_params
+
+    from a3po_jax.inference import engine_core
+
+    core = engine_core.EngineCore(CFG, num_slots=2, capacity=48, prefill_buckets=(8, 16))
+    assert core.decode_windows == (8, 16, 32, 48)
+    assert [core.window_for(n) for n in (0, 7, 8, 31, 32, 47)] == [8, 8, 16, 32, 48, 48]
+    for bad in (-1, 48):
+        with pytest.raises(ValueError, match="longest"):
+            core.window_for(bad)
+    with pytest.raises(ValueError, match="window must be one of"):
+        core.generate(scaled_params(0), core.init_decode_state(), 12)
+
+    params = scaled_params(0)
+    state = core.init_decode_state()
+    prefix = core.prefill(params, [5, 6, 7, 8, 9])
+    state, _, _ = core.insert(prefix, state, 0, engine_core.SlotSampling(temperature=0.9, seed=2))
+    state, _, _ = core.insert(prefix, state, 1, engine_core.SlotSampling())
+    for _ in range(12):  # lengths 5 .. 16: windows 8, then 16, then 32
+        longest = int(np.max(state.cache.lengths))
+        ref_state = jax.tree.map(jnp.copy, state)
+        _, ref_tokens, ref_lp = core.generate(params, ref_state)  # whole cache
+        state, tokens, lp = core.generate(params, state, core.window_for(longest))
+        np.testing.assert_array_equal(tokens, ref_tokens)
+        np.testing.assert_allclose(lp, ref_lp, atol=1e-6)
+    np.testing.assert_array_equal(state.cache.lengths, [17, 17])

@@ -425,6 +425,31 @@ def test_apply_decode_equals_apply_in_bfloat16():
         assert np.abs(logits - ref_logits).max() < 0.01 * scale
 
 
+@pytest.mark.parametrize("window", [6, 16])
+def test_apply_decode_window_changes_nothing_but_the_reads(window):
+    """A decode step attending to the first `window` cache slots gives the logits and the
+    cache of one attending to the whole capacity, while every row's token lands inside the
+    window (rows at lengths 5 and 3; window 6 is the tightest that holds them)."""
+    config = ModelConfig.tiny()
+    params = _sharp_params(config)
+    dparams = decode_params(params, config)
+    b, p, capacity = 2, 5, 32
+    tokens = jax.random.randint(jax.random.key(3), (b, p), 0, config.vocab_size)
+    seg = (jnp.arange(p)[None, :] < jnp.array([[5], [3]])).astype(jnp.int32)
+    cache = init_kv_cache(config, b, capacity)
+    _, cache = apply(params, tokens, _arange(b, p), config=config, segment_ids=seg, kv_cache=cache)
+    step = dict(config=config, kv_cache=cache, segment_ids=jnp.ones((b, 1), jnp.int32))
+    tok, pos = jnp.array([[7], [9]]), jnp.array([[5], [3]])
+    full_logits, full_cache = apply_decode(dparams, tok, pos, **step)
+    logits, new_cache = apply_decode(dparams, tok, pos, window=window, **step)
+    np.testing.assert_allclose(logits, full_logits, atol=1e-5, rtol=1e-5)
+    for a, b_ in zip(new_cache, full_cache, strict=True):
+        np.testing.assert_array_equal(a, b_)
+    for bad in (0, capacity + 1):
+        with pytest.raises(ValueError, match="window"):
+            apply_decode(dparams, tok, pos, window=bad, **step)
+
+
 def test_decode_params_layout():
     """Per-layer trees whose fused blocks are the original kernels; the embedding table is
     shared with `params` (the tied lm_head reads it as it is), not copied."""

@@ -225,7 +225,11 @@ def insert(
 
 
 def generate(
-    params: model_lib.DecodeParams, state: DecodeState, *, config: model_lib.ModelConfig
+    params: model_lib.DecodeParams,
+    state: DecodeState,
+    *,
+    config: model_lib.ModelConfig,
+    window: int | None = None,
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """One decode step for all N slots: feed each slot's last token, sample the next.
 
@@ -237,6 +241,8 @@ def generate(
         once per weight version).
       state: the decode state (donated by the jitted wrapper: the cache is written in place).
       config: the model's config (static).
+      window: attend to the first `window` cache slots only (static; None = the capacity).
+        Every active slot's length must be < window (its fed token is written at `length`).
 
     Returns:
       (new state, tokens `[N]` int32, behaviour log-probs `[N]` float32); entries of
@@ -252,6 +258,7 @@ def generate(
         config=config,
         segment_ids=segment_ids,
         kv_cache=state.cache,
+        window=window,
     )  # [N, 1, V]
     chex.assert_shape(logits, (N, 1, None))
     keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
@@ -277,7 +284,7 @@ def release(state: DecodeState, finished: jax.Array) -> DecodeState:
 # updated in place instead of copied every step.
 _prefill_jit = jax.jit(prefill, static_argnames=("config", "cache_dtype"))
 _insert_jit = jax.jit(insert, donate_argnums=(1,))
-_generate_jit = jax.jit(generate, static_argnames=("config",), donate_argnums=(1,))
+_generate_jit = jax.jit(generate, static_argnames=("config", "window"), donate_argnums=(1,))
 _release_jit = jax.jit(release, donate_argnums=(0,))
 
 
@@ -291,6 +298,12 @@ class EngineCore:
     with those weights. A caller that wants it off the decode loop (in its weight-update
     path) can pass `model.decode_params(params)` to `generate` instead. The decode state is
     donated to each step, so its KV cache is updated in place.
+
+    Attention reads every cache slot it covers at every step, so a step attends to a window
+    of the first W slots, W from `decode_windows` (the smallest prefill bucket doubled up to
+    the capacity, which is always the last): the caller that knows the slots' lengths passes
+    `window_for(longest)`, and a step costs what its longest sample needs, not the capacity.
+    One decode program is compiled per window used.
     """
 
     def __init__(
@@ -320,6 +333,11 @@ class EngineCore:
         self.cache_dtype = cache_dtype
         self._prefill = functools.partial(_prefill_jit, config=config, cache_dtype=cache_dtype)
         self._generate = functools.partial(_generate_jit, config=config)
+        windows, w = [], buckets[0]
+        while w < self.capacity:
+            windows.append(w)
+            w *= 2
+        self.decode_windows = (*windows, self.capacity)
         # (leaves of the params last split, their split). The leaves are held so that their
         # ids cannot be reused by new arrays while the entry lives.
         self._split: tuple[list[jax.Array], model_lib.DecodeParams] | None = None
@@ -388,19 +406,36 @@ class EngineCore:
         self._split = (leaves, split)
         return split
 
-    def generate(self, params: Params, state: DecodeState):
-        """One decode step (`generate`) with `params` (split or not) for all slots."""
-        return self._generate(self.decode_params(params), state)
+    def window_for(self, longest: int) -> int:
+        """The smallest decode window for a step whose longest active slot has `longest`
+        tokens in its cache (the step writes its fed token at that position)."""
+        if not 0 <= longest < self.capacity:
+            raise ValueError(f"longest must be in [0, capacity={self.capacity}), got {longest}")
+        return next(w for w in self.decode_windows if longest < w)
+
+    def generate(self, params: Params, state: DecodeState, window: int | None = None):
+        """One decode step (`generate`) with `params` (split or not) for all slots,
+        attending to the first `window` cache slots (one of `decode_windows`; None = all)."""
+        if window is not None and window not in self.decode_windows:
+            raise ValueError(f"window must be one of {self.decode_windows}, got {window}")
+        if window == self.capacity:
+            window = None  # one program for "the whole cache"
+        return self._generate(self.decode_params(params), state, window=window)
 
     def release(self, state: DecodeState, finished) -> DecodeState:
         return _release_jit(state, jnp.asarray(finished, jnp.bool_))
 
-    def warmup(self, params: Params) -> None:
-        """Compiles prefill and insert for every bucket, the decode step and release."""
+    def warmup(self, params: Params, decode_params: model_lib.DecodeParams | None = None) -> None:
+        """Compiles prefill and insert for every bucket, the decode step for every window
+        and release (the decode step on `decode_params` if given, else on `params`' cached
+        split)."""
         state = self.init_decode_state()
         for bucket in self.prefill_buckets:
             prefix = self.prefill(params, [0] * bucket)
             state, _, _ = self.insert(prefix, state, 0, SlotSampling())
-        state, tokens, _ = self.generate(params, state)
+        for window in self.decode_windows:
+            state, tokens, _ = self.generate(
+                params if decode_params is None else decode_params, state, window
+            )
         state = self.release(state, jnp.ones((self.num_slots,), jnp.bool_))
         jax.block_until_ready((state, tokens))

@@ -162,13 +162,16 @@ class InferenceHost:
         )
         self._device = jax.devices()[0]
         self._params = self._to_device(params)
+        # The decode step's per-layer layout of the serving weights, made with each update
+        # in the caller's thread, so the serving thread never pauses to make it.
+        self._decode_params = model_lib.decode_params(self._params, config)
         self._version = int(version)
 
         self._inbox: queue.Queue[tuple[GenerateRequest, int]] = queue.Queue()
         self._results: queue.Queue[SampleResult] = queue.Queue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the fields below
-        self._staged: tuple[Any, int] | None = None
+        self._staged: tuple[Any, model_lib.DecodeParams, int] | None = None
         # Submit order: every request gets the next number; a staged update records the
         # number the next request would get ("drain" finishes all requests below it first).
         self._submit_seq = 0
@@ -244,7 +247,7 @@ class InferenceHost:
 
     def warmup(self) -> None:
         """Compiles prefill and insert for every bucket, and the decode step, now."""
-        self._core.warmup(self._params)
+        self._core.warmup(self._params, self._decode_params)
 
     def close(self) -> None:
         """Stops the serving thread; unfinished samples come back as error results."""
@@ -325,11 +328,13 @@ class InferenceHost:
             raise ValueError(f"version must be an int, got {version!r}")
         weight_sync.check_params_match(self._params, params)
         on_device = self._to_device(params)
+        split = model_lib.decode_params(on_device, self.config)
+        jax.block_until_ready(split)  # made here, not on the serving thread's first step
         with self._lock:
             self._check_alive()
             if self._staged is None:
                 self._staged_seq = self._submit_seq
-            self._staged = (on_device, int(version))
+            self._staged = (on_device, split, int(version))
         self._wake.set()
 
     def stats(self) -> dict[str, Any]:
@@ -443,7 +448,7 @@ class InferenceHost:
             ):
                 return
             self._staged = None
-        self._params, self._version = staged
+        self._params, self._decode_params, self._version = staged
         self._weight_updates += 1
         # Prefixes were computed with the old weights; a sample started from one would
         # carry old-weight KV (and, under "drain", span two versions). Recompute instead.
@@ -522,7 +527,13 @@ class InferenceHost:
 
     def _step(self) -> None:
         t0 = time.monotonic()
-        self._state, tokens, logprobs = self._core.generate(self._params, self._state)
+        # Attend only as far as the longest running sample needs (its fed token goes at
+        # `length`): a step costs what its samples use, not the whole cache capacity.
+        longest = max(run.length for run in self._slots if run is not None)
+        window = self._core.window_for(longest)
+        self._state, tokens, logprobs = self._core.generate(
+            self._decode_params, self._state, window
+        )
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)  # waits for the step
         self._last_step_s = time.monotonic() - t0
         self._steps += 1
