@@ -237,13 +237,16 @@ class TrainConfig:
     seed: int = 0  # seeds data order, sampling and everything else
     run_dir: str = "runs/default"  # where metrics, config and checkpoints go
     checkpoint_every: int = 10  # save every N steps (and on SIGTERM / at the end); 0 = off
-    eval_every: int = 0  # evaluate on the task's test split every N steps; 0 = off
-    eval_prompts: int = 64  # test prompts per evaluation
+    # Greedy pass@1 on the task's test split every N steps and at the end (eval/* metrics,
+    # on an embedded evaluation host of its own); 0 = off.
+    eval_every: int = 0
+    eval_prompts: int = 64  # test prompts per evaluation (the first N of the split)
 
     def __post_init__(self):
         _positive("", "steps", self.steps)
         _positive("", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("", "eval_every", self.eval_every, allow_zero=True)
+        _positive("", "eval_prompts", self.eval_prompts)
         if self.algo.loss == "dpo" and self.rollout.group_size != 2:
             raise ConfigError(
                 "algo.loss='dpo' compares 2 samples per prompt: rollout.group_size must be 2, "

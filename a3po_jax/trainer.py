@@ -60,7 +60,14 @@ from a3po_jax.tasks import PromptIterator, RewardConfig, make_task, render_promp
 
 log = logging.getLogger(__name__)
 
-CONSOLE_KEYS = ("reward/mean", "reward/correct", "loss/total", "staleness/max", "time/step_s")
+CONSOLE_KEYS = (
+    "reward/mean",
+    "reward/correct",
+    "eval/accuracy",
+    "loss/total",
+    "staleness/max",
+    "time/step_s",
+)
 
 
 @dataclasses.dataclass
@@ -163,6 +170,13 @@ class Trainer:
                 "system.mode='periodic' runs in one process so far (it folds groups in as they "
                 f"arrive); this job has {jax.process_count()} processes"
             )
+        if self.multi_process and cfg.eval_every:
+            raise ValueError(
+                "eval_every runs in one process so far (the evaluation host needs the whole "
+                f"params on process 0); this job has {jax.process_count()} processes: set "
+                "eval_every=0 and evaluate checkpoints with python -m a3po_jax.evaluation "
+                "--run-dir RUN_DIR --step N"
+            )
         if self.multi_process and cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward:
             raise ValueError(
                 "algo.kl_in_reward=True runs in one process so far (process 0 scores the batch "
@@ -231,6 +245,9 @@ class Trainer:
                 seed=0,
             ).start()
         self.host = host
+        # Evaluation gets a host of its own (built at the first evaluation): the rollout host
+        # is busy with training groups, and its results go to the collector.
+        self._eval_host = None
         if self.leader and not self._own_host:
             # A remote host's update policy is fixed when it starts: refuse a mismatch now
             # rather than train on samples that span versions in a mode that forbids it.
@@ -579,6 +596,10 @@ class Trainer:
         try:
             for step in range(start, self.cfg.steps):
                 record = self._one_step(step)
+                if self.cfg.eval_every and (
+                    (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps
+                ):
+                    record.update(self._evaluate(int(self.state.step)))
                 logger.log(step + 1, record)
                 if progress is not None:
                     progress.update(step + 1, {k: record[k] for k in CONSOLE_KEYS if k in record})
@@ -732,6 +753,51 @@ class Trainer:
             self.checkpoints.wait_until_finished()
         if self._own_host:
             self.host.close()
+        if self._eval_host is not None:
+            self._eval_host.close()
+            self._eval_host = None
+
+    def _evaluate(self, version: int) -> dict[str, float]:
+        """Greedy pass@1 of the current params on the first ``eval_prompts`` prompts of the
+        task's test split, on an embedded evaluation host (built once, weights pushed at
+        every evaluation). Returns ``eval/*`` metrics for this step's record."""
+        from a3po_jax.evaluation import evaluate, host_generate_fn
+        from a3po_jax.inference.host import InferenceHost
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if self._eval_host is None:
+            self._eval_host = InferenceHost(
+                self.policy.config,
+                self.state.params,
+                num_slots=cfg.rollout.num_slots,
+                prefill_buckets=tuple(cfg.rollout.prompt_buckets),
+                max_cache_len=max(cfg.rollout.prompt_buckets) + cfg.rollout.max_new_tokens,
+                version=version,
+                update_policy="drain",
+            ).start()
+        else:
+            self._eval_host.update_weights(self.state.params, version)
+        eos = self.policy.tokenizer.eos_token_id
+        n_test = len(self.task.prompts("test"))
+        result = evaluate(
+            self.task,
+            "test",
+            host_generate_fn(self._eval_host, stop_tokens=() if eos is None else (int(eos),)),
+            self.policy.tokenizer,
+            num_prompts=min(cfg.eval_prompts, n_test),
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            seed=version,
+        )
+        return {
+            "eval/accuracy": result.accuracy,
+            "eval/stderr": result.stderr,
+            "eval/num_prompts": float(result.n),
+            "eval/finished_frac": result.finished_fraction,
+            "eval/completion_tokens": result.mean_completion_tokens,
+            "eval/version": float(self._eval_host.version),
+            "time/eval_s": time.perf_counter() - t0,
+        }
 
 
 def _to_device(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:

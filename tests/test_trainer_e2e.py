@@ -157,3 +157,47 @@ def test_a_second_fresh_run_into_a_used_run_dir_is_refused(tmp_path):
         run(cfg)
     # --resume at the last step has nothing left to do and is fine.
     assert [r["version"] for r in run(cfg, resume=True)] == [1]
+
+
+def test_eval_every_scores_the_steps_weights(tmp_path):
+    """eval_every=2 over 3 steps: greedy pass@1 on the test split after steps 2 and 3 (the
+    last), on the weights of that step: the last score equals a fresh evaluation of the
+    trained params, and a bad eval_prompts is refused by name."""
+    from a3po_jax.evaluation import evaluate, host_generate_fn
+    from a3po_jax.inference.host import InferenceHost
+
+    cfg = dataclasses.replace(
+        make_cfg(tmp_path, "eval", steps=3, prox="a3po"), eval_every=2, eval_prompts=5
+    )
+    policy = load_policy(cfg.model)
+    trainer = Trainer(cfg, policy, task=LetterTask(), console=False)
+    trainer.run()
+    records = read_metrics(cfg.run_dir)
+    assert "eval/accuracy" not in records[0]
+    for r in records[1:]:
+        assert 0.0 <= r["eval/accuracy"] <= 1.0
+        assert r["eval/num_prompts"] == 5 and r["eval/version"] == r["version"]
+        assert r["time/eval_s"] > 0
+
+    rc = cfg.rollout
+    eos = policy.tokenizer.eos_token_id
+    with InferenceHost(
+        policy.config,
+        trainer.state.params,
+        num_slots=rc.num_slots,
+        prefill_buckets=tuple(rc.prompt_buckets),
+        max_cache_len=max(rc.prompt_buckets) + rc.max_new_tokens,
+    ) as host:
+        fresh = evaluate(
+            LetterTask(),
+            "test",
+            host_generate_fn(host, stop_tokens=() if eos is None else (int(eos),)),
+            policy.tokenizer,
+            num_prompts=5,
+            max_new_tokens=rc.max_new_tokens,
+            seed=3,
+        )
+    assert records[-1]["eval/accuracy"] == pytest.approx(fresh.accuracy, abs=1e-12)
+
+    with pytest.raises(ValueError, match="eval_prompts"):
+        dataclasses.replace(cfg, eval_prompts=0)
