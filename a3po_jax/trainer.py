@@ -233,21 +233,12 @@ class Trainer:
 
         self._own_host = host is None and self.leader
         if self._own_host:
-            from a3po_jax.inference.host import InferenceHost
-
-            host = InferenceHost(
-                policy.config,
-                policy.params,
-                num_slots=cfg.rollout.num_slots,
-                prefill_buckets=tuple(cfg.rollout.prompt_buckets),
-                max_cache_len=max(cfg.rollout.prompt_buckets) + cfg.rollout.max_new_tokens,
-                update_policy=cfg.system.effective_update_policy,
-                seed=0,
-            ).start()
+            host = self._embedded_host(policy.params, 0, cfg.system.effective_update_policy)
         self.host = host
         # Evaluation gets a host of its own (built at the first evaluation): the rollout host
         # is busy with training groups, and its results go to the collector.
         self._eval_host = None
+        self._eval_num_prompts = 0  # eval_prompts capped at the test split's size
         if self.leader and not self._own_host:
             # A remote host's update policy is fixed when it starts: refuse a mismatch now
             # rather than train on samples that span versions in a mode that forbids it.
@@ -757,36 +748,41 @@ class Trainer:
             self._eval_host.close()
             self._eval_host = None
 
+    def _embedded_host(self, params: Any, version: int, update_policy: str):
+        """A started in-process inference host sized by the rollout settings."""
+        from a3po_jax.inference.host import InferenceHost
+
+        rollout = self.cfg.rollout
+        return InferenceHost(
+            self.policy.config,
+            params,
+            num_slots=rollout.num_slots,
+            prefill_buckets=tuple(rollout.prompt_buckets),
+            max_cache_len=max(rollout.prompt_buckets) + rollout.max_new_tokens,
+            version=version,
+            update_policy=update_policy,
+            seed=0,
+        ).start()
+
     def _evaluate(self, version: int) -> dict[str, float]:
         """Greedy pass@1 of the current params on the first ``eval_prompts`` prompts of the
         task's test split, on an embedded evaluation host (built once, weights pushed at
         every evaluation). Returns ``eval/*`` metrics for this step's record."""
         from a3po_jax.evaluation import evaluate, host_generate_fn
-        from a3po_jax.inference.host import InferenceHost
 
-        cfg = self.cfg
         t0 = time.perf_counter()
         if self._eval_host is None:
-            self._eval_host = InferenceHost(
-                self.policy.config,
-                self.state.params,
-                num_slots=cfg.rollout.num_slots,
-                prefill_buckets=tuple(cfg.rollout.prompt_buckets),
-                max_cache_len=max(cfg.rollout.prompt_buckets) + cfg.rollout.max_new_tokens,
-                version=version,
-                update_policy="drain",
-            ).start()
+            self._eval_host = self._embedded_host(self.state.params, version, "drain")
+            self._eval_num_prompts = min(self.cfg.eval_prompts, len(self.task.prompts("test")))
         else:
             self._eval_host.update_weights(self.state.params, version)
-        eos = self.policy.tokenizer.eos_token_id
-        n_test = len(self.task.prompts("test"))
         result = evaluate(
             self.task,
             "test",
-            host_generate_fn(self._eval_host, stop_tokens=() if eos is None else (int(eos),)),
+            host_generate_fn(self._eval_host, stop_tokens=self.sampling.stop_tokens),
             self.policy.tokenizer,
-            num_prompts=min(cfg.eval_prompts, n_test),
-            max_new_tokens=cfg.rollout.max_new_tokens,
+            num_prompts=self._eval_num_prompts,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
             seed=version,
         )
         return {
