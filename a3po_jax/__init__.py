@@ -5,7 +5,7 @@ the host-side shell (inference host, rollout queue, trainer loop, CLI) lives in 
 modules. Public loss functions are re-exported here.
 """
 
-from a3po_jax.losses import (
+from a3po_jax.core.losses import (
     AGGREGATIONS,
     a3po_alpha,
     a3po_prox_logp,

@@ -9,7 +9,7 @@ Command:  python scripts/run_sweep.py experiments/a3po_compare_local.py
                 run_dir=runs/a3po_compare_local/behav                        # naive async PPO
             a3po-train experiments/a3po_compare_local.py system.mode=sync algo.prox=behav \\
                 run_dir=runs/a3po_compare_local/sync_grpo                    # sync GRPO
-          then  python -m a3po_jax.results runs/a3po_compare_local --out runs/a3po_compare_local
+          then  python -m a3po_jax.cli.results runs/a3po_compare_local --out runs/a3po_compare_local
 Hardware: a 2-core CPU, no accelerator, embedded inference host. The quickstart (same
           model, task and batch) takes about 15 minutes for 30 steps there, so the
           4-run sweep is about an hour. Not run for the results committed in results/
@@ -26,7 +26,7 @@ Parent:   experiments/quickstart_a3po.py (model, task, batch, learning rate); ch
 import dataclasses
 from pathlib import Path
 
-from a3po_jax.config import TrainConfig, load_experiment
+from a3po_jax.training.config import TrainConfig, load_experiment
 
 SWEEP = [
     {"system.mode": "sync", "algo.prox": "behav"},

@@ -1,7 +1,7 @@
 """A-3PO comparison at toy scale: sync GRPO vs decoupled PPO vs A-3PO vs naive async PPO.
 
 Command:  python scripts/run_sweep.py experiments/a3po_compare_toy.py --prune
-          python -m a3po_jax.results results/a3po_compare_toy --out results/a3po_compare_toy
+          python -m a3po_jax.cli.results results/a3po_compare_toy --out results/a3po_compare_toy
           (one run: a3po-train experiments/a3po_compare_toy.py algo.prox=recompute)
 Hardware: a 2-core CPU, no accelerator; 10-20 s per run once run_sweep.py's JAX
           compilation cache is warm (the first run compiles for ~40 s), about 4 minutes
@@ -15,13 +15,13 @@ What it shows: the A-3PO paper's comparison (arXiv 2512.06547) on a task a rando
             * A-3PO         algo.prox=a3po                    (the base config)
             * naive async   algo.prox=behav                   (PPO clip vs behaviour)
           each with seeds 0, 1 and 2 (data order and sampling; same initial weights).
-Parent:   the defaults in a3po_jax/config.py; changes: the tiny random model (model.name
+Parent:   the defaults in a3po_jax/training/config.py; changes: the tiny random model (model.name
           = "tiny", character tokenizer), the toy task, a learning rate sized for a
           random model (3e-3), 8 samples x 4 prompts per step, 12 new tokens, 40 steps,
           η = 4, no checkpoints. Child: experiments/staleness_sweep_toy.py.
 """
 
-from a3po_jax.config import (
+from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     OptimSection,

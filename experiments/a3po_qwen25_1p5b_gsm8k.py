@@ -26,10 +26,10 @@ Sizes:    after AReaL's GSM8K GRPO example (inclusionAI/AReaL examples/math/gsm8
           clip ε 0.4, importance-weight cap 5, max staleness η = 2, one minibatch per
           batch, ~10 epochs of GSM8K's 7473 training problems (300 steps). AReaL's reward
           scaling (x10, -0.5) is omitted: group-normalised advantages cancel it.
-Parent:   the defaults in a3po_jax/config.py.
+Parent:   the defaults in a3po_jax/training/config.py.
 """
 
-from a3po_jax.config import (
+from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     OptimSection,

@@ -31,7 +31,7 @@ Parent:   experiments/a3po_qwen25_1p5b_gsm8k.py in spirit (same comparison, SWEE
 
 import json
 
-from a3po_jax.config import (
+from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     OptimSection,

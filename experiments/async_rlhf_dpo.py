@@ -3,7 +3,7 @@
 Command:  python scripts/run_sweep.py experiments/async_rlhf_dpo.py
           one run: a3po-train experiments/async_rlhf_dpo.py algo.num_minibatches=4 \\
               run_dir=runs/async_rlhf_dpo/dpo_n4
-          then  python -m a3po_jax.results results/async_rlhf_dpo --out results/async_rlhf_dpo
+          then  python -m a3po_jax.cli.results results/async_rlhf_dpo --out results/async_rlhf_dpo
 Hardware: a 2-core CPU runs it (SmolLM2-135M, embedded inference host) at roughly
           10-20 s per step, so the 15-run sweep takes several hours; not run for the
           committed results. On a GPU add rollout.groups_per_step=64.
@@ -30,7 +30,7 @@ Parent:   experiments/a3po_compare_local.py (model, task, learning rate); change
 import dataclasses
 from pathlib import Path
 
-from a3po_jax.config import AlgoSection, SystemSection, TrainConfig, load_experiment
+from a3po_jax.training.config import AlgoSection, SystemSection, TrainConfig, load_experiment
 
 LOSSES = {
     "dpo": {"algo.loss": "dpo", "algo.advantage": "grpo"},

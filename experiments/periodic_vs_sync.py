@@ -34,7 +34,7 @@ Parent:   experiments/a3po_qwen25_1p5b_gsm8k.py (model, GSM8K, batch, lengths, o
 import dataclasses
 from pathlib import Path
 
-from a3po_jax.config import SystemSection, TrainConfig, load_experiment
+from a3po_jax.training.config import SystemSection, TrainConfig, load_experiment
 
 SWEEP = [{"system.mode": "periodic"}, {"system.mode": "sync"}]
 

@@ -6,10 +6,10 @@ Hardware: a 2-core laptop/CI CPU, embedded inference host in the same process; a
 What it shows: reward on 2-term 1-digit sums (reasoning-gym chain_sum) rising from the
           untrained model's level, trained asynchronously (η = 1, in-flight weight
           updates) with A-3PO's interpolated proximal policy (no extra forward pass).
-Parent:   the defaults in a3po_jax/config.py; changes the model size-dependent knobs only.
+Parent:   the defaults in a3po_jax/training/config.py; changes the model size-dependent knobs only.
 """
 
-from a3po_jax.config import (
+from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     OptimSection,

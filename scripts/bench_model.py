@@ -19,8 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.assets import smollm2_config
 from a3po_jax.model import ModelConfig, apply, init_kv_cache, init_params
+from a3po_jax.model.assets import smollm2_config
 
 PRESETS = {
     "tiny": lambda **kw: ModelConfig.tiny(**kw),

@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from a3po_jax.config import (
+from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     RolloutSection,
@@ -29,8 +29,8 @@ from a3po_jax.config import (
     TaskSection,
     TrainConfig,
 )
-from a3po_jax.metrics_logging import read_metrics
-from a3po_jax.trainer import Trainer, load_policy
+from a3po_jax.training.metrics import read_metrics
+from a3po_jax.training.trainer import Trainer, load_policy
 
 MODES = (("sync", 0), ("periodic", 0), ("one_step_off", 1), ("async", 2))
 

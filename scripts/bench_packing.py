@@ -38,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
-from a3po_jax import model, packing
-from a3po_jax import train_step as ts
-from a3po_jax.batching import build_batch
-from a3po_jax.rollout_queue import RolloutGroup
+from a3po_jax import model
+from a3po_jax.core import packing
+from a3po_jax.core import train_step as ts
+from a3po_jax.core.batching import build_batch
+from a3po_jax.rollout.queue import RolloutGroup
 
 
 def singleton_groups(groups):

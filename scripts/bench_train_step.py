@@ -28,9 +28,9 @@ import numpy as np
 from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
-from a3po_jax import train_step as ts
-from a3po_jax.batching import build_batch
-from a3po_jax.config import AlgoSection, RolloutSection, TrainConfig
+from a3po_jax.core import train_step as ts
+from a3po_jax.core.batching import build_batch
+from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
 
 
 def time_fn(fn, args, repeats):

@@ -10,7 +10,7 @@ standalone inference host. ``--dry-run`` prints the command every host would run
 What works today, and what does not (the launcher does not pretend otherwise):
 
 * ``cpu``: one process, embedded inference host (``a3po-train`` as is).
-* ``gpu-node``: the inference host (``python -m a3po_jax.inference.grpc_server``) on its own
+* ``gpu-node``: the inference host (``python -m a3po_jax.cli.serve``) on its own
   GPUs and the trainer on others, talking over gRPC on localhost with a shared token file.
   The trainer shards the model over all its ``--trainer-gpus`` (``system.mesh_*``; FSDP
   over all of them by default). More inference hosts (other nodes) can be added with
@@ -18,7 +18,7 @@ What works today, and what does not (the launcher does not pretend otherwise):
   fails over when one dies (``a3po_jax.inference.pool``).
 * ``tpu-pod``: prints and runs (over ``gcloud ... ssh``) the trainer command for every
   worker, with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
-  set (``a3po_jax.distributed.initialize`` reads them: worker 0 talks to the inference host
+  set (``a3po_jax.parallel.distributed.initialize`` reads them: worker 0 talks to the inference host
   and broadcasts each batch, all workers train on one global mesh), and the inference host
   on its own TPU VM. ``run_dir`` must be a path every worker can write (checkpoints are
   saved by all of them). ``system.mode=periodic`` and ``algo.kl_in_reward`` are
@@ -190,13 +190,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _resolve(experiment: str, overrides: list[str]):
-    from a3po_jax.config import apply_overrides, load_experiment
+    from a3po_jax.training.config import apply_overrides, load_experiment
 
     return apply_overrides(load_experiment(experiment), overrides)
 
 
 def _train_argv(python: str, experiment: str, overrides: list[str], resume: bool) -> tuple:
-    return (python, "-m", "a3po_jax.train", experiment, *overrides) + (
+    return (python, "-m", "a3po_jax.cli.train", experiment, *overrides) + (
         ("--resume",) if resume else ()
     )
 
@@ -207,7 +207,7 @@ def _host_argv(python: str, cfg, *, port: int, bind: str, token_file: str) -> tu
     return (
         python,
         "-m",
-        "a3po_jax.inference.grpc_server",
+        "a3po_jax.cli.serve",
         "--model",
         cfg.model.name,
         "--port",
@@ -314,7 +314,7 @@ def plan_inference_host(args: argparse.Namespace) -> list[HostCommand]:
     argv = (
         sys.executable,
         "-m",
-        "a3po_jax.inference.grpc_server",
+        "a3po_jax.cli.serve",
         "--model",
         args.model,
         "--port",
@@ -406,7 +406,7 @@ def run(commands: list[HostCommand], *, host_timeout_s: float = 1800.0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from a3po_jax.config import ConfigError
+    from a3po_jax.training.config import ConfigError
 
     try:
         commands = PLANS[args.target](args)

@@ -5,9 +5,9 @@
     python scripts/run_sweep.py experiments/a3po_compare_toy.py --only prox-a3po_seed-0
     python scripts/run_sweep.py experiments/a3po_compare_toy.py steps=10   # extra overrides
 
-Each SWEEP entry (see ``a3po_jax.sweeps``) runs as ``a3po-train EXPERIMENT <entry
+Each SWEEP entry (see ``a3po_jax.analysis.sweeps``) runs as ``a3po-train EXPERIMENT <entry
 overrides> <extra overrides> run_dir=OUT/<name>``, in this process, through
-``a3po_jax.train.main``. OUT defaults to ``results/<experiment file stem>``.
+``a3po_jax.cli.train.main``. OUT defaults to ``results/<experiment file stem>``.
 
 Resumable: a run whose ``metrics.jsonl`` already reaches ``steps`` is skipped; an
 unfinished run continues from its last checkpoint (``--resume``) if it has one, and
@@ -34,8 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from a3po_jax.config import ConfigError
-from a3po_jax.sweeps import completed_steps, is_complete, load_sweep, resolve
+from a3po_jax.analysis.sweeps import completed_steps, is_complete, load_sweep, resolve
+from a3po_jax.training.config import ConfigError
 
 DEFAULT_CACHE = "~/.cache/a3po_jax/jax_compilation_cache"
 KEEP_WHEN_PRUNED = ("config.json", "metrics.jsonl")
@@ -91,7 +91,7 @@ def _run_in_subprocess(argv_run: list[str], compile_cache: str) -> int:
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
         )
-    child = subprocess.Popen([sys.executable, "-m", "a3po_jax.train", *argv_run], env=env)
+    child = subprocess.Popen([sys.executable, "-m", "a3po_jax.cli.train", *argv_run], env=env)
 
     def forward(signum, frame):  # the run checkpoints and stops; the sweep stops after it
         child.send_signal(signum)
@@ -107,7 +107,7 @@ def _has_checkpoint(run_dir: Path) -> bool:
     directory = run_dir / "checkpoints"
     if not directory.is_dir() or not any(directory.iterdir()):
         return False
-    from a3po_jax.checkpointing import CheckpointManager
+    from a3po_jax.training.checkpointing import CheckpointManager
 
     return CheckpointManager(directory).latest_step() is not None
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and args.compile_cache:
         _enable_compile_cache(args.compile_cache)
 
-    from a3po_jax import train
+    from a3po_jax.cli import train
 
     failed: list[str] = []
     sweep_start = time.perf_counter()

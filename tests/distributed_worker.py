@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from a3po_jax import distributed  # noqa: E402  (jax must not touch a device before this)
+from a3po_jax.parallel import distributed  # noqa: E402  (jax must not touch a device before this)
 
 
 def sample_batch(scale: int) -> dict[str, np.ndarray]:
@@ -83,10 +83,10 @@ def train(steps: int, mesh_sizes: tuple[int, int, int]) -> tuple[dict, list[floa
     from test_train_step import CFG, make_config, make_groups
 
     from a3po_jax import model
-    from a3po_jax import train_step as ts
-    from a3po_jax.batching import build_batch
-    from a3po_jax.config import OptimSection
-    from a3po_jax.sharding import make_mesh
+    from a3po_jax.core import train_step as ts
+    from a3po_jax.core.batching import build_batch
+    from a3po_jax.parallel.sharding import make_mesh
+    from a3po_jax.training.config import OptimSection
 
     rows = 16  # make_config: 4 groups of 4
     # A learning rate that moves the weights by ~1e-3 per step, far above the tolerance the

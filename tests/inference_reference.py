@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from a3po_jax import losses
 from a3po_jax import model as M
+from a3po_jax.core import losses
 
 CFG = M.ModelConfig.tiny()
 REF_LEN = 160  # fixed reference length: one compile for every recomputation
@@ -74,7 +74,7 @@ def collect(host, n, timeout=120.0) -> dict:
 
 
 def start_grpc_server(token_file, *args):
-    """Start `python -m a3po_jax.inference.grpc_server --model tiny` on a free port.
+    """Start `python -m a3po_jax.cli.serve --model tiny` on a free port.
 
     Returns (process, "host:port"); the server writes its token to `token_file`. Extra
     command-line flags go in `args`. Fails the test if the server is not ready in 180 s.
@@ -91,7 +91,7 @@ def start_grpc_server(token_file, *args):
     from a3po_jax.inference.grpc_server import READY_LINE
 
     cmd = [
-        sys.executable, "-m", "a3po_jax.inference.grpc_server", "--model", "tiny",
+        sys.executable, "-m", "a3po_jax.cli.serve", "--model", "tiny",
         "--port", "0", "--host", "127.0.0.1", "--token-file", str(token_file), *args,
     ]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")

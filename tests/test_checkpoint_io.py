@@ -19,15 +19,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from a3po_jax import checkpoint_io  # noqa: E402
-from a3po_jax.checkpoint_io import (  # noqa: E402
+from a3po_jax.model import (  # noqa: E402
+    apply,
+    checkpoint_io,  # noqa: E402
+    greedy_generate,
+)
+from a3po_jax.model.checkpoint_io import (  # noqa: E402
     CheckpointError,
     load_gguf,
     load_hf_checkpoint,
     load_hf_config,
     save_hf_checkpoint,
 )
-from a3po_jax.model import apply, greedy_generate  # noqa: E402
 
 _SMALL = dict(
     vocab_size=96,
@@ -316,7 +319,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1 + 1 ="]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from a3po_jax.assets import smollm2_gguf_path
+    from a3po_jax.model.assets import smollm2_gguf_path
 
     try:
         gguf_path = smollm2_gguf_path()
@@ -384,7 +387,7 @@ def test_smollm2_greedy_equals_transformers_generate(smollm2):
 _NO_TORCH = """
 import sys
 sys.modules["torch"] = None  # `import torch` raises; transformers sees no torch
-from a3po_jax.checkpoint_io import load_gguf, load_hf_checkpoint
+from a3po_jax.model.checkpoint_io import load_gguf, load_hf_checkpoint
 config, params = load_hf_checkpoint(sys.argv[1])
 gguf_config, _ = load_gguf(sys.argv[2])
 assert "torch" not in sys.modules or sys.modules["torch"] is None
@@ -417,7 +420,7 @@ def _saved(model, path):
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
-    from a3po_jax import assets
+    from a3po_jax.model import assets
 
     monkeypatch.setenv("A3PO_CACHE", str(tmp_path))
     assert assets.smollm2_cache_dir() == tmp_path / "smollm2-135m-instruct"
@@ -427,7 +430,7 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
 def test_smollm2_config_matches_the_gguf_metadata():
     import gguf
 
-    from a3po_jax import assets
+    from a3po_jax.model import assets
 
     try:
         path = assets.smollm2_gguf_path()
@@ -438,7 +441,7 @@ def test_smollm2_config_matches_the_gguf_metadata():
 
 @pytest.mark.slow
 def test_prepare_smollm2_once_then_load_and_generate(tmp_path):
-    from a3po_jax import assets
+    from a3po_jax.model import assets
 
     try:
         assets.smollm2_gguf_path()

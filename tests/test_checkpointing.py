@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from a3po_jax.checkpointing import (
+from a3po_jax.training.checkpointing import (
     COMMIT_MARKER,
     CheckpointManager,
     check_json_roundtrip,
@@ -146,7 +146,7 @@ def test_half_written_checkpoints_are_ignored_and_logged(tmp_path, caplog):
     partial = tmp_path / "4"
     (partial / "params").mkdir(parents=True)
     (partial / "params" / "_METADATA").write_text("{")
-    with caplog.at_level(logging.WARNING, logger="a3po_jax.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="a3po_jax.training.checkpointing"):
         manager = CheckpointManager(tmp_path)
     assert (
         "ignoring unfinished checkpoint" in caplog.text and "3.orbax-checkpoint-tmp" in caplog.text

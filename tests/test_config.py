@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from a3po_jax.config import (
+from a3po_jax.cli.train import main
+from a3po_jax.training.config import (
     ConfigError,
     TrainConfig,
     apply_overrides,
     config_from_dict,
     load_experiment,
 )
-from a3po_jax.train import main
 
 
 def test_overrides_parse_types_and_sections():

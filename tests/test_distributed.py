@@ -1,4 +1,4 @@
-"""Multi-process training helpers (``a3po_jax.distributed``).
+"""Multi-process training helpers (``a3po_jax.parallel.distributed``).
 
 Fast tests cover the single-process path in this process: argument and environment
 resolution, the batch encoding, ``global_batch`` and ``gather_params``. The slow ones start
@@ -22,8 +22,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from a3po_jax import distributed, model
-from a3po_jax.sharding import make_mesh
+from a3po_jax import model
+from a3po_jax.parallel import distributed
+from a3po_jax.parallel.sharding import make_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "distributed_worker.py"
@@ -164,7 +165,7 @@ def test_broadcast_batch_refuses_what_it_cannot_carry():
 
 
 def test_global_batch_and_gather_params_on_one_process():
-    from a3po_jax import train_step as ts
+    from a3po_jax.core import train_step as ts
 
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     arrays = {"tokens": np.arange(8, dtype=np.int32).reshape(4, 2), "mask": np.ones((4, 2))}
@@ -190,7 +191,7 @@ START_ERRORS = textwrap.dedent(
     """
     import socket, time
     import jax
-    from a3po_jax import distributed
+    from a3po_jax.parallel import distributed
 
     # Process 1 with no coordinator listening: JAX alone would abort the process (a fatal
     # log after its timeout, no exception); here it is a RuntimeError naming the address.

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from a3po_jax.evaluation import EvalResult, accuracy_with_stderr, evaluate
+from a3po_jax.analysis.evaluation import EvalResult, accuracy_with_stderr, evaluate
 from a3po_jax.tasks import ReasoningGymTask, render_prompt
 
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from a3po_jax import model
-from a3po_jax.char_tokenizer import char_tokenizer
-from a3po_jax.evaluation import evaluate, host_generate_fn
+from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
 from a3po_jax.inference.host import InferenceHost
+from a3po_jax.model.char_tokenizer import char_tokenizer
 from a3po_jax.tasks import Prompt, render_prompt
 
 

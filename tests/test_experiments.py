@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from a3po_jax.config import ConfigError, TrainConfig, load_experiment
-from a3po_jax.sweeps import (
+from a3po_jax.analysis.sweeps import (
     SweepRun,
     completed_steps,
     entry_overrides,
@@ -19,6 +18,7 @@ from a3po_jax.sweeps import (
     resolve,
     run_name,
 )
+from a3po_jax.training.config import ConfigError, TrainConfig, load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.py"))
@@ -160,7 +160,7 @@ def test_override_formatting_and_names():
 
 
 def test_bad_sweeps_are_rejected(tmp_path):
-    body = "from a3po_jax.config import TrainConfig\n\ndef config():\n    return TrainConfig()\n"
+    body = "from a3po_jax.training.config import TrainConfig\n\ndef config():\n    return TrainConfig()\n"
     cases = {
         "notalist.py": ("SWEEP = {'algo.prox': 'a3po'}", "non-empty list"),
         "dup.py": ("SWEEP = [{'seed': 1}, {'seed': 1}]", "both 'seed-1'"),
@@ -261,7 +261,7 @@ def test_launch_cpu_dry_run(capsys):
     (command,) = hosts.values()
     words = shlex.split(command)
     assert words[0] == "JAX_PLATFORMS=cpu"
-    assert words[2:] == ["-m", "a3po_jax.train", "experiments/smoke_tiny.py", "steps=2"]
+    assert words[2:] == ["-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py", "steps=2"]
 
 
 def test_launch_gpu_node_dry_run_splits_devices(capsys, tmp_path):
@@ -284,7 +284,7 @@ def test_launch_gpu_node_dry_run_splits_devices(capsys, tmp_path):
     host, trainer = (shlex.split(hosts[k]) for k in hosts)
     assert "CUDA_VISIBLE_DEVICES=1,2" in host and "CUDA_VISIBLE_DEVICES=0" in trainer
     # The host serves exactly what the trainer's config asks for.
-    assert host[3:5] == ["-m", "a3po_jax.inference.grpc_server"]
+    assert host[3:5] == ["-m", "a3po_jax.cli.serve"]
     assert host[host.index("--model") + 1] == "/ckpt/qwen"
     assert host[host.index("--port") + 1] == "50077"
     assert host[host.index("--num-slots") + 1] == "256"
@@ -325,7 +325,7 @@ def test_launch_tpu_pod_dry_run_prints_every_worker(capsys):
     )
     assert list(hosts) == ["inference host"] + [f"trainer worker {i}" for i in range(4)]
     assert "tpu-vm ssh inf1" in hosts["inference host"]
-    assert "a3po_jax.inference.grpc_server" in hosts["inference host"]
+    assert "a3po_jax.cli.serve" in hosts["inference host"]
     for i in range(4):
         words = shlex.split(hosts[f"trainer worker {i}"])
         assert words[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod1"]
@@ -370,7 +370,7 @@ def test_run_sweep_stops_when_a_run_is_stopped(tmp_path, capsys, monkeypatch):
     """A run that returns 0 before its last step was stopped (SIGTERM): the sweep stops too,
     instead of going on with the next run."""
     run_sweep = load_script("run_sweep")
-    from a3po_jax import train
+    from a3po_jax.cli import train
 
     calls = []
     monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 0)

@@ -350,8 +350,8 @@ def test_closed_host_rejects_and_fails_pending(params):
 
 @pytest.mark.slow
 def test_smollm2_greedy_through_host():
-    from a3po_jax import assets
     from a3po_jax import model as M
+    from a3po_jax.model import assets
 
     try:
         config, smol, tokenizer = assets.load_smollm2(max_seq_len=256)

@@ -1,4 +1,4 @@
-"""Golden-value and invariance tests for a3po_jax.losses (design.md §3).
+"""Golden-value and invariance tests for a3po_jax.core.losses (design.md §3).
 
 Each golden value is small enough to check by hand; the comment beside it says what a
 plausible wrong implementation would give instead.
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from a3po_jax import losses as L
+from a3po_jax.core import losses as L
 
 JIT_VARIANTS = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["nojit", "jit"])
 

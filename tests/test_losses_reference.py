@@ -1,5 +1,5 @@
 """Independent cross-check: the losses written plainly in NumPy, token by token, agree with
-a3po_jax.losses on random inputs, including all-masked rows, huge ratios and zero
+a3po_jax.core.losses on random inputs, including all-masked rows, huge ratios and zero
 advantages. The NumPy code loops over tokens on purpose: it shares no vectorised trick (and
 so no bug) with the JAX code.
 """
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from a3po_jax import losses as L
+from a3po_jax.core import losses as L
 
 
 def np_decoupled_ppo(logp, prox, behav, adv, mask, eps_lo, eps_hi, dual, cap, cap_mode, agg):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from a3po_jax.metrics_logging import (
+from a3po_jax.training.metrics import (
     MetricsLogger,
     ProgressBar,
     Timer,
@@ -112,7 +112,7 @@ def test_read_metrics_skips_a_truncated_last_line_and_resume_appends(tmp_path, c
         logger.log(2, {"loss": 0.5})
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "loss": 0.2')  # the process died mid-write
-    with caplog.at_level(logging.WARNING, logger="a3po_jax.metrics_logging"):
+    with caplog.at_level(logging.WARNING, logger="a3po_jax.training.metrics"):
         records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert "truncated last line 3" in caplog.text
@@ -121,7 +121,7 @@ def test_read_metrics_skips_a_truncated_last_line_and_resume_appends(tmp_path, c
     with MetricsLogger(tmp_path, tensorboard=False, console=False) as logger:
         logger.log(3, {"loss": 0.25})
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="a3po_jax.metrics_logging"):
+    with caplog.at_level(logging.WARNING, logger="a3po_jax.training.metrics"):
         records = read_metrics(tmp_path)
     assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 0.5), (3, 0.25)]
     assert "unreadable line 3" in caplog.text

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from a3po_jax import model, packing
-from a3po_jax import train_step as ts
-from a3po_jax.batching import build_batch
-from a3po_jax.rollout_queue import Rollout, RolloutGroup
+from a3po_jax import model
+from a3po_jax.core import packing
+from a3po_jax.core import train_step as ts
+from a3po_jax.core.batching import build_batch
+from a3po_jax.rollout.queue import Rollout, RolloutGroup
 
 TINY = model.ModelConfig.tiny()
 TEMPERATURE = 0.7
@@ -362,7 +363,7 @@ def test_one_pass_runs_no_forward_for_old(groups, tiny_params):
 
 @pytest.mark.slow
 def test_smollm2_packed_matches_unpacked():
-    assets = pytest.importorskip("a3po_jax.assets")
+    assets = pytest.importorskip("a3po_jax.model.assets")
     try:
         config, params, _ = assets.load_smollm2()
     except FileNotFoundError as e:

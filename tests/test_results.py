@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from a3po_jax import results
-from a3po_jax.config import AlgoSection, SystemSection, TrainConfig
-from a3po_jax.metrics_logging import MetricsLogger
+from a3po_jax.analysis import results
+from a3po_jax.training.config import AlgoSection, SystemSection, TrainConfig
+from a3po_jax.training.metrics import MetricsLogger
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

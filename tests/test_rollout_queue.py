@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from a3po_jax.rollout_queue import (
+from a3po_jax.rollout.queue import (
     AdmissionError,
     QueueClosed,
     Rollout,

@@ -24,7 +24,7 @@ from a3po_jax.model import (
     init_kv_cache,
     init_params,
 )
-from a3po_jax.sharding import (
+from a3po_jax.parallel.sharding import (
     INFERENCE_RULES,
     TRAIN_RULES,
     batch_sharding,
@@ -230,7 +230,7 @@ def test_eight_mesh_not_dividing_heads_or_batch_names_both_numbers():
 
 @eight_only
 def test_eight_checkpoint_loads_straight_into_shardings(tmp_path):
-    from a3po_jax.checkpoint_io import load_hf_checkpoint, save_hf_checkpoint
+    from a3po_jax.model.checkpoint_io import load_hf_checkpoint, save_hf_checkpoint
 
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     params = init_params(CONFIG, jax.random.key(3))

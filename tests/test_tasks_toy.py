@@ -57,7 +57,7 @@ def test_targets_come_from_the_letters_and_the_prompt_names_its_target():
 def test_prompts_fit_the_toy_prefill_bucket():
     # The toy experiments pad prompts to 64 characters with the ChatML template around the
     # question (~44 characters of template): the question must stay short.
-    from a3po_jax.char_tokenizer import char_tokenizer
+    from a3po_jax.model.char_tokenizer import char_tokenizer
     from a3po_jax.tasks import render_prompt
 
     tok = char_tokenizer()
@@ -151,9 +151,9 @@ def test_a_random_tiny_model_learns_it_in_tens_of_steps(tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from a3po_jax.config import load_experiment
-    from a3po_jax.metrics_logging import read_metrics
-    from a3po_jax.trainer import Trainer, load_policy
+    from a3po_jax.training.config import load_experiment
+    from a3po_jax.training.metrics import read_metrics
+    from a3po_jax.training.trainer import Trainer, load_policy
 
     experiment = Path(__file__).parents[1] / "experiments" / "a3po_compare_toy.py"
     cfg = load_experiment(experiment)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from a3po_jax import model
-from a3po_jax import train_step as ts
-from a3po_jax.batching import build_batch
-from a3po_jax.config import AlgoSection, RolloutSection, TrainConfig
-from a3po_jax.rollout_queue import Rollout, RolloutGroup
+from a3po_jax.core import train_step as ts
+from a3po_jax.core.batching import build_batch
+from a3po_jax.rollout.queue import Rollout, RolloutGroup
+from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
 
 CFG = model.ModelConfig.tiny()
 
@@ -251,7 +251,7 @@ def test_train_step_traces_once_per_bucket_shape():
 def test_packed_and_one_pass_steps_equal_the_plain_recompute_step():
     # Shared-prompt packing changes the layout, not the math; the one-pass old policy
     # (old = sg(current) with one optimizer step) equals a separate no-grad pass.
-    from a3po_jax.packing import pack_groups
+    from a3po_jax.core.packing import pack_groups
 
     cfg = make_config(prox="recompute")
     groups = make_groups(seed=6)

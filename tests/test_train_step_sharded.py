@@ -13,9 +13,10 @@ SCRIPT = textwrap.dedent(
     import chex, jax, numpy as np
     sys.path.insert(0, "tests")
     from test_train_step import make_groups, make_config, CFG
-    from a3po_jax import model, train_step as ts
-    from a3po_jax.batching import build_batch
-    from a3po_jax.sharding import make_mesh
+    from a3po_jax import model
+    from a3po_jax.core import train_step as ts
+    from a3po_jax.core.batching import build_batch
+    from a3po_jax.parallel.sharding import make_mesh
 
     assert len(jax.devices()) == 8, jax.devices()
     cfg = make_config(prox="a3po")

@@ -6,7 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from a3po_jax.config import (
+from a3po_jax.tasks import Prompt
+from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     RolloutSection,
@@ -14,9 +15,8 @@ from a3po_jax.config import (
     TaskSection,
     TrainConfig,
 )
-from a3po_jax.metrics_logging import read_metrics
-from a3po_jax.tasks import Prompt
-from a3po_jax.trainer import Trainer, load_policy
+from a3po_jax.training.metrics import read_metrics
+from a3po_jax.training.trainer import Trainer, load_policy
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +163,7 @@ def test_eval_every_scores_the_steps_weights(tmp_path):
     """eval_every=2 over 3 steps: greedy pass@1 on the test split after steps 2 and 3 (the
     last), on the weights of that step: the last score equals a fresh evaluation of the
     trained params, and a bad eval_prompts is refused by name."""
-    from a3po_jax.evaluation import evaluate, host_generate_fn
+    from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
     from a3po_jax.inference.host import InferenceHost
 
     cfg = dataclasses.replace(

@@ -18,10 +18,10 @@ import pytest
 from inference_reference import start_grpc_server, stop_grpc_server
 from test_trainer_e2e import LetterTask, make_cfg
 
+from a3po_jax.cli.train import connect_hosts
 from a3po_jax.inference.grpc_client import GrpcInferenceClient
-from a3po_jax.metrics_logging import read_metrics
-from a3po_jax.train import connect_hosts
-from a3po_jax.trainer import Trainer, load_policy
+from a3po_jax.training.metrics import read_metrics
+from a3po_jax.training.trainer import Trainer, load_policy
 
 pytestmark = pytest.mark.slow
 

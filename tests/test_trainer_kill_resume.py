@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from a3po_jax.checkpointing import CheckpointManager
-from a3po_jax.metrics_logging import read_metrics
+from a3po_jax.training.checkpointing import CheckpointManager
+from a3po_jax.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def cli(run_dir, *extra):
     return [
-        sys.executable, "-m", "a3po_jax.train", "experiments/smoke_tiny.py",
+        sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
         f"run_dir={run_dir}", "steps=6", "checkpoint_every=1", "system.mode=sync",
         "task.name=letters", "task.options={}", *extra,
     ]  # fmt: skip

@@ -18,13 +18,13 @@ import time
 import pytest
 from test_distributed import REPO, cpu_env, free_port
 
-from a3po_jax.checkpointing import CheckpointManager
-from a3po_jax.metrics_logging import read_metrics
+from a3po_jax.training.checkpointing import CheckpointManager
+from a3po_jax.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
 RUN = [
-    sys.executable, "-m", "a3po_jax.train", "experiments/smoke_tiny.py",
+    sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
     "task.name=letters", "task.options={}", "system.mode=sync", "algo.prox=behav",
     "rollout.prompt_buckets=64", "rollout.group_size=8", "rollout.groups_per_step=4",
     "rollout.max_new_tokens=12", "rollout.num_slots=32", "optim.learning_rate=3e-3",

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from test_trainer_e2e import LetterTask, make_cfg
 
-from a3po_jax.checkpointing import CheckpointManager
-from a3po_jax.metrics_logging import read_metrics
-from a3po_jax.trainer import Trainer, load_policy
+from a3po_jax.training.checkpointing import CheckpointManager
+from a3po_jax.training.metrics import read_metrics
+from a3po_jax.training.trainer import Trainer, load_policy
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_non_finite_steps_are_skipped_and_n_in_a_row_stop_the_run(tmp_path, capl
         return step_fn(state, arrays, ref)
 
     trainer._train_step = poisoned
-    with caplog.at_level(logging.WARNING, logger="a3po_jax.trainer"):
+    with caplog.at_level(logging.WARNING, logger="a3po_jax.training.trainer"):
         with pytest.raises(FloatingPointError, match=r"2 non-finite steps in a row.*max_nonfinite"):
             trainer.run()
     assert "update skipped; prompts" in caplog.text  # the offending batch's prompt ids

@@ -1,10 +1,10 @@
 """The inference host as a separate process, served over gRPC (`inference.proto`).
 
-    python -m a3po_jax.inference.grpc_server --model tiny --port 50051 \\
+    python -m a3po_jax.cli.serve --model tiny --port 50051 \\
         --host 127.0.0.1 --token-file ~/.a3po_host_token
 
 `--model` is `tiny` (random `ModelConfig.tiny()` params from `--init-seed`), `smollm2`
-(`a3po_jax.assets.load_smollm2()`), or a Hugging Face checkpoint directory (config.json +
+(`a3po_jax.model.assets.load_smollm2()`), or a Hugging Face checkpoint directory (config.json +
 *.safetensors, e.g. one written by `checkpoint_io.save_hf_checkpoint`). The trainer connects with
 `GrpcInferenceClient(address, token)`, which offers the `InferenceHost` methods.
 
@@ -222,7 +222,7 @@ def load_model(spec: str, *, init_seed: int = 0) -> tuple[Any, Any]:
         config = model_lib.ModelConfig.tiny()
         return config, model_lib.init_params(config, jax.random.key(init_seed))
     if spec == "smollm2":
-        from a3po_jax import assets
+        from a3po_jax.model import assets
 
         config, params, _ = assets.load_smollm2()
         return config, params
@@ -232,7 +232,7 @@ def load_model(spec: str, *, init_seed: int = 0) -> tuple[Any, Any]:
             f"--model must be 'tiny', 'smollm2' or a Hugging Face checkpoint directory "
             f"(config.json + *.safetensors); got {spec!r}"
         )
-    from a3po_jax import checkpoint_io
+    from a3po_jax.model import checkpoint_io
 
     return checkpoint_io.load_hf_checkpoint(path)
 

@@ -7,7 +7,7 @@ completion's characters that equal it::
 
 Why this task: staleness effects (naive PPO vs decoupled PPO vs A-3PO as η grows) need a
 reward that *moves* within minutes on 2 CPU cores. A randomly initialised 2-layer model
-with the character tokenizer (`a3po_jax.char_tokenizer`) samples near-uniformly over ~99
+with the character tokenizer (`a3po_jax.model.char_tokenizer`) samples near-uniformly over ~99
 characters, so its first rewards are small but spread out within a group (non-zero GRPO
 advantages), and the reward is dense (every character counts), so a few dozen optimizer
 steps lift it visibly. No download, no verifier library: prompts and scores are pure

@@ -284,12 +284,12 @@ def host_generate_fn(host: Any, *, stop_tokens: Sequence[int] = ()) -> GenerateF
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m a3po_jax.evaluation --model smollm2 --task chain_sum --num-prompts 64`."""
+    """`python -m a3po_jax.cli.evaluate --model smollm2 --task chain_sum --num-prompts 64`."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(
-        prog="python -m a3po_jax.evaluation",
+        prog="python -m a3po_jax.cli.evaluate",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
@@ -316,17 +316,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the result (with per-prompt records) here")
     args = parser.parse_args(argv)
 
-    from a3po_jax.config import ModelSection
     from a3po_jax.inference.host import InferenceHost
     from a3po_jax.tasks import make_task
-    from a3po_jax.trainer import load_policy
+    from a3po_jax.training.config import ModelSection
+    from a3po_jax.training.trainer import load_policy
 
     task = make_task(args.task, **json.loads(args.task_options))
     if args.run_dir:
         import pathlib
 
-        from a3po_jax.checkpointing import CheckpointManager
-        from a3po_jax.config import config_from_dict
+        from a3po_jax.training.checkpointing import CheckpointManager
+        from a3po_jax.training.config import config_from_dict
 
         run_cfg = config_from_dict(
             json.loads((pathlib.Path(args.run_dir) / "config.json").read_text())

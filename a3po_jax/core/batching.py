@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from a3po_jax import losses
-from a3po_jax.rollout_queue import RolloutGroup
+from a3po_jax.core import losses
+from a3po_jax.rollout.queue import RolloutGroup
 
 
 @dataclasses.dataclass

@@ -1,8 +1,8 @@
 """From run directories to the tables and plots the README and the notebooks show.
 
-Every run writes ``run_dir/config.json`` (the resolved :class:`a3po_jax.config.TrainConfig`)
+Every run writes ``run_dir/config.json`` (the resolved :class:`a3po_jax.training.config.TrainConfig`)
 and ``run_dir/metrics.jsonl`` (one record per optimizer step, see
-:mod:`a3po_jax.metrics_logging`). This module loads a set of such directories and turns
+:mod:`a3po_jax.training.metrics`). This module loads a set of such directories and turns
 them into:
 
 * a markdown table of the final and mean-of-last-k reward per run, with the config fields
@@ -14,8 +14,8 @@ them into:
 
 Command line::
 
-    python -m a3po_jax.results results/staleness_sweep_toy --out results/staleness_sweep_toy
-    python -m a3po_jax.results RUN_DIR [RUN_DIR ...] --out DIR [--last-k 5]
+    python -m a3po_jax.cli.results results/staleness_sweep_toy --out results/staleness_sweep_toy
+    python -m a3po_jax.cli.results RUN_DIR [RUN_DIR ...] --out DIR [--last-k 5]
 
 writes ``DIR/summary.md`` and the PNGs it links. A directory argument that is not itself a
 run (no ``metrics.jsonl``) is searched recursively for runs.
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from a3po_jax.metrics_logging import METRICS_FILE, read_metrics
+from a3po_jax.training.metrics import METRICS_FILE, read_metrics
 
 CONFIG_FILE = "config.json"
 REWARD = "reward/mean"
@@ -783,7 +783,7 @@ def write_summary(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m a3po_jax.results",
+        prog="python -m a3po_jax.cli.results",
         description="Tables and plots from run directories (config.json + metrics.jsonl).",
     )
     parser.add_argument("runs", nargs="+", help="run directories or folders holding runs")
@@ -795,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = load_runs(args.runs)
     except FileNotFoundError as err:
-        print(f"a3po_jax.results: {err}", file=sys.stderr)
+        print(f"a3po_jax.cli.results: {err}", file=sys.stderr)
         return 2
     title = args.title or f"Results: {', '.join(Path(p).name for p in args.runs)}"
     path = write_summary(runs, args.out, last_k=args.last_k, title=title, smooth=args.smooth)

@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from a3po_jax.config import ConfigError, TrainConfig, apply_overrides, load_experiment
-from a3po_jax.metrics_logging import METRICS_FILE, read_metrics
+from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
+from a3po_jax.training.metrics import METRICS_FILE, read_metrics
 
 
 @dataclasses.dataclass(frozen=True)

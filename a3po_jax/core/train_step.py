@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from a3po_jax import losses, model
-from a3po_jax.config import TrainConfig
+from a3po_jax import model
+from a3po_jax.core import losses
+from a3po_jax.training.config import TrainConfig
 
 Params = Any
 Batch = dict[str, jax.Array]
@@ -121,7 +122,7 @@ def policy_logprobs(
     """``forward_logprobs`` or, for shared-prompt packed batches, its packed twin; both give
     ``[B, T]`` log-probs in ``batching.build_batch``'s target-aligned layout."""
     if settings.packed:
-        from a3po_jax import packing
+        from a3po_jax.core import packing
 
         fn = packing.packed_token_logprobs
     else:
@@ -195,7 +196,7 @@ def loss_sums(
 
     Args:
       params: current policy parameters (differentiated).
-      mb: micro-batch arrays ``[b, T]`` from :class:`a3po_jax.batching.TrainBatch`.
+      mb: micro-batch arrays ``[b, T]`` from :class:`a3po_jax.core.batching.TrainBatch`.
       version: int32 scalar trainer version v_θ for this optimizer step.
       prox_logp: ``[b, T]`` recomputed prox (``settings.prox == "recompute"``), else None.
       ref_logp: ``[b, T]`` reference log-probs when a reference is used, else None.
@@ -417,7 +418,7 @@ def train_step(
 
     Args:
       state: the current :class:`TrainState` (donate it under jit).
-      batch: ``[B, T]`` arrays of a :class:`a3po_jax.batching.TrainBatch`.
+      batch: ``[B, T]`` arrays of a :class:`a3po_jax.core.batching.TrainBatch`.
       ref_params: frozen reference params, or None.
 
     Returns:
@@ -479,7 +480,7 @@ def batch_shardings(mesh: jax.sharding.Mesh, batch_size: int) -> jax.sharding.Na
 
     Raises a ValueError naming both numbers when the mesh does not divide ``batch_size``.
     """
-    from a3po_jax import sharding
+    from a3po_jax.parallel import sharding
 
     sharding.check_batch_divisible(batch_size, mesh, sharding.TRAIN_RULES)
     rows = sharding.batch_sharding(mesh, sharding.TRAIN_RULES).spec[0]
@@ -491,7 +492,7 @@ def place_train_state(
 ) -> TrainState:
     """A copy of the params laid out by ``sharding.TRAIN_RULES`` (FSDP + tensor parallel) and
     an optimizer state initialised under jit, so Adam's moments inherit the params' shardings."""
-    from a3po_jax import sharding
+    from a3po_jax.parallel import sharding
 
     shardings = sharding.param_shardings(params, mesh, sharding.TRAIN_RULES)
     # A copy, never an alias: the step donates the state's buffers, and the caller's params
@@ -534,7 +535,7 @@ def jit_train_step(
     Returns:
       ``fn(state, batch, ref_params) -> (state, metrics)``.
     """
-    from a3po_jax import sharding
+    from a3po_jax.parallel import sharding
 
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     ref_shardings = state_shardings.params if with_reference else None

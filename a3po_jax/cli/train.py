@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 
-from a3po_jax.config import ConfigError, apply_overrides, load_experiment
+from a3po_jax.training.config import ConfigError, apply_overrides, load_experiment
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
     # scripts/launch.py sets them) join one job before anything touches a device.
-    from a3po_jax import distributed
+    from a3po_jax.parallel import distributed
 
     try:
         setup = distributed.initialize()
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     leader = setup.process_id == 0
 
     # Heavy imports only once the config is known to be good.
-    from a3po_jax.trainer import Trainer, load_policy
+    from a3po_jax.training.trainer import Trainer, load_policy
 
     print(
         f"a3po-train[{setup.process_id}/{setup.num_processes}]: mode={cfg.system.mode} "

@@ -1,0 +1,1 @@
+"""Host-side shell: evaluation scoring, run tables, plots and sweeps."""

@@ -1,0 +1,1 @@
+"""Command-line entry points (``a3po-train`` and ``python -m a3po_jax.cli.*``)."""

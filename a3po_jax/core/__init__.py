@@ -1,0 +1,9 @@
+"""The pure core: functions of arrays, jitted, with no threads, sockets, files or config objects.
+
+* :mod:`a3po_jax.core.losses`: policy losses, log-probs, advantages, Online DPO, aggregation.
+* :mod:`a3po_jax.core.train_step`: the jitted optimizer step over a batch.
+* :mod:`a3po_jax.core.batching`: rollout groups -> padded, target-aligned arrays.
+* :mod:`a3po_jax.core.packing`: shared-prompt packing (one row per group).
+
+Nothing here imports the host-side shell (rollout, inference, training, cli).
+"""

@@ -1,0 +1,1 @@
+"""Host-side shell: rollout types, staleness admission and the queue between host and trainer."""

@@ -1,0 +1,1 @@
+"""Host-side shell: the trainer loop, its config, checkpoints and metrics."""
