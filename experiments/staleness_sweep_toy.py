@@ -1,7 +1,8 @@
 """Staleness sweep at toy scale: η ∈ {0, 1, 2, 4, 8} for naive PPO, decoupled PPO and A-3PO.
 
 Command:  python scripts/run_sweep.py experiments/staleness_sweep_toy.py --prune
-          python -m a3po_jax.cli.results results/staleness_sweep_toy --out results/staleness_sweep_toy
+          python -m a3po_jax.cli.results results/staleness_sweep_toy \
+              --out results/staleness_sweep_toy
           (one run: a3po-train experiments/staleness_sweep_toy.py system.max_staleness=8
            algo.prox=behav)
 Hardware: a 2-core CPU, no accelerator; 10-20 s per run once run_sweep.py's JAX

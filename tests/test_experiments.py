@@ -160,7 +160,10 @@ def test_override_formatting_and_names():
 
 
 def test_bad_sweeps_are_rejected(tmp_path):
-    body = "from a3po_jax.training.config import TrainConfig\n\ndef config():\n    return TrainConfig()\n"
+    body = (
+        "from a3po_jax.training.config import TrainConfig\n\n"
+        "def config():\n    return TrainConfig()\n"
+    )
     cases = {
         "notalist.py": ("SWEEP = {'algo.prox': 'a3po'}", "non-empty list"),
         "dup.py": ("SWEEP = [{'seed': 1}, {'seed': 1}]", "both 'seed-1'"),

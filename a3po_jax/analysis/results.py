@@ -1,7 +1,8 @@
 """From run directories to the tables and plots the README and the notebooks show.
 
-Every run writes ``run_dir/config.json`` (the resolved :class:`a3po_jax.training.config.TrainConfig`)
-and ``run_dir/metrics.jsonl`` (one record per optimizer step, see
+Every run writes ``run_dir/config.json`` (the resolved
+:class:`a3po_jax.training.config.TrainConfig`) and ``run_dir/metrics.jsonl`` (one record
+per optimizer step, see
 :mod:`a3po_jax.training.metrics`). This module loads a set of such directories and turns
 them into:
 
