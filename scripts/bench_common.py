@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from a3po_jax import model
+from a3po_jax.core.types import Rollout, RolloutGroup
 from a3po_jax.model.assets import smollm2_config
-from a3po_jax.rollout.queue import Rollout, RolloutGroup
 
 CONFIGS = {
     "tiny": model.ModelConfig.tiny(max_seq_len=4096),

@@ -15,7 +15,7 @@ from a3po_jax import model
 from a3po_jax.core import packing
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
-from a3po_jax.rollout.queue import Rollout, RolloutGroup
+from a3po_jax.core.types import Rollout, RolloutGroup
 
 TINY = model.ModelConfig.tiny()
 TEMPERATURE = 0.7

@@ -6,15 +6,13 @@ import time
 import numpy as np
 import pytest
 
+from a3po_jax.core.types import Rollout, RolloutGroup, token_staleness
 from a3po_jax.rollout.queue import (
     AdmissionError,
     QueueClosed,
-    Rollout,
-    RolloutGroup,
     RolloutQueue,
     RolloutTimeout,
     StalenessController,
-    token_staleness,
 )
 
 # Long enough that a correct implementation never hits it on a loaded 2-core machine; the

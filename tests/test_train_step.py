@@ -12,7 +12,7 @@ import pytest
 from a3po_jax import model
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
-from a3po_jax.rollout.queue import Rollout, RolloutGroup
+from a3po_jax.core.types import Rollout, RolloutGroup
 from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
 
 CFG = model.ModelConfig.tiny()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from a3po_jax.core import losses
-from a3po_jax.rollout.queue import RolloutGroup
+from a3po_jax.core.types import RolloutGroup
 
 
 @dataclasses.dataclass

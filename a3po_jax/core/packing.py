@@ -46,7 +46,7 @@ import numpy as np
 from a3po_jax import model
 from a3po_jax.core import losses
 from a3po_jax.core.batching import TrainBatch, build_batch, round_up
-from a3po_jax.rollout.queue import Rollout, RolloutGroup
+from a3po_jax.core.types import Rollout, RolloutGroup
 
 Params = Any
 PackedArrays = Mapping[str, jax.Array]

@@ -44,13 +44,12 @@ from a3po_jax import model
 from a3po_jax.core import losses
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import TrainBatch, build_batch, group_advantages
+from a3po_jax.core.types import Rollout, RolloutGroup
 from a3po_jax.inference.pool import LOST_PREFIX
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 from a3po_jax.parallel import distributed
 from a3po_jax.rollout.queue import (
     QueueClosed,
-    Rollout,
-    RolloutGroup,
     RolloutQueue,
     RolloutTimeout,
     StalenessController,
