@@ -268,8 +268,6 @@ class Trainer:
             if cfg.checkpoint_every
             else None
         )
-        if self.leader:
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
     # ------------------------------------------------------------------ jitted pieces
 
@@ -574,6 +572,10 @@ class Trainer:
                 f"{self.checkpoints.latest_step()}): pass --resume to continue that run, or "
                 "choose a new run_dir=... (nothing was overwritten)"
             )
+        # Written only once the run is accepted: a refused run leaves the old config, which
+        # evaluation rebuilds the run's model from.
+        if self.leader:
+            (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         start = self._resume() if resume else 0
         if start == 0 and (self.multi_process or not self._own_host):
             # A remote host starts with weights of its own: serve ours before generating.
