@@ -217,6 +217,51 @@ def a3po_prox_logp(
 # --------------------------------------------------------------------------------------
 
 
+def aggregate_sum(
+    values: jax.Array,
+    mask: jax.Array,
+    *,
+    mode: str = "token_mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token values as a ``(numerator, count)`` pair: ``aggregate = numerator / count``.
+
+    token_mean:              (Σ_bt m·x,                   Σ_bt m)
+    seq_mean_token_mean:     (Σ_b [Σ_t m·x / Σ_t m],      #seqs with ≥ 1 valid token)
+    seq_mean_token_sum_norm: (Σ_b [Σ_t m·x / max_len],    #seqs with ≥ 1 valid token)
+
+    Both parts add across micro-batches (and across arriving groups), so a caller that
+    splits a batch sums the pairs and divides once, at the top: the result equals the
+    full batch's ``aggregate`` exactly. Dr.GRPO's constant normaliser: arXiv 2503.20783.
+
+    Args:
+      values: ``[B, T]`` per-token values (may be 0 where a valid token was dropped, e.g. by
+        the importance-weight cap: the count comes from ``mask`` alone, so dropped tokens
+        still count, as design.md §3 requires).
+      mask: ``[B, T]`` validity (1 = completion token).
+      mode: one of ``AGGREGATIONS``.
+      max_len: Dr.GRPO's constant normaliser; defaults to T.
+
+    Returns:
+      (numerator, count): float32 scalars.
+    """
+    _check_choice("aggregation", mode, AGGREGATIONS)
+    _check_rank("values", values, 2, "[B, T]")
+    _check_same_shape("values", values, mask=mask)
+    mask = mask.astype(jnp.float32)
+    values = values.astype(jnp.float32) * mask
+    if mode == "token_mean":
+        return jnp.sum(values), jnp.sum(mask)
+    tokens_per_seq = jnp.sum(mask, axis=-1)  # [B]
+    if mode == "seq_mean_token_mean":
+        per_seq = jnp.sum(values, axis=-1) / (tokens_per_seq + _TINY)
+    else:
+        norm = jnp.shape(values)[-1] if max_len is None else max_len
+        _check_positive("max_len", norm)
+        per_seq = jnp.sum(values, axis=-1) / norm
+    return jnp.sum(per_seq), jnp.sum(tokens_per_seq > 0).astype(jnp.float32)
+
+
 def aggregate(
     values: jax.Array,
     mask: jax.Array,
@@ -233,7 +278,7 @@ def aggregate(
 
     ``values`` may already be zero where a token was dropped after validity (e.g. by the
     importance-weight cap): the denominator is computed from ``mask`` alone, so dropped
-    tokens still count, as design.md §3 requires.
+    tokens still count, as design.md §3 requires. ``aggregate_sum`` gives the two parts.
 
     Args:
       values: ``[B, T]`` per-token values.
@@ -246,25 +291,10 @@ def aggregate(
     Returns:
       scalar float32.
     """
-    _check_choice("aggregation", mode, AGGREGATIONS)
-    _check_rank("values", values, 2, "[B, T]")
-    _check_same_shape("values", values, mask=mask)
-    mask = mask.astype(jnp.float32)
-    values = values.astype(jnp.float32) * mask
+    numerator, count = aggregate_sum(values, mask, mode=mode, max_len=max_len)
     # A caller-given denominator is used as is (it is the whole batch's count); the local
     # count gets _TINY so an all-masked batch reduces to 0, not 0/0.
-    if mode == "token_mean":
-        denom = jnp.sum(mask) + _TINY if denominator is None else denominator
-        return jnp.sum(values) / denom
-    tokens_per_seq = jnp.sum(mask, axis=-1)  # [B]
-    if mode == "seq_mean_token_mean":
-        per_seq = jnp.sum(values, axis=-1) / (tokens_per_seq + _TINY)
-    else:
-        norm = jnp.shape(values)[-1] if max_len is None else max_len
-        _check_positive("max_len", norm)
-        per_seq = jnp.sum(values, axis=-1) / norm
-    denom = jnp.sum(tokens_per_seq > 0) + _TINY if denominator is None else denominator
-    return jnp.sum(per_seq) / denom
+    return numerator / (count + _TINY if denominator is None else denominator)
 
 
 # --------------------------------------------------------------------------------------
@@ -272,7 +302,7 @@ def aggregate(
 # --------------------------------------------------------------------------------------
 
 
-def decoupled_ppo_loss(
+def decoupled_ppo_per_token(
     logp: jax.Array,
     prox_logp: jax.Array,
     behav_logp: jax.Array,
@@ -284,48 +314,23 @@ def decoupled_ppo_loss(
     dual_clip: float | None = None,
     behav_weight_cap: float | None = None,
     cap_mode: str = "mask",
-    aggregation: str = "token_mean",
-    denominator: jax.Array | float | None = None,
-    max_len: int | None = None,
-    staleness: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Decoupled PPO clip loss with separate behaviour and proximal policies.
+    """Per-token decoupled PPO loss ℓ_t and per-token diagnostics, nothing reduced.
 
-    r_t = exp(logp_t - prox_t)                               trust-region ratio
-    w_t = sg(exp(prox_t - behav_t))                          off-policy correction
-    ℓ_t = w_t · max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high))
-    dual clip (A_t < 0):  ℓ_t = min(ℓ_t, -c · A_t · w_t),  c > 1
-    cap: tokens with w_t > cap dropped ("mask") or w_t := cap ("truncate")
-    loss = aggregate(ℓ, m)
-
-    Symbols: logp = log π_θ (differentiated), prox = log π_prox (the trust-region anchor:
-    recomputed, A-3PO-interpolated, or behav — this function does not know which), behav =
-    log π_behav (the policy that sampled the data), A advantages, m the completion mask.
-    Hilton et al., "Batch size-invariance for policy optimization", arXiv 2110.00641; used
-    for asynchronous RL by AReaL, arXiv 2505.24298. With prox = behav it is exactly PPO's
-    clipped objective against the behaviour policy (``ppo_clip_loss``).
+    The formula, symbols and paper are those of :func:`decoupled_ppo_loss`, which is
+    ``aggregate`` of this function's ℓ. A train step that splits a batch into micro-batches
+    reduces these values once, with ``aggregate_sum``, instead of averaging averages.
 
     Args:
-      logp: ``[B, T]`` current log-probs.
-      prox_logp: ``[B, T]`` proximal log-probs (gradient is stopped here regardless).
-      behav_logp: ``[B, T]`` behaviour log-probs.
-      advantages: ``[B, T]`` per-token advantages (broadcast sequence advantages yourself).
-      mask: ``[B, T]`` 1 for tokens that count.
-      clip_eps: ε_low > 0.
-      clip_eps_high: ε_high > 0 (DAPO's clip-higher); defaults to ``clip_eps``.
-      dual_clip: c > 1 for dual clipping of negative advantages, or None.
-      behav_weight_cap: cap > 0 on w_t, or None.
-      cap_mode: ``"mask"`` or ``"truncate"``.
-      aggregation: one of ``AGGREGATIONS``.
-      denominator: global count for micro-batching (see ``aggregate``).
-      max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
-      staleness: optional ``[B, T]`` d_t, only for the ``staleness/*`` diagnostics.
+      logp, prox_logp, behav_logp, advantages, mask: ``[B, T]`` as for
+        :func:`decoupled_ppo_loss`.
+      clip_eps, clip_eps_high, dual_clip, behav_weight_cap, cap_mode: as there.
 
     Returns:
-      ``(loss, metrics)``: scalar loss and a dict of scalar diagnostics: ``loss/clipfrac``,
-      ``loss/dual_clipfrac``, ``is/weight_mean|max|min``, ``is/capped_frac``,
-      ``kl/behav_k3`` (approx KL(π_behav‖π_θ) with k3), ``loss/num_tokens`` and, with
-      staleness, ``staleness/mean|max``.
+      ``(per_token, diagnostics)``: ``per_token`` ``[B, T]`` float32 ℓ_t (0 where masked or
+      dropped by the cap); ``diagnostics`` maps ``"clipped"``, ``"dual_clipped"``,
+      ``"capped"`` (0/1 per token), ``"is_weight"`` (w_t) and ``"kl_behav_k3"`` to ``[B, T]``
+      float32 arrays, meaningful where ``mask`` is 1.
     """
     _check_rank("logp", logp, 2, "[B, T]")
     _check_same_shape(
@@ -335,14 +340,12 @@ def decoupled_ppo_loss(
         behav_logp=behav_logp,
         advantages=advantages,
         mask=mask,
-        staleness=staleness,
     )
     _check_positive("clip_eps", clip_eps)
     _check_positive("clip_eps_high", clip_eps_high)
     _check_positive("dual_clip", dual_clip, minimum=1.0)
     _check_positive("behav_weight_cap", behav_weight_cap)
     _check_choice("cap_mode", cap_mode, CAP_MODES)
-    _check_choice("aggregation", aggregation, AGGREGATIONS)
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
     valid = mask.astype(bool)
@@ -381,20 +384,102 @@ def decoupled_ppo_loss(
         pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
     per_token = jnp.where(keep, weight * pg, 0.0)
 
-    loss = aggregate(per_token, mask, mode=aggregation, denominator=denominator, max_len=max_len)
-
-    fvalid = valid.astype(jnp.float32)
     x = behav - logp  # k3 estimator of KL(π_behav ‖ π_θ) on samples from π_behav
     k3 = jnp.where(valid, jnp.expm1(jnp.where(valid, x, 0.0)) - x, 0.0)
+    f32 = jnp.float32
+    diagnostics = {
+        "clipped": clip_hit.astype(f32),
+        "dual_clipped": dual_hit.astype(f32),
+        "capped": capped.astype(f32),
+        "is_weight": weight,
+        "kl_behav_k3": jax.lax.stop_gradient(k3),
+    }
+    return per_token, diagnostics
+
+
+def decoupled_ppo_loss(
+    logp: jax.Array,
+    prox_logp: jax.Array,
+    behav_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = None,
+    cap_mode: str = "mask",
+    aggregation: str = "token_mean",
+    denominator: jax.Array | float | None = None,
+    max_len: int | None = None,
+    staleness: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decoupled PPO clip loss with separate behaviour and proximal policies.
+
+    r_t = exp(logp_t - prox_t)                               trust-region ratio
+    w_t = sg(exp(prox_t - behav_t))                          off-policy correction
+    ℓ_t = w_t · max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high))
+    dual clip (A_t < 0):  ℓ_t = min(ℓ_t, -c · A_t · w_t),  c > 1
+    cap: tokens with w_t > cap dropped ("mask") or w_t := cap ("truncate")
+    loss = aggregate(ℓ, m)
+
+    Symbols: logp = log π_θ (differentiated), prox = log π_prox (the trust-region anchor:
+    recomputed, A-3PO-interpolated, or behav — this function does not know which), behav =
+    log π_behav (the policy that sampled the data), A advantages, m the completion mask.
+    Hilton et al., "Batch size-invariance for policy optimization", arXiv 2110.00641; used
+    for asynchronous RL by AReaL, arXiv 2505.24298. With prox = behav it is exactly PPO's
+    clipped objective against the behaviour policy (``ppo_clip_loss``). The per-token ℓ and
+    diagnostics, unreduced, are :func:`decoupled_ppo_per_token`.
+
+    Args:
+      logp: ``[B, T]`` current log-probs.
+      prox_logp: ``[B, T]`` proximal log-probs (gradient is stopped here regardless).
+      behav_logp: ``[B, T]`` behaviour log-probs.
+      advantages: ``[B, T]`` per-token advantages (broadcast sequence advantages yourself).
+      mask: ``[B, T]`` 1 for tokens that count.
+      clip_eps: ε_low > 0.
+      clip_eps_high: ε_high > 0 (DAPO's clip-higher); defaults to ``clip_eps``.
+      dual_clip: c > 1 for dual clipping of negative advantages, or None.
+      behav_weight_cap: cap > 0 on w_t, or None.
+      cap_mode: ``"mask"`` or ``"truncate"``.
+      aggregation: one of ``AGGREGATIONS``.
+      denominator: global count for micro-batching (see ``aggregate``).
+      max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
+      staleness: optional ``[B, T]`` d_t, only for the ``staleness/*`` diagnostics.
+
+    Returns:
+      ``(loss, metrics)``: scalar loss and a dict of scalar diagnostics: ``loss/clipfrac``,
+      ``loss/dual_clipfrac``, ``is/weight_mean|max|min``, ``is/capped_frac``,
+      ``kl/behav_k3`` (approx KL(π_behav‖π_θ) with k3), ``loss/num_tokens`` and, with
+      staleness, ``staleness/mean|max``.
+    """
+    _check_same_shape("logp", logp, staleness=staleness)
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    per_token, diag = decoupled_ppo_per_token(
+        logp,
+        prox_logp,
+        behav_logp,
+        advantages,
+        mask,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip,
+        behav_weight_cap=behav_weight_cap,
+        cap_mode=cap_mode,
+    )
+    loss = aggregate(per_token, mask, mode=aggregation, denominator=denominator, max_len=max_len)
+
+    valid = mask.astype(bool)
+    fvalid = valid.astype(jnp.float32)
     metrics = {
-        "loss/clipfrac": _masked_mean(clip_hit.astype(jnp.float32), fvalid),
-        "loss/dual_clipfrac": _masked_mean(dual_hit.astype(jnp.float32), fvalid),
+        "loss/clipfrac": _masked_mean(diag["clipped"], fvalid),
+        "loss/dual_clipfrac": _masked_mean(diag["dual_clipped"], fvalid),
         "loss/num_tokens": jnp.sum(fvalid),
-        "is/weight_mean": _masked_mean(weight, fvalid),
-        "is/weight_max": _masked_max(weight, valid),
-        "is/weight_min": _masked_min(weight, valid),
-        "is/capped_frac": _masked_mean(capped.astype(jnp.float32), fvalid),
-        "kl/behav_k3": _masked_mean(jax.lax.stop_gradient(k3), fvalid),
+        "is/weight_mean": _masked_mean(diag["is_weight"], fvalid),
+        "is/weight_max": _masked_max(diag["is_weight"], valid),
+        "is/weight_min": _masked_min(diag["is_weight"], valid),
+        "is/capped_frac": _masked_mean(diag["capped"], fvalid),
+        "kl/behav_k3": _masked_mean(diag["kl_behav_k3"], fvalid),
     }
     if staleness is not None:
         d = staleness.astype(jnp.float32)
@@ -535,6 +620,61 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Ar
 # --------------------------------------------------------------------------------------
 
 
+def online_dpo_per_pair(
+    chosen_logp: jax.Array,
+    rejected_logp: jax.Array,
+    chosen_ref_logp: jax.Array,
+    rejected_ref_logp: jax.Array,
+    *,
+    beta: float,
+    kind: str = "sigmoid",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Per-pair Online DPO loss ℓ_i and per-pair diagnostics, nothing reduced.
+
+    The formula, symbols and papers are those of :func:`online_dpo_loss`, which is the
+    masked mean of this function's ℓ.
+
+    Args:
+      chosen_logp, rejected_logp: ``[P]`` current sequence log-probs.
+      chosen_ref_logp, rejected_ref_logp: ``[P]`` reference sequence log-probs.
+      beta: β > 0.
+      kind: ``"sigmoid"`` or ``"ipo"``.
+
+    Returns:
+      ``(per_pair, diagnostics)``: ``[P]`` float32 ℓ and ``[P]`` float32 ``"margin"`` (β·h),
+      ``"accuracy"`` (1 where h > 0), ``"chosen_reward"``, ``"rejected_reward"``
+      (β·(logp - ref)).
+    """
+    _check_rank("chosen_logp", chosen_logp, 1, "[P] sequence log-probs")
+    _check_same_shape(
+        "chosen_logp",
+        chosen_logp,
+        rejected_logp=rejected_logp,
+        chosen_ref_logp=chosen_ref_logp,
+        rejected_ref_logp=rejected_ref_logp,
+    )
+    _check_positive("beta", beta)
+    _check_choice("dpo kind", kind, DPO_KINDS)
+    f32 = jnp.float32
+    chosen_ratio = chosen_logp.astype(f32) - jax.lax.stop_gradient(chosen_ref_logp.astype(f32))
+    rejected_ratio = rejected_logp.astype(f32) - jax.lax.stop_gradient(
+        rejected_ref_logp.astype(f32)
+    )
+    h = chosen_ratio - rejected_ratio  # [P]
+    if kind == "sigmoid":
+        per_pair = -jax.nn.log_sigmoid(beta * h)
+    else:
+        per_pair = jnp.square(h - 1.0 / (2.0 * beta))
+    h_sg = jax.lax.stop_gradient(h)
+    diagnostics = {
+        "margin": beta * h_sg,
+        "accuracy": (h_sg > 0).astype(f32),
+        "chosen_reward": beta * jax.lax.stop_gradient(chosen_ratio),
+        "rejected_reward": beta * jax.lax.stop_gradient(rejected_ratio),
+    }
+    return per_pair, diagnostics
+
+
 def online_dpo_loss(
     chosen_logp: jax.Array,
     rejected_logp: jax.Array,
@@ -570,38 +710,18 @@ def online_dpo_loss(
       ``(loss, metrics)`` with ``dpo/margin_mean`` (mean β·h), ``dpo/accuracy`` (fraction
       with h > 0), ``dpo/chosen_reward`` and ``dpo/rejected_reward`` (β·(logp - ref)).
     """
-    _check_rank("chosen_logp", chosen_logp, 1, "[B] sequence log-probs")
-    _check_same_shape(
-        "chosen_logp",
-        chosen_logp,
-        rejected_logp=rejected_logp,
-        chosen_ref_logp=chosen_ref_logp,
-        rejected_ref_logp=rejected_ref_logp,
-    )
     _check_same_shape("chosen_logp", chosen_logp, mask=mask)
-    _check_positive("beta", beta)
-    _check_choice("dpo kind", kind, DPO_KINDS)
-    f32 = jnp.float32
-    chosen_ratio = chosen_logp.astype(f32) - jax.lax.stop_gradient(chosen_ref_logp.astype(f32))
-    rejected_ratio = rejected_logp.astype(f32) - jax.lax.stop_gradient(
-        rejected_ref_logp.astype(f32)
+    per_pair, diag = online_dpo_per_pair(
+        chosen_logp, rejected_logp, chosen_ref_logp, rejected_ref_logp, beta=beta, kind=kind
     )
-    h = chosen_ratio - rejected_ratio  # [B]
-    if kind == "sigmoid":
-        per_pair = -jax.nn.log_sigmoid(beta * h)
-    else:
-        per_pair = jnp.square(h - 1.0 / (2.0 * beta))
-    pair_mask = jnp.ones_like(h) if mask is None else mask.astype(f32)
+    pair_mask = jnp.ones_like(per_pair) if mask is None else mask.astype(jnp.float32)
     denom = jnp.sum(pair_mask) + _TINY if denominator is None else denominator
     loss = jnp.sum(per_pair * pair_mask) / denom
-    h_sg = jax.lax.stop_gradient(h)
     metrics = {
-        "dpo/margin_mean": _masked_mean(beta * h_sg, pair_mask),
-        "dpo/accuracy": _masked_mean((h_sg > 0).astype(f32), pair_mask),
-        "dpo/chosen_reward": _masked_mean(beta * jax.lax.stop_gradient(chosen_ratio), pair_mask),
-        "dpo/rejected_reward": _masked_mean(
-            beta * jax.lax.stop_gradient(rejected_ratio), pair_mask
-        ),
+        "dpo/margin_mean": _masked_mean(diag["margin"], pair_mask),
+        "dpo/accuracy": _masked_mean(diag["accuracy"], pair_mask),
+        "dpo/chosen_reward": _masked_mean(diag["chosen_reward"], pair_mask),
+        "dpo/rejected_reward": _masked_mean(diag["rejected_reward"], pair_mask),
         "dpo/num_pairs": jnp.sum(pair_mask),
     }
     return loss, metrics
