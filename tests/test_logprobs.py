@@ -1,0 +1,251 @@
+"""core/logprobs.py: chunked target log-probs and entropies equal the plain [B, T, V] path
+(values and gradients, tied and untied heads, temperature != 1, padding, ragged chunks,
+under jit) and never hold a [B, T, V] array."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from a3po_jax import model
+from a3po_jax.core import losses
+from a3po_jax.core.logprobs import chunked_token_logprobs
+
+# Float32 rounding of the same sums taken in another order; a wiring error (a wrong
+# temperature, a missing 1/T in the backward, a mis-aligned chunk) is O(0.1) or more.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+B, T, D, V = 2, 7, 16, 64  # N = 14 tokens: chunk 4 leaves a remainder of 2.
+
+
+def _inputs(seed=0, *, b=B, t=T, d=D, v=V):
+    kh, kw, kt = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(kh, (b, t, d), jnp.float32)
+    head = 0.5 * jax.random.normal(kw, (d, v), jnp.float32)  # logits of O(1): a spread softmax
+    targets = jax.random.randint(kt, (b, t), 0, v, jnp.int32)
+    return hidden, head, targets
+
+
+def _plain(hidden, head, targets, temperature):
+    """The reference: full [B, T, V] logits, then the losses module's log-softmax path."""
+    return _plain_from_logits(jnp.einsum("btd,dv->btv", hidden, head), targets, temperature)
+
+
+def _plain_from_logits(logits, targets, temperature):
+    logits = logits / temperature
+    return losses.token_logprobs(logits, targets), losses.entropy(logits)
+
+
+def _mask(t=T, valid=5):
+    """[1, T] mask: the last T - valid positions are padding."""
+    return (jnp.arange(t) < valid).astype(jnp.float32)[None, :]
+
+
+def _masked_objective(fn, targets, mask, temperature):
+    """A loss that reads both outputs with different weights, masked as the train step does."""
+
+    def objective(hidden, head):
+        logp, ent = fn(hidden, head, targets, temperature)
+        return jnp.sum(mask * (1.3 * logp - 0.4 * ent))
+
+    return objective
+
+
+def _chunked(chunk_size):
+    return lambda h, w, tgt, temp: chunked_token_logprobs(
+        h, w, tgt, temperature=temp, chunk_size=chunk_size
+    )
+
+
+def test_golden_value_two_token_vocab():
+    # h = 1, W = [0, 2 ln 3], temperature 2: z = [0, ln 3], p = [1/4, 3/4].
+    # Forgetting the temperature would give p = [1/10, 9/10] (logp(1) = ln 0.9 = -0.105).
+    hidden = jnp.ones((1, 1, 1), jnp.float32)
+    head = jnp.array([[0.0, 2 * math.log(3.0)]], jnp.float32)
+    logp, ent = chunked_token_logprobs(hidden, head, jnp.array([[1]]), temperature=2.0)
+    np.testing.assert_allclose(logp, [[math.log(0.75)]], **TOL)
+    np.testing.assert_allclose(ent, [[-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]], **TOL)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [4, 7, 64])  # remainder 2; divides 14; one chunk > N
+def test_values_equal_plain_path(jit, temperature, chunk_size):
+    hidden, head, targets = _inputs()
+    fn = _chunked(chunk_size)
+    if jit:
+        fn = jax.jit(fn, static_argnums=3)
+    got = fn(hidden, head, targets, temperature)
+    want = _plain(hidden, head, targets, temperature)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == (B, T) and g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("chunk_size", [4, 7])
+def test_gradients_equal_plain_path_with_padding(jit, chunk_size):
+    hidden, head, targets = _inputs(1)
+    mask = _mask()
+    # Padding positions carry garbage the caller masks: huge states, target 0.
+    hidden = hidden.at[:, 5:].multiply(100.0)
+    targets = targets.at[:, 5:].set(0)
+    grad = lambda fn: jax.grad(_masked_objective(fn, targets, mask, 0.7), argnums=(0, 1))
+    grad_chunked = grad(_chunked(chunk_size))
+    if jit:
+        grad_chunked = jax.jit(grad_chunked)
+    dh, dw = grad_chunked(hidden, head)
+    dh_ref, dw_ref = grad(_plain)(hidden, head)
+    np.testing.assert_allclose(dh, dh_ref, **TOL)
+    np.testing.assert_allclose(dw, dw_ref, **TOL)
+    # Masked tokens: finite outputs, and exactly no gradient into their hidden states.
+    logp, ent = chunked_token_logprobs(hidden, head, targets, temperature=0.7, chunk_size=4)
+    assert np.isfinite(np.asarray(logp)).all() and np.isfinite(np.asarray(ent)).all()
+    np.testing.assert_array_equal(dh[:, 5:], 0.0)
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_model_head_tied_and_untied_gradients_equal_plain_path(tie_embeddings):
+    """Through the decoder: chunked log-probs of ``model.apply``'s hidden states and
+    ``model.lm_head_kernel`` equal those of its logits, values and every parameter's
+    gradient (for tied heads the head's gradient reaches the embedding table)."""
+    config = model.ModelConfig.tiny(tie_embeddings=tie_embeddings)
+    params = model.init_params(config, jax.random.key(2))
+    b, t = 2, 9
+    tokens = jax.random.randint(jax.random.key(3), (b, t), 0, config.vocab_size, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    targets = jnp.roll(tokens, -1, axis=1)
+    mask = _mask(t, valid=7)
+    temperature = 0.8
+
+    def loss(params, chunked):
+        logits, _, hidden = model.apply(
+            params, tokens, positions, config=config, return_hidden=True
+        )
+        if chunked:
+            head = model.lm_head_kernel(params, config)
+            logp, ent = chunked_token_logprobs(
+                hidden, head, targets, temperature=temperature, chunk_size=4
+            )
+        else:
+            logp, ent = _plain_from_logits(logits, targets, temperature)
+        return jnp.sum(mask * (logp + 0.1 * ent)), (logp, ent)
+
+    (val, outs), grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
+        params, True
+    )
+    (val_ref, outs_ref), grads_ref = jax.value_and_grad(loss, has_aux=True)(params, False)
+    np.testing.assert_allclose(val, val_ref, **TOL)
+    for o, o_ref in zip(outs, outs_ref, strict=True):
+        np.testing.assert_allclose(o, o_ref, **TOL)
+    assert ("lm_head" in grads) == (not tie_embeddings)
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, **TOL), grads, grads_ref)
+    # The head's gradient is not trivially zero (it would be if the head were cut off).
+    head_grad = grads["embed"]["embedding"] if tie_embeddings else grads["lm_head"]["kernel"]
+    assert float(jnp.max(jnp.abs(head_grad))) > 1e-3
+
+
+def test_bfloat16_hidden_states():
+    """bf16 states are promoted to the float32 head's dtype: values equal the plain path's,
+    the hidden-state gradient comes back in bf16 (one bf16 rounding of the float32 one)."""
+    hidden, head, targets = _inputs(4)
+    hidden16 = hidden.astype(jnp.bfloat16)
+    got = chunked_token_logprobs(hidden16, head, targets, temperature=0.7, chunk_size=4)
+    want = _plain(hidden16.astype(jnp.float32), head, targets, 0.7)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, **TOL)
+    mask = _mask()
+    dh, dw = jax.grad(_masked_objective(_chunked(4), targets, mask, 0.7), (0, 1))(hidden16, head)
+    dh_ref, dw_ref = jax.grad(_masked_objective(_plain, targets, mask, 0.7), (0, 1))(
+        hidden16.astype(jnp.float32), head
+    )
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(dw, dw_ref, **TOL)
+    np.testing.assert_allclose(dh.astype(jnp.float32), dh_ref, rtol=2.0**-8, atol=1e-6)
+
+
+def test_out_of_range_target_picks_nothing():
+    # A target id outside [0, V) matches no logit: logp = 0 - logsumexp, finite.
+    hidden, head, targets = _inputs(5)
+    targets = targets.at[0, 0].set(V)
+    logp, _ = chunked_token_logprobs(hidden, head, targets, temperature=1.0, chunk_size=4)
+    lse = jax.nn.logsumexp(hidden[0, 0] @ head)
+    np.testing.assert_allclose(logp[0, 0], -lse, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# No [B, T, V] array: in the traced program and in the compiled one's temporaries.
+
+BM, TM, DM, VM, CM = 4, 64, 32, 1024, 32  # N·V = 262144 elements; one chunk is 32768.
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Elements of the largest value any equation (in any nested jaxpr) produces."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            largest = max(largest, math.prod(getattr(var.aval, "shape", ())))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, list | tuple) else [param]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    largest = max(largest, _largest_intermediate(sub.jaxpr))
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    largest = max(largest, _largest_intermediate(sub))
+    return largest
+
+
+def _memory_case():
+    hidden, head, targets = _inputs(6, b=BM, t=TM, d=DM, v=VM)
+    mask = jnp.ones((BM, TM), jnp.float32)
+    chunked = _chunked(CM)
+    fwd = lambda fn: lambda h, w: fn(h, w, targets, 0.7)
+    grad = lambda fn: jax.grad(_masked_objective(fn, targets, mask, 0.7), (0, 1))
+    return (
+        hidden,
+        head,
+        {
+            "forward": (fwd(chunked), fwd(_plain)),
+            "grad": (grad(chunked), grad(_plain)),
+        },
+    )
+
+
+@pytest.mark.parametrize("which", ["forward", "grad"])
+def test_jaxpr_has_no_full_vocabulary_intermediate(which):
+    hidden, head, cases = _memory_case()
+    chunked, plain = cases[which]
+    full = BM * TM * VM
+    # The check can fail: the plain path's program holds [B, T, V] values.
+    assert _largest_intermediate(jax.make_jaxpr(plain)(hidden, head).jaxpr) >= full
+    largest = _largest_intermediate(jax.make_jaxpr(chunked)(hidden, head).jaxpr)
+    assert largest <= max(CM * VM, DM * VM) < full
+
+
+@pytest.mark.parametrize("which", ["forward", "grad"])
+def test_compiled_temporaries_far_below_full_logits(which):
+    hidden, head, cases = _memory_case()
+    chunked, plain = cases[which]
+    full_bytes = BM * TM * VM * 4
+
+    def temp_bytes(fn):
+        return jax.jit(fn).lower(hidden, head).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(plain) >= full_bytes  # the plain path does hold the logits
+    assert temp_bytes(chunked) < full_bytes / 2
+
+
+def test_invalid_arguments_are_refused():
+    hidden, head, targets = _inputs()
+    with pytest.raises(ValueError, match="temperature"):
+        chunked_token_logprobs(hidden, head, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_token_logprobs(hidden, head, targets, chunk_size=0)
+    with pytest.raises(ValueError, match="integer"):
+        chunked_token_logprobs(hidden, head, targets.astype(jnp.float32))
+    with pytest.raises(AssertionError):  # chex: head's D does not match hidden's
+        chunked_token_logprobs(hidden, head[1:], targets)
