@@ -1,0 +1,238 @@
+"""The package's layering, read from the source with `ast` (docs/design.md §5).
+
+* The pure core (`core/`, `model/`) depends on nothing but itself and `parallel/`: not
+  directly, not through another module, not through a function-local import.
+* Nothing outside `cli/` imports `cli/`: entry points sit on top of everything.
+* No import cycle among `a3po_jax` modules.
+* The README's layout table names only paths that exist, and every subpackage and every
+  module of the package is in it.
+
+Imports are read from every module's syntax tree, including imports inside functions and
+under `if TYPE_CHECKING:` (a type-only dependency is still a dependency of the reader), so
+a lazy import cannot hide a layering violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "a3po_jax"
+CORE_LAYERS = ("core", "model")
+CORE_MAY_IMPORT = ("core", "model", "parallel")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def imported_names(path: Path, name: str) -> set[str]:
+    """Every absolute dotted name the module imports, wherever the import statement is."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            # `from a3po_jax import model` imports the submodule a3po_jax.model; `from
+            # a3po_jax.core.losses import aggregate` resolves to a3po_jax.core.losses below.
+            names.update(f"{source}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the a3po_jax modules it imports (a name that is not a module, such as
+    `a3po_jax.core.losses.aggregate`, resolves to its longest module prefix)."""
+    modules = all_modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imported_names(path, name):
+            if imported != PACKAGE and not imported.startswith(PACKAGE + "."):
+                continue
+            parts = imported.split(".")
+            while ".".join(parts) not in modules:
+                parts.pop()
+            target = ".".join(parts)
+            if target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def layer(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def path_to(graph: dict[str, set[str]], start: str, accept) -> list[str] | None:
+    """Shortest import chain from `start` to a module where `accept(module)` holds."""
+    previous = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for target in sorted(graph[node]):
+                if target in previous:
+                    continue
+                previous[target] = node
+                if accept(target):
+                    chain = [target]
+                    while previous[chain[-1]] is not None:
+                        chain.append(previous[chain[-1]])
+                    return chain[::-1]
+                nxt.append(target)
+        frontier = nxt
+    return None
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_function_local_and_relative_imports(tmp_path):
+    """The parser itself: a lazy import inside a function and a relative import count."""
+    source = tmp_path / "a3po_jax" / "core" / "example.py"
+    source.parent.mkdir(parents=True)
+    source.write_text(
+        "def f():\n    from a3po_jax.training import trainer\n\nfrom ..rollout import queue\n"
+    )
+    names = imported_names(source, "a3po_jax.core.example")
+    assert "a3po_jax.training.trainer" in names
+    assert "a3po_jax.rollout.queue" in names
+
+
+def test_the_graph_covers_every_layer():
+    graph = import_graph()
+    layers = {layer(name) for name in graph}
+    expected = {"core", "model", "parallel", "rollout", "inference", "training", "analysis"}
+    assert expected | {"cli", "tasks"} <= layers
+    # A graph with no edges would pass every test below.
+    assert sum(len(t) for t in graph.values()) > 50
+
+
+def test_the_core_imports_nothing_from_the_shell():
+    """core/ and model/ reach only core/, model/ and parallel/, directly or transitively."""
+    graph = import_graph()
+    violations = []
+    for name in sorted(graph):
+        if layer(name) not in CORE_LAYERS:
+            continue
+        chain = path_to(graph, name, lambda m: layer(m) not in CORE_MAY_IMPORT)
+        if chain:
+            violations.append(" -> ".join(chain))
+    assert not violations, "the core imports the shell:\n  " + "\n  ".join(violations)
+
+
+def test_nothing_imports_the_cli():
+    graph = import_graph()
+    violations = [
+        f"{name} -> {target}"
+        for name, targets in sorted(graph.items())
+        if layer(name) != "cli"
+        for target in sorted(targets)
+        if layer(target) == "cli"
+    ]
+    assert not violations, "the CLI is imported by the library:\n  " + "\n  ".join(violations)
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    cycles = []
+    for component in strongly_connected(graph):
+        inside = {m: graph[m] & set(component) for m in component}
+        start = component[0]
+        # The shortest cycle through `start`: the shortest chain from it to a module that
+        # imports it back (one exists: the component is strongly connected).
+        chains = [path_to(inside, start, m.__eq__) for m in component if start in inside[m]]
+        best = min(chains, key=len)
+        cycles.append(" -> ".join(best + [start]) + f"   ({len(component)} modules in the cycle)")
+    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+# --- the README's layout table ------------------------------------------------------------
+
+
+def layout_rows() -> list[tuple[str, str]]:
+    """(first cell, the rest) of every row of the table under the README's '## Layout'."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("|") or set(line) <= set("|- "):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append((cells[0], " | ".join(cells[1:])))
+    return rows[1:]  # the header
+
+
+def test_the_readme_layout_table_matches_the_tree():
+    rows = layout_rows()
+    assert len(rows) >= 9
+    missing, named = [], set()
+    for first, rest in rows:
+        paths = re.findall(r"`([^`]+)`", first)
+        assert paths, f"layout row without a path in its first cell: {first!r}"
+        for path in paths:
+            if not (ROOT / path).exists():
+                missing.append(path)
+            named.add(path.rstrip("/"))
+            if path.endswith("/") and path.startswith(PACKAGE):
+                # The row's description names the subpackage's modules by file name.
+                for module in re.findall(r"`([A-Za-z_0-9]+\.py)`", rest):
+                    if not (ROOT / path / module).exists():
+                        missing.append(path + module)
+                    named.add(path + module)
+    assert not missing, f"the README's layout table names paths that do not exist: {missing}"
+
+    package = ROOT / PACKAGE
+    subpackages = sorted(str(p.parent.relative_to(ROOT)) for p in package.glob("*/__init__.py"))
+    absent = [p + "/" for p in subpackages if p not in named]
+    assert not absent, f"subpackages missing from the README's layout table: {absent}"
+    modules = sorted(
+        str(p.relative_to(ROOT)) for p in package.glob("*/*.py") if p.name != "__init__.py"
+    )
+    unnamed = [m for m in modules if m not in named]
+    assert not unnamed, f"modules the README's layout table does not name: {unnamed}"
