@@ -17,12 +17,17 @@ every run in its own directory and skip the ones already complete.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 from pathlib import Path
 from typing import Any
 
-from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
+from a3po_jax.training.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    import_experiment,
+    load_experiment,
+)
 from a3po_jax.training.metrics import METRICS_FILE, read_metrics
 
 
@@ -66,16 +71,11 @@ def load_sweep(path: str | Path) -> list[SweepRun]:
     """The runs of an experiment file's ``SWEEP`` (one run named "base" if it has none).
 
     Raises:
-      ConfigError: if SWEEP is not a list of dicts with string keys, or two entries map
-        to the same run name.
+      ConfigError: if the file is missing or fails to import, SWEEP is not a list of
+        dicts with string keys, or two entries map to the same run name.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    entries = getattr(module, "SWEEP", [{}])
+    entries = getattr(import_experiment(path), "SWEEP", [{}])
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{path}: SWEEP must be a non-empty list of override dicts")
     runs: list[SweepRun] = []

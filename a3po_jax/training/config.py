@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -30,6 +31,22 @@ class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type, or inconsistent."""
 
 
+# η of the modes that fix it; "async" takes system.max_staleness (design §4).
+_MODE_STALENESS = {"sync": 0, "periodic": 0, "one_step_off": 1}
+
+
+def staleness_bound(mode: str, max_staleness: int) -> int:
+    """The staleness bound η a run in ``mode`` is held to.
+
+    ``sync`` and ``periodic`` train on fresh samples only (0), ``one_step_off`` on samples
+    exactly one version old (1); only ``async`` takes the configured ``max_staleness``.
+    The one place this rule lives: the trainer (through
+    :attr:`SystemSection.effective_staleness`) and the results tables both ask it.
+    """
+    _choice("system", "mode", mode, MODES)
+    return _MODE_STALENESS.get(mode, max_staleness)
+
+
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{section}.{name}={value!r} is not one of {', '.join(allowed)}")
@@ -38,7 +55,8 @@ def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> No
 def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{section}.{name} must be {bound}, got {value!r}")
+        field = f"{section}.{name}" if section else name  # top-level fields have no section
+        raise ConfigError(f"{field} must be {bound}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +233,7 @@ class SystemSection:
     @property
     def effective_staleness(self) -> int:
         """η the producer is held to: 0 for sync/periodic, 1 for one_step_off."""
-        return {"sync": 0, "periodic": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+        return staleness_bound(self.mode, self.max_staleness)
 
     @property
     def effective_update_policy(self) -> str:
@@ -385,17 +403,65 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**kwargs)
 
 
-def load_experiment(path: str | Path) -> TrainConfig:
-    """Import an experiment file and call its ``config()``."""
+def import_experiment(path: str | Path) -> types.ModuleType:
+    """Import an experiment file as a module (its ``config()``, maybe its ``SWEEP``).
+
+    Raises:
+      ConfigError: the file does not exist, or importing it raised; the message names the
+        file, the error and the line of the experiment file it came from.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"experiment file {str(path)!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"experiment_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ConfigError(
+            f"experiment file {_where(path, err)} failed to import: {_describe(err)}"
+        ) from err
+    return module
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _where(path: Path, err: BaseException) -> str:
+    """``'experiments/x.py' line 12``: the innermost line of ``path`` in ``err``'s traceback."""
+    line = None
+    if (
+        isinstance(err, SyntaxError)
+        and err.filename
+        and Path(err.filename).resolve() == path.resolve()
+    ):
+        line = err.lineno  # raised while compiling the file: no frame of it to point at
+    for frame in traceback.extract_tb(err.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            line = frame.lineno
+    return f"{str(path)!r}" + (f" line {line}" if line else "")
+
+
+def load_experiment(path: str | Path) -> TrainConfig:
+    """Import an experiment file and call its ``config()``.
+
+    Raises:
+      ConfigError: for a missing file, one that fails to import, has no ``config()``, or
+        whose ``config()`` raises or returns something other than a :class:`TrainConfig`.
+    """
+    path = Path(path)
+    module = import_experiment(path)
     if not hasattr(module, "config"):
         raise ConfigError(f"experiment file {str(path)!r} has no config() function")
-    config = module.config()
+    try:
+        config = module.config()
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            f"experiment file {_where(path, err)}: config() raised {_describe(err)}"
+        ) from err
     if not isinstance(config, TrainConfig):
         raise ConfigError(f"{path}: config() returned {type(config).__name__}, not TrainConfig")
     return config
