@@ -11,7 +11,9 @@ from a3po_jax.training.config import (
     TrainConfig,
     apply_overrides,
     config_from_dict,
+    import_experiment,
     load_experiment,
+    staleness_bound,
 )
 
 
@@ -65,6 +67,36 @@ def test_impossible_combinations_are_refused():
         apply_overrides(TrainConfig(), ["algo.dual_clip=0.5"])
 
 
+def test_staleness_bound_per_mode():
+    # The one rule the trainer and the results tables share: only async reads η.
+    assert [staleness_bound(m, 5) for m in ("sync", "periodic", "one_step_off", "async")] == [
+        0,
+        0,
+        1,
+        5,
+    ]
+    with pytest.raises(ConfigError, match="system.mode='lockstep' is not one of"):
+        staleness_bound("lockstep", 1)
+
+
+def test_experiment_files_that_fail_name_the_file_and_line(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("x = 1\ny = x +\n")
+    with pytest.raises(ConfigError, match=r"broken.py' line 2 failed to import: SyntaxError"):
+        import_experiment(broken)
+    raises = tmp_path / "raises.py"
+    raises.write_text("def config():\n    return 1 / 0\n")
+    with pytest.raises(ConfigError, match=r"raises.py' line 2: config\(\) raised ZeroDivision"):
+        load_experiment(raises)
+    nested = tmp_path / "child.py"  # a child whose parent is broken reports the parent's line
+    nested.write_text(
+        "from a3po_jax.training.config import load_experiment\n\n"
+        f"def config():\n    return load_experiment({str(broken)!r})\n"
+    )
+    with pytest.raises(ConfigError, match="broken.py' line 2"):
+        load_experiment(nested)
+
+
 def test_modes_fix_staleness_and_update_policy():
     def sys(mode, eta=0):
         return dataclasses.replace(TrainConfig().system, mode=mode, max_staleness=eta)
@@ -111,7 +143,7 @@ def test_periodic_micro_batches_must_divide_the_group():
 
 def test_bad_task_options_stop_the_cli_before_the_model_loads(capsys):
     # letters takes no min_terms: the error names the task and its options, exit code 2.
-    code = main(["experiments/smoke_tiny.py", "task.name=letters"])
+    code = main(["experiments/smoke_tiny.py", "task.name=letters", 'task.options={"min_terms": 2}'])
     assert code == 2
     err = capsys.readouterr().err
     assert "task.name='letters'" in err and "min_terms" in err
