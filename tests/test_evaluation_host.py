@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_reference import greedy_generate
 
 from a3po_jax import model
 from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
@@ -46,7 +47,7 @@ def test_greedy_evaluation_through_the_host_matches_model_greedy():
     expected = []
     for p in probe.prompts("test"):
         ids = render_prompt(tok, p)
-        out = model.greedy_generate(
+        out = greedy_generate(
             params, cfg, jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32), new
         )
         expected.append(tok.decode(np.asarray(out[0]).tolist(), skip_special_tokens=True))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_reference import greedy_generate
 
 from a3po_jax.model import (
     DecodeParams,
@@ -22,7 +23,7 @@ from a3po_jax.model import (
     apply,
     apply_decode,
     decode_params,
-    greedy_generate,
+    hidden_states,
     init_kv_cache,
     init_params,
     lm_head_kernel,
@@ -232,22 +233,25 @@ def test_remat_gives_same_loss_and_grads():
     chex.assert_trees_all_close(g1, g2, atol=1e-6, rtol=1e-5)
 
 
-def test_return_hidden_reproduces_logits():
+def test_hidden_states_reproduce_logits():
+    """`hidden_states` is `apply` without the lm_head: the same cache, and hidden states that
+    `lm_head_kernel` turns into `apply`'s logits (untied head: a wrong head matrix or a
+    missing final norm is off by O(1))."""
     config = ModelConfig.tiny(tie_embeddings=False)
     params = _sharp_params(config)
     tokens = jax.random.randint(jax.random.key(8), (1, 5), 0, config.vocab_size)
-    fwd = jax.jit(
-        lambda p, t, logits: apply(
-            p, t, _arange(1, 5), config=config, return_hidden=True, compute_logits=logits
-        ),
-        static_argnums=2,
+    cache = init_kv_cache(config, 1, 8)
+    kw = dict(config=config, kv_cache=cache)
+    logits, logits_cache = jax.jit(functools.partial(apply, **kw))(params, tokens, _arange(1, 5))
+    hidden, hidden_cache = jax.jit(functools.partial(hidden_states, **kw))(
+        params, tokens, _arange(1, 5)
     )
-    logits, cache, hidden = fwd(params, tokens, True)
-    assert cache is None and hidden.shape == (1, 5, config.d_model) and hidden.dtype == jnp.float32
+    assert hidden.shape == (1, 5, config.d_model) and hidden.dtype == jnp.float32
     np.testing.assert_allclose(hidden @ lm_head_kernel(params, config), logits, atol=1e-5)
-    no_logits, _, hidden2 = fwd(params, tokens, False)
-    assert no_logits is None
-    np.testing.assert_array_equal(hidden, hidden2)
+    # Two jitted programs: the same cache up to rounding; a wrong slot is off by O(0.1).
+    chex.assert_trees_all_close(hidden_cache, logits_cache, atol=1e-6, rtol=1e-6)
+    assert apply(params, tokens, _arange(1, 5), config=config)[1] is None
+    assert hidden_states(params, tokens, _arange(1, 5), config=config)[1] is None
 
 
 def test_cache_writes_past_capacity_are_dropped():
@@ -470,16 +474,20 @@ def test_decode_params_layout():
     )
     attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
     w = dp.layers[1]
-    assert w["qkv"].shape == (d, (h + 2 * n) * k)
-    np.testing.assert_array_equal(w["qkv"][:, : h * k], attn["q_proj"]["kernel"][1].reshape(d, -1))
+    qkv = w["attn"]["qkv"]
+    assert qkv["kernel"].shape == (d, (h + 2 * n) * k)
     np.testing.assert_array_equal(
-        w["qkv"][:, (h + n) * k :], attn["v_proj"]["kernel"][1].reshape(d, -1)
+        qkv["kernel"][:, : h * k], attn["q_proj"]["kernel"][1].reshape(d, -1)
     )
     np.testing.assert_array_equal(
-        w["qkv_bias"][h * k : (h + n) * k], attn["k_proj"]["bias"][1].ravel()
+        qkv["kernel"][:, (h + n) * k :], attn["v_proj"]["kernel"][1].reshape(d, -1)
     )
-    np.testing.assert_array_equal(w["gate_up"][:, f:], mlp["up_proj"]["kernel"][1])
-    np.testing.assert_array_equal(w["down"], mlp["down_proj"]["kernel"][1])
+    np.testing.assert_array_equal(
+        qkv["bias"][h * k : (h + n) * k], attn["k_proj"]["bias"][1].ravel()
+    )
+    np.testing.assert_array_equal(w["mlp"]["gate_up"]["kernel"][:, f:], mlp["up_proj"]["kernel"][1])
+    np.testing.assert_array_equal(w["mlp"]["down_proj"]["kernel"], mlp["down_proj"]["kernel"][1])
+    np.testing.assert_array_equal(w["attn"]["o_proj"]["kernel"], attn["o_proj"]["kernel"][1])
     tied = ModelConfig.tiny()
     assert decode_params(init_params(tied, jax.random.key(0)), tied).lm_head is None
 

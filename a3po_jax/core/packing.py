@@ -309,14 +309,12 @@ def packed_hidden(
     tokens = packed["packed_tokens"]
     chex.assert_rank(tokens, 2)
     chex.assert_equal_shape([tokens, packed["packed_positions"], packed["response_id"]])
-    _, _, hidden = model.apply(
+    hidden, _ = model.hidden_states(
         params,
         tokens,
         packed["packed_positions"],
         config=model_config,
         attention_mask=packed_attention_mask(packed["response_id"]),
-        return_hidden=True,
-        compute_logits=False,
     )
     return hidden
 

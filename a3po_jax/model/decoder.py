@@ -1,20 +1,25 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, SmolLM2) in Flax linen behind a pure `apply`.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, SmolLM2) as pure functions of a params dict.
 
-Everything jitted elsewhere (losses, the train step, the inference engine) sees the model as
+Model layer (pure core). Everything jitted elsewhere (losses, the train step, the inference
+engine) sees the model as
 
     apply(params, tokens, positions, *, config, ...) -> (logits, kv_cache)
+    hidden_states(params, tokens, positions, *, config, ...) -> (hidden, kv_cache)
 
 over a plain nested-dict params pytree. The architecture is exactly Hugging Face's
 `LlamaForCausalLM` (RMSNorm, rotary embeddings with the checkpoint's θ, grouped-query
 attention, SwiGLU MLP, tied or untied embeddings) with Qwen2's q/k/v bias and Qwen3's q/k
 RMSNorm as switches.
 
-Layers are one `nn.scan` over stacked parameters (leading axis L), so compile time does not
-grow with depth. Decode steps use `apply_decode` instead: the same layer math unrolled over
-per-layer weights (`decode_params`, split once per weight update), because XLA:CPU copies
-each scanned layer's weight slice before the matmuls read it, so a memory-bound decode step
-moved the layer weights three times (read, write, read) instead of once.
-The model names logical axes only (`logical_axes`); `sharding.py` maps them to mesh axes.
+The layer maths is written once, in `decoder_layer`. `apply` runs it as one `jax.lax.scan`
+over stacked parameters (leading axis L), so compile time does not grow with depth. Decode
+steps use `apply_decode` instead: the same `decoder_layer` unrolled over per-layer weights
+(`decode_params`, split once per weight update), because XLA:CPU copies each scanned
+layer's weight slice before the matmuls read it, so a memory-bound decode step moved the
+layer weights three times (read, write, read) instead of once. Flax only draws the initial
+weights (`init_params`).
+The model names logical axes only (`logical_axes`); `parallel/sharding.py` maps them to
+mesh axes.
 
 Shapes: B batch, T new tokens, S key slots (T without a cache, the cache capacity with one),
 L layers, V vocab, D d_model, F ffn_dim, H query heads, N kv heads, G = H / N query heads per
@@ -218,9 +223,116 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 # ---------------------------------------------------------------------------------------------
-# Modules
+# Parameters: one nested dict, named after Hugging Face's modules.
 
 _init = nn.initializers.normal(stddev=0.02)  # HF `initializer_range` default.
+
+
+def _linear_spec(kernel_shape: tuple[int, ...], bias_shape: tuple[int, ...] | None) -> tuple:
+    """An HF `nn.Linear`: its kernel (heads kept as separate axes) and optional bias."""
+    spec = (("kernel", (_init, kernel_shape)),)
+    if bias_shape is not None:
+        spec += (("bias", (nn.initializers.zeros, bias_shape)),)
+    return spec
+
+
+def _norm_spec(width: int) -> tuple:
+    return (("scale", (nn.initializers.ones, (width,))),)
+
+
+def _layer_spec(c: ModelConfig) -> tuple:
+    """One decoder block's parameters: (name, (initializer, shape)) leaves, (name, spec)
+    subtrees, in the order `init_params` creates them."""
+    d, h, n, k, f = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim
+    attn = (
+        ("q_proj", _linear_spec((d, h, k), (h, k) if c.qkv_bias else None)),
+        ("k_proj", _linear_spec((d, n, k), (n, k) if c.qkv_bias else None)),
+        ("v_proj", _linear_spec((d, n, k), (n, k) if c.qkv_bias else None)),
+    )
+    if c.qk_norm:
+        attn += (("q_norm", _norm_spec(k)), ("k_norm", _norm_spec(k)))
+    attn += (("o_proj", _linear_spec((h, k, d), None)),)
+    mlp = (
+        ("gate_proj", _linear_spec((d, f), None)),
+        ("up_proj", _linear_spec((d, f), None)),
+        ("down_proj", _linear_spec((f, d), None)),
+    )
+    return (
+        ("input_norm", _norm_spec(d)),
+        ("attn", attn),
+        ("post_attn_norm", _norm_spec(d)),
+        ("mlp", mlp),
+    )
+
+
+class _Declare(nn.Module):
+    """Creates the parameters of `spec` under this module's name; no maths.
+
+    The decoder itself is plain functions of the params dict (`decoder_layer`, `apply`).
+    Flax only draws the initial values, for its per-name random streams: a seed gives the
+    same weights it always gave.
+    """
+
+    spec: tuple
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, carry=None):
+        for name, entry in self.spec:
+            if callable(entry[0]):
+                self.param(name, entry[0], entry[1], self.param_dtype)
+            else:
+                _Declare(entry, self.param_dtype, name=name)()
+        return carry, None
+
+
+class _DeclareDecoder(nn.Module):
+    """embed, L stacked layers (leading axis L, one random stream per layer), final_norm,
+    and lm_head when untied."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self):
+        c = self.config
+        pdt = jnp.dtype(c.param_dtype)
+        _Declare((("embedding", (_init, (c.vocab_size, c.d_model))),), pdt, name="embed")()
+        nn.scan(
+            _Declare,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=c.n_layers,
+        )(_layer_spec(c), pdt, name="layers")(None)
+        _Declare(_norm_spec(c.d_model), pdt, name="final_norm")()
+        if not c.tie_embeddings:
+            _Declare(_linear_spec((c.d_model, c.vocab_size), None), pdt, name="lm_head")()
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+    """Random parameters (normal(0.02) weights, unit norms, zero biases) as a nested dict."""
+    return _init_fn(config)(key)
+
+
+@functools.cache
+def _init_fn(config: ModelConfig):
+    return jax.jit(lambda key: _DeclareDecoder(config).init(key)["params"])
+
+
+def abstract_params(config: ModelConfig) -> Params:
+    """Shapes and dtypes of `init_params` (jax.ShapeDtypeStruct leaves), without allocating."""
+    return jax.eval_shape(_init_fn(config), jax.random.key(0))
+
+
+def lm_head_kernel(params: Params, config: ModelConfig) -> jax.Array:
+    """[D, V] float32 output projection (the embedding table's transpose when tied): what
+    `apply` multiplies `hidden_states` with; for chunked-vocab log-probs."""
+    if config.tie_embeddings:
+        return params["embed"]["embedding"].astype(jnp.float32).T
+    return params["lm_head"]["kernel"].astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer: the only place its maths is written.
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -233,39 +345,56 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    """`rms_norm` with its scale as a parameter."""
-
-    eps: float
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self, x):  # [..., D] -> [..., D] in x's dtype
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        return rms_norm(x, scale, self.eps)
+def _linear(equation: str, x: jax.Array, w: Params, dtype: Any) -> jax.Array:
+    """An HF `nn.Linear` on {"kernel", optional "bias"}: einsum "input,kernel->output" in
+    `dtype`, plus the bias."""
+    y = jnp.einsum(equation, x.astype(dtype), w["kernel"].astype(dtype))
+    if "bias" in w:
+        y = y + w["bias"].astype(dtype)
+    return y
 
 
-class Projection(nn.Module):
-    """One weight matrix (an HF `nn.Linear`) with its heads kept as a separate axis."""
+def _embed(table: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """[B, T] ids -> [B, T, D] rows of the [V, D] table, in `dtype` (nn.Embed's lookup)."""
+    return jnp.take(table, tokens.astype(jnp.int32), axis=0).astype(dtype)
 
-    kernel_shape: tuple[int, ...]
-    equation: str  # einsum "input,kernel->output"
-    bias_shape: tuple[int, ...] | None
-    dtype: Any
-    param_dtype: Any
 
-    @nn.compact
-    def __call__(self, x):
-        kernel = self.param("kernel", _init, self.kernel_shape, self.param_dtype)
-        y = jnp.einsum(self.equation, x.astype(self.dtype), kernel.astype(self.dtype))
-        if self.bias_shape is not None:
-            bias = self.param("bias", nn.initializers.zeros, self.bias_shape, self.param_dtype)
-            y = y + bias.astype(self.dtype)
-        return y
+def _project_qkv(
+    attn: Params, x: jax.Array, config: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B,T,D] -> q [B,T,H,K], k and v [B,T,N,K], from either weight layout."""
+    cdt = jnp.dtype(config.compute_dtype)
+    if "qkv" not in attn:  # `init_params` layout: three matmuls
+        return (
+            _linear("btd,dhk->bthk", x, attn["q_proj"], cdt),
+            _linear("btd,dnk->btnk", x, attn["k_proj"], cdt),
+            _linear("btd,dnk->btnk", x, attn["v_proj"], cdt),
+        )
+    # `decode_params` layout: the three kernels side by side, one longer matmul.
+    b, t, _ = x.shape
+    h, n, k = config.n_heads, config.n_kv_heads, config.head_dim
+    qkv = _linear("btd,de->bte", x, attn["qkv"], cdt)  # [B, T, (H + 2N)·K]
+    return (
+        qkv[..., : h * k].reshape(b, t, h, k),
+        qkv[..., h * k : (h + n) * k].reshape(b, t, n, k),
+        qkv[..., (h + n) * k :].reshape(b, t, n, k),
+    )
+
+
+def _project_gate_up(mlp: Params, x: jax.Array, config: ModelConfig) -> tuple[jax.Array, ...]:
+    """x [B,T,D] -> gate, up [B,T,F], from either weight layout."""
+    cdt = jnp.dtype(config.compute_dtype)
+    if "gate_up" not in mlp:
+        return (
+            _linear("btd,df->btf", x, mlp["gate_proj"], cdt),
+            _linear("btd,df->btf", x, mlp["up_proj"], cdt),
+        )
+    gate_up = _linear("btd,df->btf", x, mlp["gate_up"], cdt)  # [B, T, 2F]
+    return gate_up[..., : config.ffn_dim], gate_up[..., config.ffn_dim :]
 
 
 def _write_slots(
-    cache: jax.Array, layer: jax.Array, new: jax.Array, write_pos: jax.Array
+    cache: jax.Array, layer: jax.Array | int, new: jax.Array, write_pos: jax.Array
 ) -> jax.Array:
     """cache[layer, b, write_pos[b, t]] = new[b, t]; slots past the capacity are dropped.
 
@@ -296,127 +425,69 @@ def _attend(
     return jnp.einsum("bngts,bsnk->btngk", probs, value).reshape(b, t, h, k)
 
 
-class Attention(nn.Module):
-    config: ModelConfig
+class LayerCache(NamedTuple):
+    """What one layer needs of the KV cache: the whole cache, its layer and the write slots."""
 
-    @nn.compact
-    def __call__(self, x, positions, mask, write_pos, cache):
-        """x [B,T,D], positions [B,T], mask [B,T,S] bool, write_pos [B,T] or None, cache None
-        or (k [L,B,S,N,K], v [L,B,S,N,K], this layer's index). Returns ([B,T,D], cache)."""
-        c = self.config
-        cdt, pdt = jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype)
-        d, h, n, k = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-        bias = c.qkv_bias
-        proj = functools.partial(Projection, dtype=cdt, param_dtype=pdt)
-        q = proj((d, h, k), "btd,dhk->bthk", (h, k) if bias else None, name="q_proj")(x)
-        key = proj((d, n, k), "btd,dnk->btnk", (n, k) if bias else None, name="k_proj")(x)
-        value = proj((d, n, k), "btd,dnk->btnk", (n, k) if bias else None, name="v_proj")(x)
-        if c.qk_norm:
-            q = RMSNorm(c.rms_eps, pdt, name="q_norm")(q)
-            key = RMSNorm(c.rms_eps, pdt, name="k_norm")(key)
-        inv_freq = rope_inverse_frequencies(c)
-        q = apply_rope(q, positions, inv_freq)
-        key = apply_rope(key, positions, inv_freq)
-
-        if cache is not None:
-            cache_k, cache_v, layer = cache
-            cache_k = _write_slots(cache_k, layer, key, write_pos)
-            cache_v = _write_slots(cache_v, layer, value, write_pos)
-            key, value = cache_k[layer].astype(cdt), cache_v[layer].astype(cdt)  # [B, S, N, K]
-            cache = (cache_k, cache_v, layer)
-
-        out = _attend(q, key, value, mask, c)  # [B, T, H, K]
-        out = proj((h, k, d), "bthk,hkd->btd", None, name="o_proj")(out)
-        return out, cache
+    k: jax.Array  # [L, B, C, N, K] (C the capacity)
+    v: jax.Array  # [L, B, C, N, K]
+    layer: jax.Array | int  # which of the L layers this is
+    write_pos: jax.Array  # [B, T] int32 slots the T new keys/values go to
 
 
-class MLP(nn.Module):
-    config: ModelConfig
+def decoder_layer(
+    w: Params,
+    x: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array,
+    *,
+    config: ModelConfig,
+    cache: LayerCache | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """One decoder block, x + attn(norm(x)) then x + mlp(norm(x)).
 
-    @nn.compact
-    def __call__(self, x):  # [B, T, D] -> [B, T, D]
-        c = self.config
-        proj = functools.partial(
-            Projection, dtype=jnp.dtype(c.compute_dtype), param_dtype=jnp.dtype(c.param_dtype)
-        )
-        d, f = c.d_model, c.ffn_dim
-        gate = proj((d, f), "btd,df->btf", None, name="gate_proj")(x)
-        up = proj((d, f), "btd,df->btf", None, name="up_proj")(x)
-        return proj((f, d), "btf,fd->btd", None, name="down_proj")(nn.silu(gate) * up)
+    The only copy of the layer maths: `apply` scans it over the stacked layers and
+    `apply_decode` loops it over per-layer weights. q/k norm (Qwen3) follows the config;
+    the weight layout (separate or fused q/k/v and gate/up kernels) is read from `w`'s keys
+    at trace time.
 
+    Args:
+      w: one layer's weights: params["layers"] with the leading L axis indexed away, or an
+        entry of `DecodeParams.layers`.
+      x: [B, T, D] residual stream in the compute dtype.
+      positions: [B, T] int32 RoPE positions.
+      mask: [B, T, S] bool, query t may attend key s. Without a cache S = T (the new keys);
+        with one, the first S cache slots (a window of the capacity C).
+      config: the architecture.
+      cache: None, or the cache to write this layer's new keys/values into before
+        attending.
+    Returns:
+      (x [B, T, D], the written (cache_k, cache_v) or None).
+    """
+    c = config
+    cdt = jnp.dtype(c.compute_dtype)
+    attn = w["attn"]
+    q, key, value = _project_qkv(attn, rms_norm(x, w["input_norm"]["scale"], c.rms_eps), c)
+    if c.qk_norm:
+        q = rms_norm(q, attn["q_norm"]["scale"], c.rms_eps)
+        key = rms_norm(key, attn["k_norm"]["scale"], c.rms_eps)
+    inv_freq = rope_inverse_frequencies(c)
+    q = apply_rope(q, positions, inv_freq)
+    key = apply_rope(key, positions, inv_freq)
 
-class DecoderLayer(nn.Module):
-    config: ModelConfig
+    written = None
+    if cache is not None:
+        cache_k = _write_slots(cache.k, cache.layer, key, cache.write_pos)
+        cache_v = _write_slots(cache.v, cache.layer, value, cache.write_pos)
+        window = mask.shape[-1]  # attention reads the first S slots only
+        key = cache_k[cache.layer, :, :window].astype(cdt)  # [B, S, N, K]
+        value = cache_v[cache.layer, :, :window].astype(cdt)
+        written = (cache_k, cache_v)
 
-    @nn.compact
-    def __call__(self, carry, positions, mask, write_pos):
-        """carry = (x [B,T,D], cache None or (k, v, layer index)); scanned over layers."""
-        x, cache = carry
-        c = self.config
-        pdt = jnp.dtype(c.param_dtype)
-        h = RMSNorm(c.rms_eps, pdt, name="input_norm")(x)
-        attn, cache = Attention(c, name="attn")(h, positions, mask, write_pos, cache)
-        x = x + attn
-        h = RMSNorm(c.rms_eps, pdt, name="post_attn_norm")(x)
-        x = x + MLP(c, name="mlp")(h)
-        if cache is not None:
-            cache = (cache[0], cache[1], cache[2] + 1)
-        return (x, cache), None
-
-
-class Decoder(nn.Module):
-    """Embedding, L scanned layers, final norm and lm_head (the last two in float32)."""
-
-    config: ModelConfig
-
-    @nn.compact
-    def __call__(self, tokens, positions, mask, write_pos, cache_k, cache_v, compute_logits):
-        c = self.config
-        cdt, pdt = jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype)
-        embed = nn.Embed(
-            c.vocab_size, c.d_model, dtype=cdt, param_dtype=pdt, embedding_init=_init, name="embed"
-        )
-        x = embed(tokens)  # [B, T, D]
-
-        layer = DecoderLayer
-        if c.remat:
-            layer = nn.remat(layer, prevent_cse=False)
-        layers = nn.scan(
-            layer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-            length=c.n_layers,
-        )(c, name="layers")
-        # The cache rides in the carry (not as scanned input/output) so it is updated in
-        # place; scanned outputs would rebuild the whole [L, B, S, N, K] cache every call.
-        cache = None if cache_k is None else (cache_k, cache_v, jnp.zeros((), jnp.int32))
-        (x, cache), _ = layers((x, cache), positions, mask, write_pos)
-        if cache is not None:
-            cache_k, cache_v, _ = cache
-
-        # Final norm and lm_head in float32: log-probs feed importance ratios exp(a - b),
-        # where bfloat16 rounding of logits would show up directly.
-        hidden = RMSNorm(c.rms_eps, pdt, name="final_norm")(x.astype(jnp.float32))
-        if c.tie_embeddings:
-            head = embed.embedding.astype(jnp.float32).T  # [D, V]
-        else:
-            head = LMHead(c.d_model, c.vocab_size, pdt, name="lm_head")()  # [D, V]
-        logits = jnp.einsum("btd,dv->btv", hidden, head) if compute_logits else None
-        return logits, hidden, cache_k, cache_v
-
-
-class LMHead(nn.Module):
-    """Untied output projection, stored as `lm_head/kernel` [D, V]."""
-
-    d_model: int
-    vocab_size: int
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self):
-        kernel = self.param("kernel", _init, (self.d_model, self.vocab_size), self.param_dtype)
-        return kernel.astype(jnp.float32)
+    out = _attend(q, key, value, mask, c)  # [B, T, H, K]
+    x = x + _linear("bthk,hkd->btd", out, attn["o_proj"], cdt)
+    gate, up = _project_gate_up(w["mlp"], rms_norm(x, w["post_attn_norm"]["scale"], c.rms_eps), c)
+    x = x + _linear("btf,fd->btd", jax.nn.silu(gate) * up, w["mlp"]["down_proj"], cdt)
+    return x, written
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,6 +544,65 @@ def _advanced_cache(
     return KVCache(k=cache_k, v=cache_v, lengths=kv_cache.lengths + n_valid)
 
 
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    config: ModelConfig,
+    segment_ids: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    kv_cache: KVCache | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """`apply` without the lm_head: the float32 final-norm hidden states, for callers that
+    multiply them with `lm_head_kernel` themselves (chunked-vocab log-probs, or only the
+    positions they need) instead of materialising [B, T, V] logits.
+
+    Arguments as in `apply`.
+    Returns:
+      (hidden [B, T, D] float32, new KVCache or None), the cache as `apply` returns it.
+    """
+    c = config
+    chex.assert_rank([tokens, positions], 2)
+    chex.assert_equal_shape([tokens, positions])
+    b, t = tokens.shape
+    if segment_ids is not None:
+        chex.assert_shape(segment_ids, (b, t))
+    chex.assert_shape(params["embed"]["embedding"], (c.vocab_size, c.d_model))
+
+    if kv_cache is None:
+        if attention_mask is not None:
+            chex.assert_shape(attention_mask, (b, t, t))
+            mask = attention_mask.astype(bool)
+        else:
+            mask = _causal_segment_mask(t, segment_ids, b)
+        write_pos, kv = None, None
+    else:
+        write_pos, mask = _cache_write_pos_and_mask(kv_cache, c, b, t, attention_mask)
+        kv = (kv_cache.k, kv_cache.v)
+    positions = positions.astype(jnp.int32)
+
+    def one_layer(carry, w):
+        x, kv, layer = carry
+        cache = None if kv is None else LayerCache(*kv, layer, write_pos)
+        x, kv = decoder_layer(w, x, positions, mask, config=c, cache=cache)
+        return (x, kv, layer + 1), None
+
+    if c.remat:
+        one_layer = jax.checkpoint(one_layer, prevent_cse=False)
+    x = _embed(params["embed"]["embedding"], tokens, jnp.dtype(c.compute_dtype))  # [B, T, D]
+    # One scan over the stacked [L, ...] weights, so compile time does not grow with depth.
+    # The cache rides in the carry (not as scanned input/output) so it is updated in place;
+    # scanned outputs would rebuild the whole [L, B, S, N, K] cache every call.
+    (x, kv, _), _ = jax.lax.scan(one_layer, (x, kv, jnp.zeros((), jnp.int32)), params["layers"])
+
+    # Final norm (and lm_head) in float32: log-probs feed importance ratios exp(a - b),
+    # where bfloat16 rounding of logits would show up directly.
+    hidden = rms_norm(x.astype(jnp.float32), params["final_norm"]["scale"], c.rms_eps)
+    new_cache = None if kv_cache is None else _advanced_cache(kv_cache, *kv, segment_ids, b, t)
+    return hidden, new_cache
+
+
 def apply(
     params: Params,
     tokens: jax.Array,
@@ -482,9 +612,7 @@ def apply(
     segment_ids: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
     kv_cache: KVCache | None = None,
-    return_hidden: bool = False,
-    compute_logits: bool = True,
-):
+) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder on T new tokens per row.
 
     Without a cache, query t attends keys s <= t with the same non-zero segment id
@@ -502,128 +630,77 @@ def apply(
       attention_mask: [B, T, T] bool (no cache) or [B, T, S] bool (cache): "query t may
         attend key s", used instead of the causal + segment rule.
       kv_cache: a `KVCache`, or None for a full forward pass.
-      return_hidden: also return the float32 final-norm hidden states [B, T, D] (the
-        lm_head input), for a chunked-vocab log-prob.
-      compute_logits: False skips the lm_head (logits returned as None); for callers that
-        only want the hidden states.
     Returns:
-      (logits [B, T, V] float32, new KVCache or None), plus hidden [B, T, D] float32 if
-      `return_hidden`. The new cache has `lengths + n_valid`, n_valid[b] = number of tokens
-      of row b with segment_ids != 0 (all T without segment_ids).
+      (logits [B, T, V] float32, new KVCache or None). The new cache has
+      `lengths + n_valid`, n_valid[b] = number of tokens of row b with segment_ids != 0
+      (all T without segment_ids). `hidden_states` gives the lm_head's input instead.
     """
-    chex.assert_rank([tokens, positions], 2)
-    chex.assert_equal_shape([tokens, positions])
-    b, t = tokens.shape
-    if segment_ids is not None:
-        chex.assert_shape(segment_ids, (b, t))
-
-    if kv_cache is None:
-        if attention_mask is not None:
-            chex.assert_shape(attention_mask, (b, t, t))
-            mask = attention_mask.astype(bool)
-        else:
-            mask = _causal_segment_mask(t, segment_ids, b)
-        write_pos, cache_k, cache_v = None, None, None
-    else:
-        write_pos, mask = _cache_write_pos_and_mask(kv_cache, config, b, t, attention_mask)
-        cache_k, cache_v = kv_cache.k, kv_cache.v
-
-    logits, hidden, cache_k, cache_v = Decoder(config).apply(
-        {"params": params},
-        tokens.astype(jnp.int32),
-        positions.astype(jnp.int32),
-        mask,
-        write_pos,
-        cache_k,
-        cache_v,
-        compute_logits,
+    hidden, new_cache = hidden_states(
+        params,
+        tokens,
+        positions,
+        config=config,
+        segment_ids=segment_ids,
+        attention_mask=attention_mask,
+        kv_cache=kv_cache,
     )
-
-    new_cache = None
-    if kv_cache is not None:
-        new_cache = _advanced_cache(kv_cache, cache_k, cache_v, segment_ids, b, t)
-    if return_hidden:
-        return logits, new_cache, hidden
+    logits = jnp.einsum("btd,dv->btv", hidden, lm_head_kernel(params, config))
     return logits, new_cache
 
 
-def lm_head_kernel(params: Params, config: ModelConfig) -> jax.Array:
-    """[D, V] float32 output projection (the embedding table's transpose when tied), what
-    `apply` multiplies the `return_hidden` states with; for chunked-vocab log-probs."""
-    if config.tie_embeddings:
-        return params["embed"]["embedding"].astype(jnp.float32).T
-    return params["lm_head"]["kernel"].astype(jnp.float32)
-
-
-def init_params(config: ModelConfig, key: jax.Array) -> Params:
-    """Random parameters (normal(0.02) weights, unit norms, zero biases) as a nested dict."""
-    return _init_fn(config)(key)
-
-
-@functools.cache
-def _init_fn(config: ModelConfig):
-    def init(key):
-        tokens = jnp.zeros((1, 1), jnp.int32)
-        mask = jnp.ones((1, 1, 1), bool)
-        variables = Decoder(config).init(key, tokens, tokens, mask, None, None, None, True)
-        return variables["params"]
-
-    return jax.jit(init)
-
-
-def abstract_params(config: ModelConfig) -> Params:
-    """Shapes and dtypes of `init_params` (jax.ShapeDtypeStruct leaves), without allocating."""
-    return jax.eval_shape(_init_fn(config), jax.random.key(0))
-
-
 # ---------------------------------------------------------------------------------------------
-# Decode path: the same layer math, unrolled over per-layer weights laid out for it.
+# Decode path: the same layer, looped over per-layer weights laid out for it.
 
 
 class DecodeParams(NamedTuple):
     """`apply`'s params laid out for decode steps: one weight tree per layer.
 
-    Inside `apply`'s `nn.scan` each layer's weights are a dynamic slice of the stacked
-    [L, ...] arrays, and XLA's CPU backend materialises that slice before the matmuls read
-    it: a decode step wrote a copy of every layer's weights and read them twice. Made once
-    per weight update (`decode_params`), each layer's matmuls read their own arrays in place,
+    Inside `apply`'s scan each layer's weights are a dynamic slice of the stacked [L, ...]
+    arrays, and XLA's CPU backend materialises that slice before the matmuls read it: a
+    decode step wrote a copy of every layer's weights and read them twice. Made once per
+    weight update (`decode_params`), each layer's matmuls read their own arrays in place,
     and q/k/v and gate/up are one matrix each (fewer, longer reads).
 
-    Each entry of `layers` holds: `input_norm` [D], `qkv` [D, (H + 2N)·K] (q, k, v kernels
-    side by side, heads flattened), `qkv_bias` [(H + 2N)·K] (Qwen2 only), `q_norm` and
-    `k_norm` [K] (Qwen3 only), `o` [H, K, D], `post_attn_norm` [D], `gate_up` [D, 2F] and
-    `down` [F, D], in the parameter dtype.
+    Each entry of `layers` is a `decoder_layer` weight tree: params["layers"]'s names, except
+    that attn's q/k/v projections become `attn/qkv` (`kernel` [D, (H + 2N)·K], heads
+    flattened, q, k, v side by side; `bias` [(H + 2N)·K] for Qwen2) and mlp's gate/up
+    projections `mlp/gate_up` (`kernel` [D, 2F]); in the parameter dtype.
     """
 
     embed: jax.Array  # [V, D] embedding table; also the tied lm_head (shared, not copied).
-    layers: tuple[dict[str, jax.Array], ...]  # L per-layer trees (see above).
+    layers: tuple[Params, ...]  # L per-layer trees (see above).
     final_norm: jax.Array  # [D] final RMSNorm scale.
     lm_head: jax.Array | None  # [D, V] untied output kernel; None when tied.
 
 
 @jax.jit
-def _decode_layers(stacked: Params) -> tuple[dict[str, jax.Array], ...]:
+def _decode_layers(stacked: Params) -> tuple[Params, ...]:
     """params["layers"] ([L, ...] leaves) -> L trees of `DecodeParams.layers`."""
     n_layers = stacked["input_norm"]["scale"].shape[0]
 
-    def layer(i: int) -> dict[str, jax.Array]:
+    def layer(i: int) -> Params:
         w = jax.tree.map(lambda x: x[i], stacked)
         attn, mlp = w["attn"], w["mlp"]
         d = attn["q_proj"]["kernel"].shape[0]
-        qkv = [attn[f"{x}_proj"]["kernel"].reshape(d, -1) for x in "qkv"]  # [D, heads·K]
-        out = {
-            "input_norm": w["input_norm"]["scale"],
-            "qkv": jnp.concatenate(qkv, axis=-1),
-            "o": attn["o_proj"]["kernel"],
-            "post_attn_norm": w["post_attn_norm"]["scale"],
-            "gate_up": jnp.concatenate([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]], -1),
-            "down": mlp["down_proj"]["kernel"],
+        qkv = {
+            "kernel": jnp.concatenate(
+                [attn[f"{x}_proj"]["kernel"].reshape(d, -1) for x in "qkv"], axis=-1
+            )
         }
         if "bias" in attn["q_proj"]:
-            out["qkv_bias"] = jnp.concatenate([attn[f"{x}_proj"]["bias"].ravel() for x in "qkv"])
-        if "q_norm" in attn:
-            out["q_norm"], out["k_norm"] = attn["q_norm"]["scale"], attn["k_norm"]["scale"]
-        return out
+            qkv["bias"] = jnp.concatenate([attn[f"{x}_proj"]["bias"].ravel() for x in "qkv"])
+        fused_attn = {"qkv": qkv, "o_proj": attn["o_proj"]}
+        fused_attn.update({name: attn[name] for name in ("q_norm", "k_norm") if name in attn})
+        gate_up = [mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]]
+        return {
+            "input_norm": w["input_norm"],
+            "attn": fused_attn,
+            "post_attn_norm": w["post_attn_norm"],
+            "mlp": {
+                "gate_up": {"kernel": jnp.concatenate(gate_up, axis=-1)},
+                "down_proj": mlp["down_proj"],
+            },
+        }
 
     return tuple(layer(i) for i in range(n_layers))
 
@@ -641,55 +718,6 @@ def decode_params(params: Params, config: ModelConfig) -> DecodeParams:
     )
 
 
-def _decode_layer(
-    w: dict[str, jax.Array],
-    x: jax.Array,
-    positions: jax.Array,
-    mask: jax.Array,
-    write_pos: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
-    layer: int,
-    config: ModelConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`DecoderLayer` with a cache, on one `DecodeParams.layers` tree: x [B,T,D] ->
-    (x, cache_k, cache_v), the caches [L,B,S,N,K] written at `layer`."""
-    c = config
-    cdt = jnp.dtype(c.compute_dtype)
-    b, t, _ = x.shape
-    h, n, k, f = c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim
-    mm = lambda eq, a, kernel: jnp.einsum(eq, a.astype(cdt), kernel.astype(cdt))  # Projection
-
-    qkv = mm("btd,de->bte", rms_norm(x, w["input_norm"], c.rms_eps), w["qkv"])
-    if "qkv_bias" in w:
-        qkv = qkv + w["qkv_bias"].astype(cdt)
-    q = qkv[..., : h * k].reshape(b, t, h, k)
-    key = qkv[..., h * k : (h + n) * k].reshape(b, t, n, k)
-    value = qkv[..., (h + n) * k :].reshape(b, t, n, k)
-    if "q_norm" in w:
-        q = rms_norm(q, w["q_norm"], c.rms_eps)
-        key = rms_norm(key, w["k_norm"], c.rms_eps)
-    inv_freq = rope_inverse_frequencies(c)
-    q = apply_rope(q, positions, inv_freq)
-    key = apply_rope(key, positions, inv_freq)
-    cache_k = _write_slots(cache_k, layer, key, write_pos)
-    cache_v = _write_slots(cache_v, layer, value, write_pos)
-    w_len = mask.shape[-1]  # the attention window: the first W cache slots
-    out = _attend(
-        q,
-        cache_k[layer, :, :w_len].astype(cdt),
-        cache_v[layer, :, :w_len].astype(cdt),
-        mask,
-        c,
-    )
-    x = x + mm("bthk,hkd->btd", out, w["o"])
-
-    gate_up = mm("btd,df->btf", rms_norm(x, w["post_attn_norm"], c.rms_eps), w["gate_up"])
-    gate, up = gate_up[..., :f], gate_up[..., f:]
-    x = x + mm("btf,fd->btd", nn.silu(gate) * up, w["down"])
-    return x, cache_k, cache_v
-
-
 def apply_decode(
     params: DecodeParams,
     tokens: jax.Array,
@@ -700,12 +728,12 @@ def apply_decode(
     segment_ids: jax.Array | None = None,
     window: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """`apply` with a KV cache, its layers unrolled over `decode_params` weights.
+    """`apply` with a KV cache, `decoder_layer` unrolled over `decode_params` weights.
 
-    The same math as `apply` (shared norm, rotary, cache-write and attention functions, and
-    matmuls in the compute dtype, final norm and lm_head in float32); only the layout
-    differs: per-layer weights read in place, q/k/v and gate/up fused into one matmul each,
-    and the tied lm_head contracting the [V, D] table over D instead of multiplying by its
+    The same maths as `apply` (the same layer function; final norm and lm_head in float32);
+    only the layout differs: per-layer weights read in place (no scan over stacked weights,
+    which would copy each layer's slice), q/k/v and gate/up fused into one matmul each, and
+    the tied lm_head contracting the [V, D] table over D instead of multiplying by its
     transpose. Logits agree with `apply`'s up to float rounding. The cache is written in
     place at `lengths[b] + t`, as in `apply`. Unrolling makes compile time grow with depth;
     the decode step compiles once per engine.
@@ -742,13 +770,11 @@ def apply_decode(
         mask = mask[:, :, :window]
     positions = positions.astype(jnp.int32)
 
-    # nn.Embed's lookup (rows by token id, in the compute dtype); rows cast after the take.
-    x = jnp.take(params.embed, tokens.astype(jnp.int32), axis=0).astype(c.compute_dtype)
+    x = _embed(params.embed, tokens, jnp.dtype(c.compute_dtype))
     cache_k, cache_v = kv_cache.k, kv_cache.v
     for i, w in enumerate(params.layers):
-        x, cache_k, cache_v = _decode_layer(
-            w, x, positions, mask, write_pos, cache_k, cache_v, i, c
-        )
+        cache = LayerCache(cache_k, cache_v, i, write_pos)
+        x, (cache_k, cache_v) = decoder_layer(w, x, positions, mask, config=c, cache=cache)
 
     # Final norm and lm_head in float32, as in `apply`.
     hidden = rms_norm(x.astype(jnp.float32), params.final_norm, c.rms_eps)
@@ -788,17 +814,41 @@ KV_CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_di
 TOKENS_LOGICAL_AXES = ("batch", "length")
 
 
-def tree_path_str(path) -> str:
-    """'a/b/c' for a jax tree path of dict keys, attributes or indices."""
-    parts = []
+def _path_names(path) -> list[str]:
+    """The key of each entry of a jax tree path (dict key, attribute or index) as a str."""
+    names = []
     for entry in path:
         for attr in ("key", "name", "idx"):
             if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
+                names.append(str(getattr(entry, attr)))
                 break
         else:
-            parts.append(str(entry))
-    return "/".join(parts)
+            names.append(str(entry))
+    return names
+
+
+def tree_path_str(path) -> str:
+    """'a/b/c' for a jax tree path of dict keys, attributes or indices."""
+    return "/".join(_path_names(path))
+
+
+def flatten_params(params: Any) -> dict[str, Any]:
+    """`{"layers/attn/q_proj/kernel": leaf, ...}`: every leaf under its "/"-joined path, in
+    tree order. The one weight naming of the package (logical axes, weight pushes).
+
+    Raises ValueError if a key itself contains "/" or two leaves get the same name.
+    """
+    out: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = _path_names(path)
+        bad = next((n for n in names if "/" in n), None)
+        if bad is not None:
+            raise ValueError(f"parameter key {bad!r} contains '/'; cannot flatten it")
+        name = "/".join(names)
+        if name in out:
+            raise ValueError(f"two parameters flatten to the same name {name!r}")
+        out[name] = leaf
+    return out
 
 
 def logical_axes(params: Params) -> Params:
@@ -827,54 +877,3 @@ def logical_axes(params: Params) -> Params:
         return match
 
     return jax.tree_util.tree_map_with_path(axes_of, params)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reference greedy decoding (what the inference engine must reproduce).
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "capacity"))
-def greedy_generate(
-    params: Params,
-    config: ModelConfig,
-    prompt_tokens: jax.Array,
-    prompt_lengths: jax.Array,
-    max_new_tokens: int,
-    capacity: int | None = None,
-) -> jax.Array:
-    """Greedy continuation of right-padded prompts with the KV cache.
-
-    Prefill writes the whole padded prompt bucket; padding slots are overwritten by the
-    first generated tokens because each row's cache length counts valid tokens only.
-
-    Args:
-      params: model parameters.
-      config: the architecture.
-      prompt_tokens: [B, P] int32, right-padded.
-      prompt_lengths: [B] int32 valid prompt tokens per row (>= 1).
-      max_new_tokens: tokens to generate per row (no early stop at EOS).
-      capacity: cache slots per row; default P + max_new_tokens.
-    Returns:
-      [B, max_new_tokens] int32 generated tokens.
-    """
-    b, p = prompt_tokens.shape
-    chex.assert_shape(prompt_lengths, (b,))
-    capacity = capacity or p + max_new_tokens
-    cache = init_kv_cache(config, b, capacity)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    segment_ids = (positions < prompt_lengths[:, None]).astype(jnp.int32)
-    logits, cache = apply(
-        params, prompt_tokens, positions, config=config, segment_ids=segment_ids, kv_cache=cache
-    )
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
-    first = jnp.argmax(last, axis=-1).astype(jnp.int32)  # [B]
-
-    def step(carry, _):
-        token, cache = carry
-        pos = cache.lengths[:, None]  # [B, 1]: the new token sits right after the valid ones
-        logits, cache = apply(params, token[:, None], pos, config=config, kv_cache=cache)
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return (nxt, cache), token
-
-    _, tokens = jax.lax.scan(step, (first, cache), None, length=max_new_tokens)
-    return tokens.T  # [B, max_new_tokens]
