@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from factories import synthetic_groups
 
 from a3po_jax import model
 from a3po_jax.core import packing
@@ -39,18 +40,15 @@ def make_rollout(group, index, prompt, completion, reward=0.0):
 def make_groups(num_groups=3, group_size=4, seed=0, vocab=TINY.vocab_size):
     """Groups with varied prompt and response lengths: a 1-token prompt, an empty
     response and a response longer than any other sample's whole row are all in."""
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(num_groups):
-        prompt_len = 1 if g == 0 else int(rng.integers(3, 10))
-        prompt = rng.integers(3, vocab, size=prompt_len)
-        rollouts = []
-        for i in range(group_size):
-            n = 0 if (g, i) == (1, 2) else int(rng.integers(1, 13))
-            completion = rng.integers(3, vocab, size=n)
-            rollouts.append(make_rollout(g, i, prompt, completion, float(rng.integers(0, 2))))
-        groups.append(RolloutGroup(f"p{g}", g, rollouts, admitted_at_version=0))
-    return groups
+    return synthetic_groups(
+        num_groups,
+        group_size,
+        prompt_len=lambda rng, g: 1 if g == 0 else int(rng.integers(3, 10)),
+        response_len=lambda rng, g, i: 0 if (g, i) == (1, 2) else int(rng.integers(1, 13)),
+        vocab=vocab,
+        behav_range=(1.0, 2.0),
+        seed=seed,
+    )
 
 
 def sharpened_params(config, seed=0, scale=4.0):
