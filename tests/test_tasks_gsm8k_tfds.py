@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from a3po_jax.tasks import Gsm8kTask, make_task
+from a3po_jax.tasks import Gsm8kTask, load_tfds_gsm8k, make_task
 
 SPLITS = ("train", "test", "train_socratic", "test_socratic")
 
@@ -31,7 +31,9 @@ def _records(split, n):
 
 @pytest.fixture(scope="module")
 def prepared_data_dir(tmp_path_factory):
-    import tensorflow_datasets as tfds
+    tfds = pytest.importorskip(
+        "tensorflow_datasets", reason="needs the gsm8k extra: pip install 'a3po_jax[gsm8k]'"
+    )
 
     root = tmp_path_factory.mktemp("gsm8k")
     files = {}
@@ -84,3 +86,10 @@ def test_importing_tasks_does_not_import_tensorflow():
     code = "import a3po_jax.tasks, sys; print('tensorflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_without_the_gsm8k_extra_the_error_says_what_to_install(monkeypatch):
+    # An installation without tensorflow-datasets (the base install): `import` finds None.
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    with pytest.raises(ImportError, match=r"pip install 'a3po_jax\[gsm8k\]'"):
+        load_tfds_gsm8k("test", download=False)

@@ -8,9 +8,9 @@ orchestrator and gRPC server (`jetstream.core.orchestrator.Driver`, `server_lib.
                                  prefill_params=[engine.load_params()],
                                  generate_params=[engine.load_params()], interleaved_mode=True)
 
-Importing this module imports JetStream, hence seqio and TensorFlow (seconds): nothing else
-in a3po_jax imports it. It sets `jax.tree_map = jax.tree.map` if missing, which JetStream
-0.2.2's threads still call.
+Importing this module imports JetStream, hence seqio and TensorFlow (seconds), which only
+the `jetstream` extra installs: nothing else in a3po_jax imports it. It sets
+`jax.tree_map = jax.tree.map` if missing, which JetStream 0.2.2's threads still call.
 
 Differences from the in-process host, all from JetStream's API: sampling settings are fixed
 per engine (`SlotSampling`, greedy by default), JetStream's stream carries token ids only
@@ -35,7 +35,12 @@ import numpy as np
 if not hasattr(jax, "tree_map"):  # removed from JAX; JetStream 0.2.2 still calls it
     jax.tree_map = jax.tree.map
 
-from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2  # noqa: E402
+try:  # the `jetstream` extra (google-jetstream, with seqio and TensorFlow)
+    from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
+except ImportError as err:
+    raise ImportError(
+        "a3po_jax.inference.jetstream_engine needs JetStream: pip install 'a3po_jax[jetstream]'"
+    ) from err
 
 from a3po_jax import model as model_lib  # noqa: E402
 from a3po_jax.inference import engine_core  # noqa: E402

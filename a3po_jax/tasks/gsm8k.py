@@ -79,9 +79,15 @@ def load_tfds_gsm8k(
     Returns:
       Dicts with "question" and "answer" (the full solution, ending "#### N").
     """
-    # Lazy: importing tensorflow_datasets imports TensorFlow (seconds, and absent on some
-    # machines the trainer runs on).
-    import tensorflow_datasets as tfds
+    # Lazy: importing tensorflow_datasets imports TensorFlow (seconds), which only the
+    # `gsm8k` extra installs; the trainer and every other task run without it.
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:
+        raise ImportError(
+            "the tfds GSM8K task needs tensorflow-datasets: pip install 'a3po_jax[gsm8k]' "
+            "(or use the offline task gsm8k_offline, which needs no extra)"
+        ) from err
 
     dataset = tfds.load(
         "gsm8k", split=split, data_dir=data_dir, download=download, shuffle_files=False
