@@ -6,6 +6,7 @@ and then checks greedy tokens and log-probs against a full recomputation.
 """
 
 import stat
+import time
 
 import grpc
 import jax
@@ -166,3 +167,32 @@ def test_resolve_token(tmp_path, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "from-env")
     assert resolve_token(str(tmp_path / "absent")) == ("from-env", None)
     assert not (tmp_path / "absent").exists()
+
+
+def test_in_flight_update_over_grpc_logprobs_match_the_stamped_version(client, params):
+    # As on the in-process host: a swap under "in_flight" recomputes the running samples'
+    # caches, so tokens stamped v have version v's log-probs given the whole sequence.
+    # Runs last: it moves the host off version 1, which the tests above check.
+    weights = {1: params}
+    s = SamplingParams(temperature=1.0, max_new_tokens=120)
+    spanned = 0
+    for attempt in range(5):
+        before = client.stats()["tokens_generated"]
+        client.submit(GenerateRequest(f"swap{attempt}", PROMPT, num_samples=4, sampling=s))
+        while client.stats()["tokens_generated"] < before + 8:  # mid-sample, not at its start
+            time.sleep(0.002)
+        version = 2 + attempt
+        weights[version] = scaled_params(version)
+        client.update_weights(weights[version], version)
+        for r in collect(client, 4).values():
+            assert r.finish_reason == "length"
+            for v in np.unique(r.versions).tolist():
+                ref = recompute_logprobs(weights[v], PROMPT, r.tokens.tolist(), 1.0)
+                stamped = r.versions == v
+                np.testing.assert_allclose(r.logprobs[stamped], ref[stamped], atol=1e-4)
+            spanned += len(np.unique(r.versions)) > 1
+        if spanned:
+            break
+    assert spanned, "no sample spanned a swap in 5 tries; the test proved nothing"
+    stats = client.stats()
+    assert stats["kv_recomputes"] >= 1 and stats["kv_recompute_tokens"] > 0

@@ -224,11 +224,68 @@ def test_update_weights_in_flight_steps_version_once(params, params_v1):
         r = results[("running", i)]
         np.testing.assert_array_equal(r.versions, [0] * 6 + [7] * 14)
         np.testing.assert_array_equal(r.tokens[:6], old_ref[:6])
-        # After the swap the tokens come from the new weights (on the old prefix cache).
+        # After the swap the tokens are the new weights' greedy continuation of the whole
+        # sequence so far (the cache was recomputed; on the old cache they differ).
         assert r.tokens[6:].tolist() != old_ref[6:]
+        new_ref = recompute_greedy(params_v1, (*prompt, *r.tokens[:6].tolist()), 14)
+        np.testing.assert_array_equal(r.tokens[6:], new_ref)
     fresh = results[("fresh", 0)]
     np.testing.assert_array_equal(fresh.versions, [7] * 20)
     np.testing.assert_array_equal(fresh.tokens, recompute_greedy(params_v1, prompt, 20))
+
+
+def _in_flight_run(params, params_v1, policy):
+    """Three samples (two prompt lengths) at temperature 1, a swap after 5 decode steps."""
+    h = _host(params, update_policy=policy)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
+    h.submit(GenerateRequest("bucket", PROMPTS["bucket"], 2, sampling, seed=3))
+    h.submit(GenerateRequest("long", PROMPTS["long"], 1, sampling, seed=4))
+    for _ in range(5):  # first token + 5 decode steps: 6 tokens at version 0
+        assert h.serve_once()
+    h.update_weights(params_v1, 1)
+    results = drive(h, 3)
+    stats = h.stats()
+    h.close()
+    return results, stats
+
+
+def _logprob_error_per_version(results, weights):
+    """Largest |host log-prob - cache-free recompute under the token's stamped version|."""
+    err = {v: 0.0 for v in weights}
+    for (request_id, _), r in results.items():
+        prompt = PROMPTS[request_id]
+        assert r.versions.tolist() == [0] * 6 + [1] * 10
+        for v, p in weights.items():
+            ref = recompute_logprobs(p, prompt, r.tokens.tolist(), 1.0)
+            stamped = r.versions == v
+            err[v] = max(err[v], float(np.abs(r.logprobs[stamped] - ref[stamped]).max()))
+    return err
+
+
+def test_in_flight_swap_recomputes_the_cache_so_logprobs_match_the_stamped_version(
+    params, params_v1
+):
+    # AReaL's interruptible rollout: at the swap every running sample's cache is recomputed
+    # under the new weights, so each token's behaviour log-prob is its probability under
+    # the version stamped on it, given the whole sequence (what staleness, A-3PO's 1/d and
+    # the trainer's recompute all assume).
+    results, stats = _in_flight_run(params, params_v1, "in_flight")
+    err = _logprob_error_per_version(results, {0: params, 1: params_v1})
+    assert err[0] < 1e-4 and err[1] < 1e-4, err
+    # One recompute at the swap, of every token in the three caches: prompt + 5 fed tokens.
+    assert stats["kv_recomputes"] == 1
+    expected_tokens = 2 * (len(PROMPTS["bucket"]) + 5) + len(PROMPTS["long"]) + 5
+    assert stats["kv_recompute_tokens"] == expected_tokens
+    assert stats["kv_recompute_s"] > 0 and stats["last_kv_recompute_s"] > 0
+
+
+def test_in_flight_keep_cache_tokens_come_from_neither_policy(params, params_v1):
+    # The cheap variant keeps the old weights' cache: tokens stamped 1 are not version 1's
+    # probabilities (by far more than the 1e-4 above), which is why it is not the default.
+    results, stats = _in_flight_run(params, params_v1, "in_flight_keep_cache")
+    err = _logprob_error_per_version(results, {0: params, 1: params_v1})
+    assert err[0] < 1e-4 and err[1] > 1e-2, err
+    assert stats["kv_recomputes"] == 0 and stats["update_policy"] == "in_flight_keep_cache"
 
 
 def test_update_weights_drain_no_sample_spans_versions(params, params_v1):

@@ -18,9 +18,10 @@ import time
 import numpy as np
 import pytest
 
-from a3po_jax.inference.pool import LOST_PREFIX, HostPool
+from a3po_jax.inference.pool import HostPool
+from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import (
-    TRANSPORT_ERROR_PREFIX,
+    ErrorKind,
     GenerateRequest,
     HostClosedError,
     InferenceError,
@@ -66,7 +67,7 @@ class FakeHost:
         for rid in sorted(self._running):
             req = self._requests[rid]
             for i in range(req.num_samples):
-                self._results.put(error_result(req, i, TRANSPORT_ERROR_PREFIX + "stream failed"))
+                self._results.put(error_result(req, i, ErrorKind.TRANSPORT, "stream failed"))
         self._running.clear()
         while not self._work.empty():
             self._work.get_nowait()
@@ -130,6 +131,9 @@ class FakeHost:
             "tokens_per_s": 1.0,
             "live": True,
         }
+
+    def counters(self):
+        return {"requests": len(self.accepted)}
 
     def close(self):
         self._stop.set()
@@ -328,7 +332,7 @@ def test_samples_are_reported_lost_after_max_reissues():
         other.kill()  # no re-issue left: both samples lost
         results = collect(pool, 2)
         assert {r.finish_reason for r in results} == {"error"}
-        assert all(r.error.startswith(LOST_PREFIX) for r in results)
+        assert all(r.error_kind is ErrorKind.LOST for r in results)
         c = pool.counters()
         assert c["samples_lost"] == 2 and c["reissued_requests"] == 1
         assert sum(c["lost_reasons"].values()) == 2
@@ -365,3 +369,19 @@ def test_hosts_must_agree_on_the_update_policy_and_one_must_be_reachable():
         HostPool([])
     with pytest.raises(ValueError, match="hang_timeout_s"):
         HostPool([FakeHost("a")], hang_timeout_s=0)
+
+
+def test_every_host_kind_implements_the_host_protocol():
+    # The trainer and the rollout workers are typed against `Host`: no duck typing left.
+    from a3po_jax.inference.grpc_client import GrpcInferenceClient
+    from a3po_jax.inference.host import InferenceHost
+
+    for cls in (InferenceHost, GrpcInferenceClient, HostPool, FakeHost):
+        missing = [
+            m
+            for m in ("submit", "poll", "update_weights", "stats", "counters", "close")
+            if not callable(getattr(cls, m, None))
+        ]
+        assert not missing, (cls.__name__, missing)
+    with HostPool([FakeHost("a")]) as pool:
+        assert isinstance(pool, Host)

@@ -1,8 +1,74 @@
-"""Serve an inference host over gRPC: `python -m a3po_jax.cli.serve --model tiny --port 50051`."""
+"""Command line (cli): serve an inference host over gRPC.
 
+    python -m a3po_jax.cli.serve --model tiny --port 50051 \\
+        --host 127.0.0.1 --token-file ~/.a3po_host_token [--update-policy drain]
+
+Prints ``A3PO_HOST_READY host:port`` once it serves (`scripts/launch.py` and the tests wait
+for that line). What `--model` accepts, how the token is chosen and what the server checks
+is in `a3po_jax.inference.grpc_server`; the update policies are in `a3po_jax.inference.host`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
 import sys
 
-from a3po_jax.inference.grpc_server import main
+from a3po_jax.inference import grpc_server
+from a3po_jax.inference.grpc_messages import TOKEN_ENV
+from a3po_jax.inference.host import UPDATE_POLICIES, InferenceHost
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | PATH")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--token-file", default=None)
+    parser.add_argument("--num-slots", type=int, default=8)
+    parser.add_argument("--prefill-buckets", default="32,64,128,256")
+    parser.add_argument("--max-cache-len", type=int, default=None)
+    parser.add_argument("--update-policy", default="in_flight", choices=list(UPDATE_POLICIES))
+    parser.add_argument("--version", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="host seed mixed into requests")
+    parser.add_argument("--init-seed", type=int, default=0, help="params seed for --model tiny")
+    parser.add_argument("--max-streams", type=int, default=512)
+    parser.add_argument("--warmup", action="store_true", help="compile every bucket first")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    token, token_path = grpc_server.resolve_token(args.token_file)
+    config, params = grpc_server.load_model(args.model, init_seed=args.init_seed)
+    host = InferenceHost(
+        config,
+        params,
+        num_slots=args.num_slots,
+        prefill_buckets=tuple(int(b) for b in args.prefill_buckets.split(",")),
+        max_cache_len=args.max_cache_len,
+        version=args.version,
+        update_policy=args.update_policy,
+        seed=args.seed,
+    )
+    if args.warmup:
+        host.warmup()
+    host.start()
+    server, servicer, port = grpc_server.serve(
+        host, token, port=args.port, bind=args.host, max_streams=args.max_streams
+    )
+    where = f"token file {token_path}" if token_path else f"${TOKEN_ENV}"
+    log.info("serving %s on %s:%d (token from %s)", args.model, args.host, port, where)
+    print(f"{grpc_server.READY_LINE} {args.host}:{port}", flush=True)
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop(grace=2).wait()
+        servicer.close()
+        host.close()
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

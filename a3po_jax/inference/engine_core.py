@@ -273,6 +273,65 @@ def generate(
     return state, tokens, logprobs
 
 
+def recompute_cache(
+    params: Params,
+    state: DecodeState,
+    tokens: jax.Array,
+    *,
+    config: model_lib.ModelConfig,
+) -> DecodeState:
+    """Recomputes the KV cache of every active slot under `params` (one batched prefill).
+
+    After an in-flight weight swap the cache still holds keys/values computed by the old
+    weights; decoding on from it would draw tokens from neither policy. This rewrites the
+    first W cache positions of each active slot from its token history, as AReaL's
+    interruptible rollout does, so the next token's log-prob is the new policy's
+    probability of it given the whole sequence. Lengths, the pending token and the sampling
+    coordinates are unchanged; inactive slots keep their cache as it is.
+
+    Args:
+      params: the (new) model parameters, not split per layer (`model.hidden_states` runs
+        them, as `prefill` runs `model.apply`).
+      state: the decode state (donated by the jitted wrapper).
+      tokens: `[N, W]` int32, row n = the tokens in slot n's cache (prompt + generated
+        tokens already fed), right-padded; W >= every active slot's length (static shape).
+      config: the model's config (static).
+
+    Returns:
+      The state with the active slots' cache positions [0, W) recomputed.
+    """
+    N, W = tokens.shape
+    chex.assert_shape(tokens, (state.num_slots, None))
+    if W > state.capacity:
+        raise ValueError(f"recompute window {W} exceeds the cache capacity {state.capacity}")
+    lengths = state.cache.lengths  # [N]
+    t = jnp.arange(W, dtype=jnp.int32)[None, :]  # [1, W]
+    positions = jnp.broadcast_to(t, (N, W))
+    # Padding past each length is written too (fixed shapes) but never read: decode attends
+    # to slots <= length and overwrites slot `length` with the fed token first.
+    segment_ids = (t < lengths[:, None]).astype(jnp.int32)  # [N, W]
+    fresh = model_lib.init_kv_cache(config, N, W, dtype=state.cache.k.dtype)
+    # Only the cache is needed: no lm_head (N * W * V logits would dominate memory).
+    _, fresh = model_lib.hidden_states(
+        params,
+        tokens.astype(jnp.int32),
+        positions,
+        config=config,
+        segment_ids=segment_ids,
+        kv_cache=fresh,
+    )
+    keep_old = ~state.active[None, :, None, None, None]  # [1, N, 1, 1, 1]
+
+    def rewrite(old, new):  # old [L, N, S, Hkv, K], new [L, N, W, Hkv, K]
+        merged = jnp.where(keep_old, old[:, :, :W], new.astype(old.dtype))
+        return jax.lax.dynamic_update_slice(old, merged, (0, 0, 0, 0, 0))
+
+    cache = state.cache._replace(
+        k=rewrite(state.cache.k, fresh.k), v=rewrite(state.cache.v, fresh.v)
+    )
+    return state.replace(cache=cache)
+
+
 def release(state: DecodeState, finished: jax.Array) -> DecodeState:
     """Marks the slots where `finished [N]` is true inactive (their cache is left to reuse)."""
     chex.assert_shape(finished, (state.num_slots,))
@@ -286,6 +345,7 @@ _prefill_jit = jax.jit(prefill, static_argnames=("config", "cache_dtype"))
 _insert_jit = jax.jit(insert, donate_argnums=(1,))
 _generate_jit = jax.jit(generate, static_argnames=("config", "window"), donate_argnums=(1,))
 _release_jit = jax.jit(release, donate_argnums=(0,))
+_recompute_jit = jax.jit(recompute_cache, static_argnames=("config",), donate_argnums=(1,))
 
 
 class EngineCore:
@@ -333,6 +393,7 @@ class EngineCore:
         self.cache_dtype = cache_dtype
         self._prefill = functools.partial(_prefill_jit, config=config, cache_dtype=cache_dtype)
         self._generate = functools.partial(_generate_jit, config=config)
+        self._recompute = functools.partial(_recompute_jit, config=config)
         windows, w = [], buckets[0]
         while w < self.capacity:
             windows.append(w)
@@ -424,6 +485,17 @@ class EngineCore:
 
     def release(self, state: DecodeState, finished) -> DecodeState:
         return _release_jit(state, jnp.asarray(finished, jnp.bool_))
+
+    def recompute_cache(self, params: Params, state: DecodeState, tokens) -> DecodeState:
+        """Recomputes the active slots' caches under `params` (`recompute_cache`) from
+        `tokens [N, W]`, W one of `decode_windows` (one program per window used)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.shape[0] != self.num_slots or tokens.shape[1] not in self.decode_windows:
+            raise ValueError(
+                f"tokens must be [{self.num_slots}, W] with W in {self.decode_windows}, "
+                f"got {tuple(tokens.shape)}"
+            )
+        return self._recompute(params, state, tokens)
 
     def warmup(self, params: Params, decode_params: model_lib.DecodeParams | None = None) -> None:
         """Compiles prefill and insert for every bucket, the decode step for every window

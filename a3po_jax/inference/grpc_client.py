@@ -11,6 +11,7 @@ background thread into a shared result queue, so `poll` behaves as on the in-pro
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -31,7 +32,7 @@ from a3po_jax.inference.grpc_messages import (
     weight_messages,
 )
 from a3po_jax.inference.types import (
-    TRANSPORT_ERROR_PREFIX,
+    ErrorKind,
     GenerateRequest,
     HostClosedError,
     InferenceError,
@@ -68,7 +69,7 @@ class GrpcInferenceClient:
       chunk_bytes: size of the weight chunks sent by `update_weights`.
 
     A stream that breaks (host killed, network gone) reports its missing samples as error
-    results whose reason starts with ``TRANSPORT_ERROR_PREFIX``, which `HostPool` re-issues.
+    results of kind ``ErrorKind.TRANSPORT``, which `HostPool` re-issues.
     """
 
     def __init__(
@@ -90,6 +91,8 @@ class GrpcInferenceClient:
         self._results: queue.Queue[SampleResult] = queue.Queue()
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[grpc.Future, threading.Thread]] = {}
+        self._counts: collections.Counter[str] = collections.Counter()  # under _lock
+        self._lost_reasons: collections.Counter[str] = collections.Counter()
         self._closed = False
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -124,6 +127,8 @@ class GrpcInferenceClient:
         )
         with self._lock:
             self._streams[request.request_id] = (call, reader)
+            self._counts["requests"] += 1
+            self._counts["samples_requested"] += request.num_samples
         reader.start()
 
     def poll(self, timeout: float | None = None, max_results: int | None = None):
@@ -157,6 +162,22 @@ class GrpcInferenceClient:
         except grpc.RpcError:
             return False
 
+    def counters(self) -> dict[str, Any]:
+        """Sample accounting of this client, as `InferenceHost.counters` (a sample of a
+        cancelled stream, at `close`, stays outstanding)."""
+        with self._lock:
+            c, lost = self._counts, dict(self._lost_reasons)
+            return {
+                "requests": c["requests"],
+                "samples_requested": c["samples_requested"],
+                "samples_delivered": c["samples_delivered"],
+                "samples_lost": sum(lost.values()),
+                "samples_outstanding": c["samples_requested"]
+                - c["samples_delivered"]
+                - sum(lost.values()),
+                "lost_reasons": lost,
+            }
+
     def stats(self) -> dict[str, Any]:
         try:
             response = self._stub.Stats(
@@ -185,19 +206,27 @@ class GrpcInferenceClient:
 
     # ------------------------------------------------------------------ stream readers
 
+    def _put(self, result: SampleResult) -> None:
+        with self._lock:
+            if result.error_kind is None:
+                self._counts["samples_delivered"] += 1
+            else:
+                self._lost_reasons[result.error_kind.value] += 1
+        self._results.put(result)
+
     def _read_stream(self, request: GenerateRequest, call) -> None:
         received: set[int] = set()
         try:
             for message in call:
                 result = result_from_proto(message)
                 received.add(result.sample_index)
-                self._results.put(result)
+                self._put(result)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED or not self._closed:
-                message = f"{TRANSPORT_ERROR_PREFIX}stream failed: {e.code().name}: {e.details()}"
+                message = f"stream failed: {e.code().name}: {e.details()}"
                 for i in range(request.num_samples):
                     if i not in received:
-                        self._results.put(error_result(request, i, message))
+                        self._put(error_result(request, i, ErrorKind.TRANSPORT, message))
         finally:
             with self._lock:
                 self._streams.pop(request.request_id, None)
@@ -206,9 +235,7 @@ class GrpcInferenceClient:
         missing = [i for i in range(request.num_samples) if i not in received]
         if missing and not self._closed and call.code() == grpc.StatusCode.OK:
             for i in missing:
-                self._results.put(
-                    error_result(request, i, f"{TRANSPORT_ERROR_PREFIX}stream ended early")
-                )
+                self._put(error_result(request, i, ErrorKind.TRANSPORT, "stream ended early"))
 
     def wait_until_version(self, version: int, timeout: float = 60.0) -> None:
         """Blocks until the host serves `version` (after an update was swapped in)."""

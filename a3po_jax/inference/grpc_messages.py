@@ -1,6 +1,10 @@
 """Conversions between the host's types and the `inference.proto` messages, and gRPC limits.
 
 Shared by `grpc_server.py` and `grpc_client.py` so both sides agree on every field.
+
+An error result's `ErrorKind` travels in the wire field `finish_reason`, as the kind's value
+name ("sample_failed", "transport", ...) in place of "error": the proto has no field of its
+own for it, and a whole-field value is read back by an exact lookup, never by parsing text.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import numpy as np
 
 from a3po_jax.inference import inference_pb2 as pb
 from a3po_jax.inference import weight_sync
-from a3po_jax.inference.types import GenerateRequest, SampleResult, SamplingParams
+from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, SamplingParams
 
 # Caps on one message; weight chunks are 4 MiB, so 64 MiB leaves room for long results.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -76,6 +80,7 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
 
 
 def result_to_proto(result: SampleResult) -> pb.SampleResult:
+    kind = result.error_kind
     return pb.SampleResult(
         request_id=result.request_id,
         sample_index=result.sample_index,
@@ -83,13 +88,17 @@ def result_to_proto(result: SampleResult) -> pb.SampleResult:
         tokens=result.tokens.tolist(),
         logprobs=result.logprobs.tolist(),
         versions=result.versions.tolist(),
-        finish_reason=result.finish_reason,
+        finish_reason=result.finish_reason if kind is None else kind.value,
         error=result.error or "",
         timing={k: float(v) for k, v in result.timing.items()},
     )
 
 
 def result_from_proto(message: pb.SampleResult) -> SampleResult:
+    if message.finish_reason in ("stop", "length"):
+        finish_reason, error_kind = message.finish_reason, None
+    else:  # an ErrorKind value (ValueError on anything else: a host speaking another protocol)
+        finish_reason, error_kind = "error", ErrorKind(message.finish_reason)
     return SampleResult(
         request_id=message.request_id,
         sample_index=message.sample_index,
@@ -98,9 +107,10 @@ def result_from_proto(message: pb.SampleResult) -> SampleResult:
         # float32 on the wire, so the host's float32 log-probs arrive bit for bit.
         logprobs=np.asarray(message.logprobs, np.float32),
         versions=np.asarray(message.versions, np.int32),
-        finish_reason=message.finish_reason,
+        finish_reason=finish_reason,
         error=message.error or None,
         timing=dict(message.timing),
+        error_kind=error_kind,
     )
 
 
@@ -144,6 +154,8 @@ _INT_STATS = (
     "tokens_generated",
     "decode_steps",
     "weight_updates",
+    "kv_recomputes",
+    "kv_recompute_tokens",
 )
 _BOOL_STATS = ("update_pending", "live")
 

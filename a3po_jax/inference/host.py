@@ -15,8 +15,19 @@ Weight updates (`update_weights`) are validated in the caller's thread (names, s
 dtypes must match the serving params, else ValueError and the old weights keep serving),
 then staged; the serving thread swaps them in at a decode-step boundary:
 
-* ``"in_flight"`` (AReaL): at the next boundary; running samples continue with the new
-  weights (their KV cache stays as computed), so their version arrays step up once.
+* ``"in_flight"`` (AReaL, the default): at the next boundary. Every running sample's KV
+  cache is first recomputed under the new weights (one batched prefill of prompt + tokens so
+  far, `EngineCore.recompute_cache`), as AReaL's interruptible rollout does, then decoding
+  continues. Each token's behaviour log-prob is therefore its probability under the version
+  stamped on it, given the whole sequence before it: tokens stamped v equal a cache-free
+  recomputation under v, tokens stamped v+1 one under v+1. A sample's version array steps up
+  at the swap. The cost (seconds and tokens recomputed per swap) is in `stats()`.
+* ``"in_flight_keep_cache"``: the cheaper variant without the recompute. Running samples
+  decode on from the cache the old weights computed, so their tokens after the swap come
+  from *neither* policy: stamped with the new version, their log-probs are the true sampling
+  probabilities but differ from the new weights' probabilities of the same sequence (by
+  nats on a random model). Staleness, A-3PO's alpha = 1/d and AReaL's d = 0 rule read the
+  stamp as the token's policy, which it then is not; use it only where that is acceptable.
 * ``"drain"`` (Periodic Asynchrony): the samples of requests submitted before the update are
   finished with the old weights (those still waiting for a slot are started with them too);
   samples of later requests wait. The swap happens once none of the earlier ones is left, so
@@ -45,6 +56,7 @@ import numpy as np
 from a3po_jax import model as model_lib
 from a3po_jax.inference import engine_core, weight_sync
 from a3po_jax.inference.types import (
+    ErrorKind,
     GenerateRequest,
     HostClosedError,
     SampleResult,
@@ -53,7 +65,7 @@ from a3po_jax.inference.types import (
 
 log = logging.getLogger(__name__)
 
-UPDATE_POLICIES = ("in_flight", "drain")
+UPDATE_POLICIES = ("in_flight", "in_flight_keep_cache", "drain")
 DEFAULT_PREFILL_BUCKETS = (32, 64, 128, 256)
 # Default decode room past the largest prompt bucket (the cache is read at every step, so a
 # much larger default would slow every decode step for nothing).
@@ -112,7 +124,8 @@ class InferenceHost:
       max_cache_len: KV cache positions per slot (prompt + generated tokens);
         default min(max bucket + 512, config.max_seq_len).
       version: version number of `params`.
-      update_policy: "in_flight" or "drain" (see the module docstring).
+      update_policy: "in_flight", "in_flight_keep_cache" or "drain" (see the module
+        docstring).
       seed: host seed mixed into every request seed (0 = request seeds used as they are).
       cache_dtype: KV cache dtype (default: the model's compute dtype).
     """
@@ -190,6 +203,11 @@ class InferenceHost:
         self._state: engine_core.DecodeState | None = None
         self._thread: threading.Thread | None = None
 
+        # Counters for `counters` (written under the lock).
+        self._requests = 0
+        self._samples_requested = 0
+        self._samples_delivered = 0
+        self._lost_reasons: collections.Counter[str] = collections.Counter()
         # Counters for `stats` (written by the serving thread, read anywhere).
         self._samples_done = 0
         self._tokens_generated = 0
@@ -197,6 +215,11 @@ class InferenceHost:
         self._weight_updates = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._last_step_s = 0.0
+        # In-flight swaps that recomputed running samples' caches, and what that cost.
+        self._kv_recomputes = 0
+        self._kv_recompute_tokens = 0
+        self._kv_recompute_s = 0.0
+        self._last_kv_recompute_s = 0.0
 
     # ------------------------------------------------------------------ public interface
 
@@ -281,6 +304,8 @@ class InferenceHost:
             if request.request_id in self._in_flight:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self._in_flight[request.request_id] = request.num_samples
+            self._requests += 1
+            self._samples_requested += request.num_samples
             self._inbox.put((request, self._submit_seq))
             self._submit_seq += 1
         self._wake.set()
@@ -319,10 +344,12 @@ class InferenceHost:
         """Stages new weights (validated whole; the old ones serve until the swap).
 
         Returns once accepted; the swap happens at the next decode-step boundary
-        ("in_flight") or, under "drain", once every sample of the requests submitted before
-        this call has finished with the old weights. A later update staged before the swap
-        replaces this one (it never served); the requests to finish first stay those
-        submitted before the first of them, so replacing never makes a sample staler.
+        ("in_flight", which then recomputes the running samples' caches, and
+        "in_flight_keep_cache") or, under "drain", once every sample of the requests
+        submitted before this call has finished with the old weights. A later update staged
+        before the swap replaces this one (it never served); the requests to finish first
+        stay those submitted before the first of them, so replacing never makes a sample
+        staler.
         """
         if not isinstance(version, int | np.integer) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
@@ -360,8 +387,30 @@ class InferenceHost:
             "decode_steps": self._steps,
             "weight_updates": self._weight_updates,
             "last_step_s": self._last_step_s,
+            # Cost of the in-flight cache recompute: swaps that recomputed, tokens
+            # recomputed and seconds spent (totals), and the last swap's seconds.
+            "kv_recomputes": self._kv_recomputes,
+            "kv_recompute_tokens": self._kv_recompute_tokens,
+            "kv_recompute_s": self._kv_recompute_s,
+            "last_kv_recompute_s": self._last_kv_recompute_s,
             "live": self._thread is not None and self._thread.is_alive(),
         }
+
+    def counters(self) -> dict[str, Any]:
+        """Sample accounting, as `HostPool.counters` (lost = came back as an error)::
+
+        samples_requested = samples_delivered + samples_lost + samples_outstanding
+        """
+        with self._lock:
+            lost = dict(self._lost_reasons)
+            return {
+                "requests": self._requests,
+                "samples_requested": self._samples_requested,
+                "samples_delivered": self._samples_delivered,
+                "samples_lost": sum(lost.values()),
+                "samples_outstanding": sum(self._in_flight.values()),
+                "lost_reasons": lost,
+            }
 
     # ------------------------------------------------------------------ helpers (any thread)
 
@@ -386,6 +435,10 @@ class InferenceHost:
                 self._in_flight.pop(result.request_id, None)
             else:
                 self._in_flight[result.request_id] = left
+            if result.error_kind is not None:
+                self._lost_reasons[result.error_kind.value] += 1
+            else:
+                self._samples_delivered += 1
         if result.finish_reason != "error":
             self._samples_done += 1
         self._results.put(result)
@@ -453,6 +506,29 @@ class InferenceHost:
         # Prefixes were computed with the old weights; a sample started from one would
         # carry old-weight KV (and, under "drain", span two versions). Recompute instead.
         self._prefixes.clear()
+        if self.update_policy == "in_flight":
+            self._recompute_running()
+
+    def _recompute_running(self) -> None:
+        """Rewrites every running sample's KV cache under the serving (new) weights."""
+        running = [(slot, run) for slot, run in enumerate(self._slots) if run is not None]
+        if not running:
+            return
+        t0 = time.monotonic()
+        longest = max(run.length for _, run in running)
+        window = self._core.window_for(longest)
+        tokens = np.zeros((self.num_slots, window), np.int32)
+        for slot, run in running:
+            # The cache holds the prompt and every token but the last (fed at the next step).
+            history = (*run.request.prompt_tokens, *run.tokens[:-1])
+            assert len(history) == run.length, (len(history), run.length)
+            tokens[slot, : run.length] = history
+        self._state = self._core.recompute_cache(self._params, self._state, tokens)
+        jax.block_until_ready(self._state)
+        self._last_kv_recompute_s = time.monotonic() - t0
+        self._kv_recompute_s += self._last_kv_recompute_s
+        self._kv_recompute_tokens += sum(run.length for _, run in running)
+        self._kv_recomputes += 1
 
     def _drain_waiting(self) -> bool:
         """Under "drain" with an update staged: does a sample submitted before it wait?
@@ -478,7 +554,9 @@ class InferenceHost:
                 self._fail_request(request, sample_index, f"{type(e).__name__}: {e}")
                 if self._state is None or _is_deleted(self._state):
                     self._state = self._core.init_decode_state()
-                    self._fail_running("decode state was lost after an error")
+                    self._fail_running(
+                        ErrorKind.SAMPLE_FAILED, "decode state was lost after an error"
+                    )
                 continue
             reason = run.finish_reason(self._core.capacity)
             if reason is None:
@@ -558,7 +636,13 @@ class InferenceHost:
         if finished.any():
             self._state = self._core.release(self._state, finished)
 
-    def _result(self, run: _SampleRun, reason: str) -> SampleResult:
+    def _result(
+        self,
+        run: _SampleRun,
+        reason: str,
+        error_kind: ErrorKind | None = None,
+        error: str | None = None,
+    ) -> SampleResult:
         now = time.monotonic()
         return SampleResult(
             request_id=run.request.request_id,
@@ -568,6 +652,8 @@ class InferenceHost:
             logprobs=np.asarray(run.logprobs, np.float32),
             versions=np.asarray(run.versions, np.int32),
             finish_reason=reason,
+            error=error,
+            error_kind=error_kind,
             timing={
                 "queue_s": run.started_at - run.submitted_at,
                 "prefill_s": run.prefill_s,
@@ -579,29 +665,28 @@ class InferenceHost:
     def _fail_request(self, request: GenerateRequest, sample_index: int, message: str) -> None:
         """Fails this sample and the request's samples still waiting (same cause)."""
         self._prefixes.pop(request.request_id, None)
-        self._emit(error_result(request, sample_index, message))
+        self._emit(error_result(request, sample_index, ErrorKind.SAMPLE_FAILED, message))
         keep = collections.deque()
         for item in self._waiting:
             if item[0] is request:
-                self._emit(error_result(request, item[1], message))
+                self._emit(error_result(request, item[1], ErrorKind.SAMPLE_FAILED, message))
             else:
                 keep.append(item)
         self._waiting = keep
 
-    def _fail_running(self, message: str) -> None:
+    def _fail_running(self, kind: ErrorKind, message: str) -> None:
         for slot, run in enumerate(self._slots):
             if run is not None:
                 self._slots[slot] = None
-                result = self._result(run, "error")
-                result.error = message
-                self._emit(result)
+                self._emit(self._result(run, "error", kind, message))
 
     def _fail_everything(self, message: str) -> None:
+        """Fails every running and waiting sample: the host is closing or dead."""
         self._take_inbox()
-        self._fail_running(message)
+        self._fail_running(ErrorKind.HOST_CLOSED, message)
         while self._waiting:
             request, index, _, _ = self._waiting.popleft()
-            self._emit(error_result(request, index, message))
+            self._emit(error_result(request, index, ErrorKind.HOST_CLOSED, message))
         self._prefixes.clear()
 
 

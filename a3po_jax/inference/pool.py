@@ -18,8 +18,8 @@ The trainer talks to a `HostPool` exactly as to one `InferenceHost` (``submit``,
   not delivered again: a re-issued request's copies of them are discarded, as is anything
   the old host sends later (a host that was only frozen may wake up and finish its old work).
   Each sample reaches ``poll`` at most once; a sample whose request was re-issued
-  ``max_reissues`` times without finishing comes back as an error result whose reason starts
-  with ``lost:`` (the trainer drops the group). Nothing is trained on twice or half-used.
+  ``max_reissues`` times without finishing comes back as an error result of kind
+  ``ErrorKind.LOST`` (the trainer drops the group). Nothing is trained on twice or half-used.
 * **No host left.** Requests are parked (with one warning) until a host returns; the
   trainer's ``rollout_timeout_s`` bounds the wait.
 * **Return.** A down host is probed every ``health_interval_s``; once it answers it is sent
@@ -29,8 +29,9 @@ Counters (``counters()``) account for every sample requested::
 
     samples_requested = samples_delivered + samples_lost + samples_outstanding
 
-Hosts are anything with the `InferenceHost` methods; in practice `GrpcInferenceClient`s
-(one per remote host). Their calls should time out (the client's ``timeout``), or a host
+Hosts are anything that implements `protocol.Host` (as the pool itself does); in practice
+`GrpcInferenceClient`s (one per remote host). A result of kind ``ErrorKind.TRANSPORT`` from
+a host marks that host down. Their calls should time out (the client's ``timeout``), or a host
 that hangs a call hangs the thread that made it.
 """
 
@@ -48,8 +49,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import (
-    TRANSPORT_ERROR_PREFIX,
+    ErrorKind,
     GenerateRequest,
     InferenceError,
     SampleResult,
@@ -59,7 +61,6 @@ from a3po_jax.inference.types import (
 
 log = logging.getLogger(__name__)
 
-LOST_PREFIX = "lost: "
 _RETRY_SEP = "~retry"
 
 
@@ -68,7 +69,7 @@ class _Member:
     """One host of the pool and what the pool knows about it."""
 
     name: str
-    host: Any
+    host: Host
     healthy: bool = True
     reason: str = ""  # why it is down
     outstanding: set[str] = dataclasses.field(default_factory=set)  # request ids on it
@@ -114,7 +115,7 @@ class HostPool:
 
     def __init__(
         self,
-        hosts: list[Any],
+        hosts: list[Host],
         *,
         names: list[str] | None = None,
         health_interval_s: float = 2.0,
@@ -263,7 +264,9 @@ class HostPool:
                 "live": bool(healthy),
                 "queue_depth": parked,
             }
-            for key in ("slots_busy", "num_slots", "tokens_per_s", "tokens_generated"):
+            summed = ("slots_busy", "num_slots", "tokens_per_s", "tokens_generated")
+            summed += ("kv_recomputes", "kv_recompute_tokens", "kv_recompute_s")
+            for key in summed:
                 out[key] = sum(m.stats.get(key, 0) for m in healthy)
             out["queue_depth"] += sum(m.stats.get("queue_depth", 0) for m in healthy)
             out["hosts"] = {
@@ -431,7 +434,7 @@ class HostPool:
             self._counters["samples_lost"] += len(missing)
             self._lost_reasons[kind] += len(missing)
         for i in missing:
-            self._results.put(error_result(tracked.request, i, LOST_PREFIX + reason))
+            self._results.put(error_result(tracked.request, i, ErrorKind.LOST, reason))
 
     # ------------------------------------------------------------------ threads
 
@@ -461,9 +464,7 @@ class HostPool:
             if result.sample_index in tracked.delivered:
                 self._counters["discarded_duplicate"] += 1
                 return
-            if result.finish_reason == "error" and (result.error or "").startswith(
-                TRANSPORT_ERROR_PREFIX
-            ):
+            if result.error_kind is ErrorKind.TRANSPORT:
                 transport_failure = True
             else:
                 tracked.delivered.add(result.sample_index)

@@ -7,20 +7,40 @@ client accept and return exactly these, so a trainer is written once for both.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import queue
 from typing import Any
 
 import numpy as np
 
+from a3po_jax.core import types as core_types
+
+# "stop" and "length" mean what they mean on a `core.types.Rollout`; an "error" sample
+# never becomes a Rollout (its `error_kind` says why it failed, and its group is dropped).
 FINISH_REASONS = ("stop", "length", "error")
+assert set(FINISH_REASONS) - {"error"} <= set(core_types.FINISH_REASONS)
 # Seeds become two 32-bit PRNG words (see sampling.sample_keys), so any non-negative int64 works.
 MAX_SEED = 2**63 - 1
 
 
-# Error results whose reason starts with this report a failure to reach the host (a broken
-# stream, a host gone), not a problem with the request: `HostPool` re-issues those.
-TRANSPORT_ERROR_PREFIX = "transport: "
+class ErrorKind(enum.Enum):
+    """Why a sample came back with ``finish_reason == "error"``.
+
+    The values are stable names: they travel over gRPC as they are (see `grpc_messages`).
+    """
+
+    # The host could not serve this sample (it failed to start or the decode state was
+    # lost); the request itself was accepted.
+    SAMPLE_FAILED = "sample_failed"
+    # The host was closed or its serving thread died with the sample unfinished.
+    HOST_CLOSED = "host_closed"
+    # The host could not be reached (a broken stream, a host gone): not a problem with the
+    # request, so `HostPool` re-issues it to another host.
+    TRANSPORT = "transport"
+    # `HostPool` gave up on the sample (re-issued `max_reissues` times, or refused by the
+    # host it was re-issued to); the trainer drops its group as "host_lost".
+    LOST = "lost"
 
 
 class InferenceError(RuntimeError):
@@ -130,9 +150,14 @@ class GenerateRequest:
 class SampleResult:
     """One finished sample: tokens with their behaviour log-probs and policy versions.
 
-    `tokens[r]` was drawn from weights of version `versions[r]` with log-prob `logprobs[r]`
-    (see `SamplingParams` for what that log-prob is). On `finish_reason == "error"` the
-    arrays hold what was produced before the failure (possibly nothing) and `error` says why.
+    `tokens[r]` was sampled with log-prob `logprobs[r]` (see `SamplingParams` for what that
+    log-prob is) while the host served version `versions[r]`. Under the host's "drain" and
+    "in_flight" update policies that log-prob is also version `versions[r]`'s probability of
+    the token given the whole sequence before it (under "in_flight" the running samples'
+    caches are recomputed at a swap). Under "in_flight_keep_cache" tokens after a swap come
+    from neither version: stamped with the new one, but decoded on the old weights' cache.
+    On `finish_reason == "error"` the arrays hold what was produced before the failure
+    (possibly nothing), `error_kind` says what failed and `error` says why in words.
     """
 
     request_id: str
@@ -142,8 +167,9 @@ class SampleResult:
     logprobs: np.ndarray  # [R] float32
     versions: np.ndarray  # [R] int32
     finish_reason: str  # "stop" | "length" | "error"
-    error: str | None = None
+    error: str | None = None  # set when finish_reason == "error": what went wrong, in words
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    error_kind: ErrorKind | None = None  # set exactly when finish_reason == "error"
 
     def __post_init__(self):
         self.prompt_tokens = np.asarray(self.prompt_tokens, dtype=np.int32).reshape(-1)
@@ -159,9 +185,52 @@ class SampleResult:
             raise ValueError(
                 f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}"
             )
+        if self.error_kind is not None:
+            self.error_kind = ErrorKind(self.error_kind)  # also accepts the value name
+        if (self.finish_reason == "error") != (self.error_kind is not None):
+            raise ValueError(
+                f"error_kind must be set exactly when finish_reason is 'error', got "
+                f"finish_reason={self.finish_reason!r}, error_kind={self.error_kind!r}"
+            )
+
+    def to_rollout(
+        self,
+        *,
+        prompt_id: str,
+        group_id: int,
+        reward: float | None = None,
+        info: dict | None = None,
+        admitted_at_version: int | None = None,
+    ) -> core_types.Rollout:
+        """This sample as the core's `Rollout` (the one conversion from a host sample).
+
+        Completion tokens, behaviour log-probs and versions are taken as they are; the
+        finish reason keeps its meaning. An error sample cannot be trained on: ValueError
+        (drop its group instead, see `error_kind`).
+        """
+        if self.finish_reason == "error":
+            raise ValueError(
+                f"sample {self.sample_index} of {self.request_id!r} failed "
+                f"({self.error_kind.value}: {self.error}); it has no Rollout"
+            )
+        return core_types.Rollout(
+            prompt_id=prompt_id,
+            group_id=group_id,
+            sample_index=self.sample_index,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.tokens,
+            behav_logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=self.finish_reason,
+            reward=reward,
+            info={} if info is None else info,
+            admitted_at_version=admitted_at_version,
+        )
 
 
-def error_result(request: GenerateRequest, sample_index: int, message: str) -> SampleResult:
+def error_result(
+    request: GenerateRequest, sample_index: int, kind: ErrorKind, message: str
+) -> SampleResult:
     """A result that reports a failure of one sample, with no tokens."""
     empty = np.zeros((0,), np.int32)
     return SampleResult(
@@ -173,6 +242,7 @@ def error_result(request: GenerateRequest, sample_index: int, message: str) -> S
         versions=empty,
         finish_reason="error",
         error=message,
+        error_kind=kind,
     )
 
 

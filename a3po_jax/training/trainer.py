@@ -44,9 +44,9 @@ from a3po_jax import model
 from a3po_jax.core import losses
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import TrainBatch, build_batch, group_advantages
-from a3po_jax.core.types import Rollout, RolloutGroup
-from a3po_jax.inference.pool import LOST_PREFIX
-from a3po_jax.inference.types import GenerateRequest, SamplingParams
+from a3po_jax.core.types import RolloutGroup
+from a3po_jax.inference.protocol import Host
+from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 from a3po_jax.parallel import distributed
 from a3po_jax.rollout.queue import (
     QueueClosed,
@@ -155,7 +155,7 @@ class Trainer:
         cfg: TrainConfig,
         policy: Policy,
         *,
-        host: Any = None,
+        host: Host | None = None,
         task: Any = None,
         console: bool = True,
         on_step: Callable[[int, dict[str, Any]], None] | None = None,
@@ -344,7 +344,7 @@ class Trainer:
                 prompt, version, _ = entry
                 if res.finish_reason == "error":
                     log.warning("group %d failed on the host: %s", group_id, res.error)
-                    lost = (res.error or "").startswith(LOST_PREFIX)
+                    lost = res.error_kind is ErrorKind.LOST
                     self.queue.drop_group(group_id, "host_lost" if lost else "host_error")
                     self._forget(group_id)
                     continue
@@ -359,15 +359,9 @@ class Trainer:
                 )
                 info = {**info, "num_tokens": len(res.tokens)}
                 self.queue.put(
-                    Rollout(
+                    res.to_rollout(
                         prompt_id=prompt.prompt_id,
                         group_id=group_id,
-                        sample_index=res.sample_index,
-                        prompt_tokens=res.prompt_tokens,
-                        completion_tokens=res.tokens,
-                        behav_logprobs=res.logprobs,
-                        versions=res.versions,
-                        finish_reason=res.finish_reason,
                         reward=float(reward),
                         info=info,
                         admitted_at_version=version,
@@ -723,9 +717,7 @@ class Trainer:
             "host/version": int(host_stats.get("version", -1)),
             "step/skipped_total": self.skipped_steps,
         }
-        counters = {"queue": self.queue.counters()}
-        if hasattr(self.host, "counters"):  # a HostPool: failover accounting
-            counters["hosts"] = self.host.counters()
+        counters = {"queue": self.queue.counters(), "hosts": self.host.counters()}
         for prefix, table in counters.items():
             for key, value in table.items():
                 if isinstance(value, dict):
