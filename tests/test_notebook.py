@@ -15,8 +15,12 @@ NOTEBOOK = ROOT / "notebooks" / "staleness_effects.ipynb"
 
 
 def test_notebook_executes_and_shows_images(tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    extra = "needs the analysis extra: pip install 'a3po_jax[analysis]'"
+    nbformat = pytest.importorskip("nbformat", reason=extra)
+    nbclient = pytest.importorskip("nbclient", reason=extra)
+    pytest.importorskip("ipykernel", reason=extra)
+    pytest.importorskip("pandas", reason=extra)
+    pytest.importorskip("matplotlib", reason=extra)
     assert (ROOT / "results" / "staleness_sweep_toy").is_dir(), "committed results missing"
 
     # Executed from a temporary copy placed where the original lives relative to the

@@ -7,9 +7,16 @@ import math
 import numpy as np
 import pytest
 
-from a3po_jax.analysis import results
-from a3po_jax.training.config import AlgoSection, SystemSection, TrainConfig
-from a3po_jax.training.metrics import MetricsLogger
+# The analysis extra: without it these tests skip with the reason.
+pytest.importorskip("pandas", reason="needs the analysis extra: pip install 'a3po_jax[analysis]'")
+pytest.importorskip(
+    "matplotlib", reason="needs the analysis extra: pip install 'a3po_jax[analysis]'"
+)
+
+from a3po_jax.analysis import results  # noqa: E402
+from a3po_jax.cli import results as results_cli  # noqa: E402
+from a3po_jax.training.config import AlgoSection, SystemSection, TrainConfig  # noqa: E402
+from a3po_jax.training.metrics import MetricsLogger  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -126,10 +133,11 @@ def test_last_k_mean_golden(tmp_path):
         results.last_k_mean(run, k=0)
 
 
-def test_summary_rows_golden(tmp_path):
+def test_summary_table_golden(tmp_path):
     write_run(tmp_path, "a", [0.0, 0.5, 1.0], prox="a3po", step_s=[30.0, 1.0, 2.0])
     write_run(tmp_path, "b", [0.2, 0.2, 0.2], prox="behav", step_s=[40.0, 3.0, 3.0])
-    rows = {r["run"]: r for r in results.summary_rows(results.load_runs([tmp_path]), last_k=2)}
+    table = results.summary_table(results.load_runs([tmp_path]), last_k=2)
+    rows = {r["run"]: r for r in table.to_dict("records")}
     a = rows["a"]
     assert a["prox"] == "a3po" and a["steps"] == 3
     assert a["reward/mean final"] == 1.0
@@ -141,26 +149,32 @@ def test_summary_rows_golden(tmp_path):
     assert rows["b"]["s/step"] == pytest.approx(3.0)
 
 
-def test_seed_aggregate_rows_golden(tmp_path):
+def test_seed_table_golden(tmp_path):
     write_run(tmp_path, "a0", [0.0, 0.8], prox="a3po", seed=0)
     write_run(tmp_path, "a1", [0.0, 0.6], prox="a3po", seed=1)
     write_run(tmp_path, "b0", [0.0, 0.1], prox="behav", seed=0)
-    rows = results.seed_aggregate_rows(results.load_runs([tmp_path]), last_k=1)
+    rows = results.seed_table(results.load_runs([tmp_path]), last_k=1).to_dict("records")
     assert [(r["prox"], r["seeds"]) for r in rows] == [("a3po", 2), ("behav", 1)]
     # mean 0.7, sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414.
     assert rows[0]["reward/mean last-1"] == "0.700 ± 0.141"
     assert rows[0]["reward/mean all-steps mean"] == "0.350 ± 0.071"
     assert rows[1]["reward/mean last-1"] == "0.100"
     unique = results.load_runs([tmp_path / "a0", tmp_path / "b0"])
-    assert results.seed_aggregate_rows(unique) == []  # nothing shares a configuration
+    assert results.seed_table(unique).empty  # nothing shares a configuration
 
 
 def test_markdown_table_format():
+    import pandas as pd
+
     rows = [{"run": "a", "x": 0.12345, "n": 3}, {"run": "b", "x": float("nan"), "n": None}]
     assert results.markdown_table(rows) == (
         "| run | x | n |\n|---|---|---|\n| a | 0.123 | 3 |\n| b | nan | None |"
     )
     assert results.markdown_table([]) == ""
+    # A DataFrame renders the same as its records.
+    assert results.markdown_table(pd.DataFrame(rows[:1])) == (
+        "| run | x | n |\n|---|---|---|\n| a | 0.123 | 3 |"
+    )
 
 
 def test_pivot_averages_repeats_and_leaves_gaps(tmp_path):
@@ -187,6 +201,37 @@ def test_pivot_averages_repeats_and_leaves_gaps(tmp_path):
 
 
 # --- staleness -----------------------------------------------------------------------------
+
+
+def test_staleness_from_the_exact_per_step_counts(tmp_path):
+    # `staleness/counts` (the trainer's exact histogram: counts[d] = the step's trained
+    # tokens at staleness d) is summed as is. The step means logged beside it (0.8 and
+    # 0.2, tokens 6 and 5) would give the approximate [5, 6]; an older summary in the same
+    # records must not be read either.
+    run = results.load_run(
+        write_run(
+            tmp_path,
+            "r",
+            [0.1, 0.2],
+            extra={
+                "staleness/counts": [[1, 2, 3], [4, 1]],
+                "staleness/mean": [0.8, 0.2],
+                "loss/num_tokens": [6.0, 5.0],
+                "staleness/tokens": [{"values": [7], "counts": [9]}] * 2,
+            },
+        )
+    )
+    d, counts, exact = results.staleness_distribution(run)
+    assert exact and d.tolist() == [0, 1, 2] and counts.tolist() == [5, 3, 3]
+
+
+def test_merge_seeds_sums_the_staleness_counts(tmp_path):
+    write_run(tmp_path, "s0", [0.0], seed=0, extra={"staleness/counts": [[1, 1]]})
+    write_run(tmp_path, "s1", [0.2], seed=1, extra={"staleness/counts": [[0, 2, 1]]})
+    (merged,) = results.merge_seeds(results.load_runs([tmp_path]))
+    assert merged.records[0]["staleness/counts"] == [1, 3, 1]
+    d, counts, exact = results.staleness_distribution(merged)
+    assert exact and counts.tolist() == [1, 3, 1]
 
 
 def test_staleness_from_per_token_summaries_is_exact(tmp_path):
@@ -303,7 +348,7 @@ def test_phase_bars_exclude_the_first_step(tmp_path):
 def test_write_summary_and_cli(tmp_path):
     root = sweep_dir(tmp_path)
     out = tmp_path / "out"
-    assert results.main([str(root), "--out", str(out), "--last-k", "2"]) == 0
+    assert results_cli.main([str(root), "--out", str(out), "--last-k", "2"]) == 0
     text = (out / "summary.md").read_text()
     for png in ("reward", "phase_times", "staleness", "diagnostics", "sweep"):
         data = (out / f"{png}.png").read_bytes()
@@ -321,7 +366,7 @@ def test_write_summary_and_cli(tmp_path):
     assert f"| 8 | {cell(0.8)} | {cell(0.2)} |" in text
     assert "`algo.loss=ppo`" in text  # shared settings listed
     assert "run_dir" not in text.split("## Settings shared by all runs")[1]
-    assert results.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert results_cli.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
 
 
 def test_plots_work_inline_without_pyplot(tmp_path):

@@ -1,44 +1,41 @@
 """From run directories to the tables and plots the README and the notebooks show.
 
+Analysis layer (host side, never jitted); needs the ``analysis`` extra (pandas, matplotlib).
+
 Every run writes ``run_dir/config.json`` (the resolved
 :class:`a3po_jax.training.config.TrainConfig`) and ``run_dir/metrics.jsonl`` (one record
-per optimizer step, see
-:mod:`a3po_jax.training.metrics`). This module loads a set of such directories and turns
-them into:
+per optimizer step, see :mod:`a3po_jax.training.metrics`). This module loads a set of such
+directories and turns them into:
 
-* a markdown table of the final and mean-of-last-k reward per run, with the config fields
-  that differ between the runs as columns (and a mean ± std table over seeds when runs
-  differ only by seed);
+* a table of the final and mean-of-last-k reward per run, with the config fields that
+  differ between the runs as columns (and a mean ± std table over seeds when runs differ
+  only by seed);
 * pivot tables of a metric over a sweep (e.g. rows η, columns prox);
 * PNG plots: reward vs step and vs wall-clock time, time per step by phase, staleness
   histograms, importance-weight and clip-fraction curves, and a metric vs η sweep plot.
 
-Command line::
-
-    python -m a3po_jax.cli.results results/staleness_sweep_toy --out results/staleness_sweep_toy
-    python -m a3po_jax.cli.results RUN_DIR [RUN_DIR ...] --out DIR [--last-k 5]
-
-writes ``DIR/summary.md`` and the PNGs it links. A directory argument that is not itself a
-run (no ``metrics.jsonl``) is searched recursively for runs.
-
-Plotting uses ``matplotlib.figure.Figure`` directly (no pyplot state, no backend switch),
-so the same functions draw into files here and inline in a notebook. Plain Python and
-numpy only: no pandas.
+The table work is pandas: a run's scalar metrics are a DataFrame indexed by step
+(:attr:`Run.frame`), the runs' configs one DataFrame (:func:`config_frame`), and the tables
+are DataFrames (:func:`summary_table`, :func:`seed_table`, :func:`pivot`) that
+:func:`markdown_table` renders. Plotting uses ``matplotlib.figure.Figure`` directly (no
+pyplot state, no backend switch), so the same functions draw into files and inline in a
+notebook. The command line is :mod:`a3po_jax.cli.results`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import functools
 import json
 import math
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
+from a3po_jax.training.config import staleness_bound
 from a3po_jax.training.metrics import METRICS_FILE, read_metrics
 
 CONFIG_FILE = "config.json"
@@ -48,8 +45,8 @@ PHASES = ("time/wait_rollouts_s", "time/train_s", "time/weight_push_s")
 # Config fields that name where a run lives rather than what it is.
 IGNORED_CONFIG_KEYS = ("run_dir",)
 EFFECTIVE_STALENESS = "system.effective_staleness"
-# Fixed η of the modes that do not use system.max_staleness (design §4).
-_MODE_STALENESS = {"sync": 0, "periodic": 0, "one_step_off": 1}
+# The exact per-step staleness histogram: counts[d] = trained tokens at staleness d.
+STALENESS_COUNTS = "staleness/counts"
 
 
 # --------------------------------------------------------------------------------------
@@ -78,17 +75,29 @@ class Run:
     def num_steps(self) -> int:
         return len(self.records)
 
+    @functools.cached_property
+    def frame(self) -> pd.DataFrame:
+        """The scalar metrics, one row per step (index ``step``), one float column per
+        metric; a step that did not log a metric, or logged a non-finite value, holds NaN.
+        Non-scalar metrics (histogram summaries, lists, strings) and bools are left out."""
+        rows = [
+            {k: float(v) for k, v in r.items() if k != "step" and _is_number(v)}
+            for r in self.records
+        ]
+        steps = pd.Index([r["step"] for r in self.records], name="step", dtype=np.int64)
+        frame = pd.DataFrame(rows, index=steps, dtype=np.float64)
+        return frame.replace([np.inf, -np.inf], np.nan)
+
+    def series(self, key: str) -> pd.Series:
+        """A scalar metric over the steps that logged a finite value (empty if none)."""
+        if key not in self.frame:
+            return pd.Series([], index=pd.Index([], name="step", dtype=np.int64), dtype=float)
+        return self.frame[key].dropna()
+
     def scalar(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) of a scalar metric, over the records that have a finite value."""
-        steps, values = [], []
-        for record in self.records:
-            value = record.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if math.isfinite(value):
-                steps.append(record["step"])
-                values.append(float(value))
-        return np.asarray(steps, np.int64), np.asarray(values, np.float64)
+        values = self.series(key)
+        return values.index.to_numpy(np.int64), values.to_numpy(np.float64)
 
     def elapsed_s(self) -> np.ndarray:
         """Wall-clock seconds at the end of each step, counted from the end of the first.
@@ -115,7 +124,8 @@ def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _with_derived(flat: dict[str, Any]) -> dict[str, Any]:
     mode = flat.get("system.mode")
     if mode is not None:
-        flat[EFFECTIVE_STALENESS] = _MODE_STALENESS.get(mode, flat.get("system.max_staleness"))
+        # The bound comes from the config module, the one place the rule per mode lives.
+        flat[EFFECTIVE_STALENESS] = staleness_bound(mode, flat.get("system.max_staleness"))
     return flat
 
 
@@ -148,8 +158,7 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
             found.extend(sorted(p.parent for p in path.rglob(METRICS_FILE)))
         else:
             raise FileNotFoundError(f"{path} is neither a run directory nor a folder of runs")
-    unique = list(dict.fromkeys(p.resolve() for p in found))
-    return unique
+    return list(dict.fromkeys(p.resolve() for p in found))
 
 
 def load_runs(paths: Iterable[str | Path]) -> list[Run]:
@@ -181,19 +190,23 @@ def _common_parts(parts: list[tuple[str, ...]]) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------
 
 
+def config_frame(runs: Sequence[Run]) -> pd.DataFrame:
+    """The runs' flattened configs, one row per run (index: run name), object columns."""
+    return pd.DataFrame(
+        [run.config for run in runs], index=pd.Index([r.name for r in runs], name="run")
+    ).astype(object)
+
+
 def config_differences(runs: Sequence[Run]) -> list[str]:
     """Config keys whose values differ between the runs (run_dir excluded), sorted."""
-    keys = sorted({k for run in runs for k in run.config} - set(IGNORED_CONFIG_KEYS))
-    differing = [k for k in keys if len({_hashable(run.config.get(k)) for run in runs}) > 1]
+    configs = config_frame(runs).drop(columns=list(IGNORED_CONFIG_KEYS), errors="ignore")
+    # dropna=False: a key some runs lack (None/NaN) differs from one they all have.
+    differing = sorted(configs.columns[configs.nunique(dropna=False) > 1])
     # η is derived from mode and max_staleness; if it varies, the raw max_staleness column
     # is only noise (sync runs keep the default max_staleness they ignore).
     if EFFECTIVE_STALENESS in differing and "system.max_staleness" in differing:
         differing.remove("system.max_staleness")
     return differing
-
-
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def run_label(run: Run, keys: Sequence[str]) -> str:
@@ -210,88 +223,113 @@ def _short(key: str) -> str:
 def _fmt(value: Any, floatfmt: str = ".3f") -> str:
     if isinstance(value, bool) or value is None:
         return str(value)
-    if isinstance(value, float):
+    if isinstance(value, float | np.floating):
         return "nan" if not math.isfinite(value) else format(value, floatfmt)
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     return str(value)
 
 
+def final_value(run: Run, key: str = REWARD) -> float:
+    """The last finite value of ``key`` the run logged (nan if none)."""
+    values = run.series(key)
+    return float(values.iloc[-1]) if len(values) else float("nan")
+
+
 def last_k_mean(run: Run, key: str = REWARD, k: int = 5) -> float:
     """Mean of ``key`` over the last ``k`` steps that logged it (nan if none)."""
     if k < 1:
         raise ValueError(f"last_k_mean: k must be >= 1, got {k}")
-    _, values = run.scalar(key)
-    return float(values[-k:].mean()) if values.size else float("nan")
+    return float(run.series(key).tail(k).mean())
 
 
 def mean_over_steps(run: Run, key: str, *, skip_first: int = 0) -> float:
     """Mean of a scalar metric over the run's steps (after the first ``skip_first``)."""
-    _, values = run.scalar(key)
-    values = values[skip_first:]
-    return float(values.mean()) if values.size else float("nan")
+    return float(run.series(key).iloc[skip_first:].mean())
 
 
-def summary_rows(runs: Sequence[Run], *, metric: str = REWARD, last_k: int = 5) -> list[dict]:
+def max_over_steps(run: Run, key: str, *, skip_first: int = 0) -> float:
+    """Largest value of a scalar metric over the run's steps (after ``skip_first``)."""
+    return float(run.series(key).iloc[skip_first:].max())
+
+
+def summary_table(runs: Sequence[Run], *, metric: str = REWARD, last_k: int = 5) -> pd.DataFrame:
     """One row per run: its differing config values; the final, mean-of-last-k and
     all-steps mean (area under the curve / steps) ``metric``; the run's mean staleness,
     clip fraction, max importance weight and time per step (the first step, which
-    compiles, is left out of the time)."""
+    compiles, is left out of the time). Columns: ``run``, the short config names, then
+    the measurements."""
     keys = config_differences(runs)
-    rows = []
-    for run in runs:
-        _, values = run.scalar(metric)
-        row: dict[str, Any] = {"run": run.name}
-        row.update({_short(k): run.config.get(k) for k in keys})
-        row["steps"] = run.num_steps
-        row[f"{metric} final"] = float(values[-1]) if values.size else float("nan")
-        row[f"{metric} last-{last_k}"] = last_k_mean(run, metric, last_k)
-        row[f"{metric} all-steps mean"] = mean_over_steps(run, metric)
-        row["staleness mean"] = mean_over_steps(run, "staleness/mean")
-        row["clipfrac mean"] = mean_over_steps(run, "loss/clipfrac")
-        row["is/weight_max max"] = _max_over_steps(run, "is/weight_max")
-        row["s/step"] = mean_over_steps(run, "time/step_s", skip_first=1)
-        rows.append(row)
-    return rows
+    table = config_frame(runs)[keys].rename(columns=_short).reset_index()
+    table["steps"] = [run.num_steps for run in runs]
+    table[f"{metric} final"] = [final_value(run, metric) for run in runs]
+    table[f"{metric} last-{last_k}"] = [last_k_mean(run, metric, last_k) for run in runs]
+    table[f"{metric} all-steps mean"] = [mean_over_steps(run, metric) for run in runs]
+    table["staleness mean"] = [mean_over_steps(run, "staleness/mean") for run in runs]
+    table["clipfrac mean"] = [mean_over_steps(run, "loss/clipfrac") for run in runs]
+    table["is/weight_max max"] = [max_over_steps(run, "is/weight_max") for run in runs]
+    table["s/step"] = [mean_over_steps(run, "time/step_s", skip_first=1) for run in runs]
+    return table
 
 
-def _max_over_steps(run: Run, key: str, *, skip_first: int = 0) -> float:
-    _, values = run.scalar(key)
-    values = values[skip_first:]
-    return float(values.max()) if values.size else float("nan")
+def _seed_groups(runs: Sequence[Run], seed_key: str) -> tuple[list[str], list[list[Run]]]:
+    """The config keys other than the seed that differ, and the runs grouped by their
+    values of those keys (groups and members in first-seen order)."""
+    keys = [k for k in config_differences(runs) if k != seed_key]
+    configs = config_frame(runs)
+    if keys:
+        # One hashable label per run: a tuple of its values of the differing keys.
+        labels = pd.Series(list(configs[keys].itertuples(index=False, name=None)), dtype=object)
+    else:
+        labels = pd.Series([()] * len(runs), dtype=object)
+    codes, _ = pd.factorize(labels)
+    groups = [[runs[i] for i in np.flatnonzero(codes == c)] for c in range(codes.max() + 1)]
+    return keys, groups
 
 
-def seed_aggregate_rows(
+def seed_table(
     runs: Sequence[Run], *, metric: str = REWARD, last_k: int = 5, seed_key: str = "seed"
-) -> list[dict]:
+) -> pd.DataFrame:
     """Mean ± std (over seeds) of the mean-of-last-k and all-steps-mean ``metric``, for
     runs that differ only by seed.
 
-    Returns one row per configuration (in first-seen order), the ± cells as strings;
-    empty if no two runs share a configuration.
+    Returns one row per configuration (in first-seen order): its differing config values,
+    ``seeds``, the two ``metric`` columns as ``"mean ± std"`` strings (the sample std; just
+    the mean for one seed), and the mean staleness and clip fraction averaged over the
+    seeds. Empty if no two runs share a configuration.
     """
-    keys = [k for k in config_differences(runs) if k != seed_key]
-    groups: dict[tuple, list[Run]] = {}
-    for run in runs:
-        groups.setdefault(tuple(_hashable(run.config.get(k)) for k in keys), []).append(run)
-    if all(len(g) == 1 for g in groups.values()):
-        return []
-    rows = []
-    for values, members in groups.items():
-        scores = np.asarray([last_k_mean(r, metric, last_k) for r in members])
-        areas = np.asarray([mean_over_steps(r, metric) for r in members])
-        row: dict[str, Any] = {_short(k): v for k, v in zip(keys, values, strict=True)}
-        row["seeds"] = len(members)
-        row[f"{metric} last-{last_k}"] = _mean_std(scores)
-        row[f"{metric} all-steps mean"] = _mean_std(areas)
-        row["staleness mean"] = float(
-            np.mean([mean_over_steps(r, "staleness/mean") for r in members])
-        )
-        row["clipfrac mean"] = float(
-            np.mean([mean_over_steps(r, "loss/clipfrac") for r in members])
-        )
-        rows.append(row)
-    return rows
+    keys, groups = _seed_groups(runs, seed_key)
+    if all(len(g) == 1 for g in groups):
+        return pd.DataFrame()
+    scores = pd.DataFrame(
+        {
+            "config": [i for i, g in enumerate(groups) for _ in g],
+            "last": [last_k_mean(r, metric, last_k) for g in groups for r in g],
+            "area": [mean_over_steps(r, metric) for g in groups for r in g],
+            "staleness": [mean_over_steps(r, "staleness/mean") for g in groups for r in g],
+            "clipfrac": [mean_over_steps(r, "loss/clipfrac") for g in groups for r in g],
+        }
+    )
+    stats = scores.groupby("config", sort=False).agg(["mean", "std", "count"])
+    table = pd.DataFrame([{_short(k): g[0].config.get(k) for k in keys} for g in groups])
+    table["seeds"] = stats[("last", "count")].to_numpy()
+    for column, name in (("last", f"{metric} last-{last_k}"), ("area", f"{metric} all-steps mean")):
+        table[name] = [
+            _mean_std(mean, std, n)
+            for mean, std, n in zip(
+                stats[(column, "mean")], stats[(column, "std")], table["seeds"], strict=True
+            )
+        ]
+    table["staleness mean"] = stats[("staleness", "mean")].to_numpy()
+    table["clipfrac mean"] = stats[("clipfrac", "mean")].to_numpy()
+    return table
+
+
+def _mean_std(mean: float, std: float, n: int, floatfmt: str = ".3f") -> str:
+    """``0.958 ± 0.008`` (sample std); just the mean for one value."""
+    if n <= 1:
+        return format(float(mean), floatfmt)
+    return f"{mean:{floatfmt}} ± {std:{floatfmt}}"
 
 
 def merge_seeds(runs: Sequence[Run], *, seed_key: str = "seed") -> list[Run]:
@@ -299,37 +337,33 @@ def merge_seeds(runs: Sequence[Run], *, seed_key: str = "seed") -> list[Run]:
 
     A merged run's record at step s holds, for every scalar metric all its members logged
     at s, the mean over the members; ``wall_time`` is the mean time since each member's
-    first step; integer histogram summaries (``staleness/tokens``) are summed. Steps that
-    not every member reached are dropped. Its config's ``seed`` becomes e.g. "0+1+2".
-    Runs without a twin are returned as they are.
+    first step; staleness histograms (``staleness/counts``, and the older
+    ``staleness/tokens`` summaries) are summed. Steps that not every member reached are
+    dropped. Its config's ``seed`` becomes e.g. "0+1+2". Runs without a twin are returned
+    as they are.
     """
-    keys = [k for k in config_differences(runs) if k != seed_key]
-    groups: dict[tuple, list[Run]] = {}
-    for run in runs:
-        groups.setdefault(tuple(_hashable(run.config.get(k)) for k in keys), []).append(run)
+    keys, groups = _seed_groups(runs, seed_key)
     merged = []
-    for members in groups.values():
+    for members in groups:
         if len(members) == 1:
             merged.append(members[0])
             continue
-        by_step = [{r["step"]: r for r in m.records} for m in members]
-        clocks = [dict(zip(by_step[i], m.elapsed_s(), strict=True)) for i, m in enumerate(members)]
-        steps = sorted(set.intersection(*(set(b) for b in by_step)))
+        frames = [m.frame.assign(wall_time=m.elapsed_s()) for m in members]
+        stacked = pd.concat(frames, keys=range(len(members)), names=["member"])
+        by_step = stacked.groupby(level="step")
+        # A value only where every member logged it: a mean of fewer would mix in
+        # one seed's noise at the steps the others skipped.
+        mean = by_step.mean().where(by_step.count() == len(members))
+        steps = sorted(set.intersection(*(set(f.index) for f in frames)))
         records = []
-        for step in steps:
-            rows = [b[step] for b in by_step]
-            record: dict[str, Any] = {
-                "step": step,
-                "wall_time": float(np.mean([c[step] for c in clocks])),
-            }
-            for key in rows[0]:
-                if key in ("step", "wall_time"):
-                    continue
-                values = [row.get(key) for row in rows]
-                if all(_is_number(v) for v in values):
-                    record[key] = float(np.mean(values))
-                elif all(isinstance(v, dict) and "values" in v for v in values):
-                    record[key] = _sum_histograms(values)
+        for step, row in mean.loc[steps].iterrows():
+            record = {"step": int(step), **row.dropna().to_dict()}
+            member_records = [_record_at(m, step) for m in members]
+            for key in (STALENESS_COUNTS, "staleness/tokens"):
+                values = [r.get(key) for r in member_records]
+                total = _sum_histograms(values)
+                if total is not None:
+                    record[key] = total
             records.append(record)
         config = dict(members[0].config)
         config[seed_key] = "+".join(str(m.config.get(seed_key)) for m in members)
@@ -338,38 +372,47 @@ def merge_seeds(runs: Sequence[Run], *, seed_key: str = "seed") -> list[Run]:
     return merged
 
 
+def _record_at(run: Run, step: int) -> dict[str, Any]:
+    return next(r for r in run.records if r["step"] == step)
+
+
+def _sum_histograms(values: list[Any]) -> Any:
+    """The sum of one step's histograms over the members: count lists (index = d) are
+    added elementwise; integer summaries (``{"values", "counts"}``) per value. None if
+    not every member logged one of the same kind."""
+    if all(isinstance(v, list) for v in values):
+        total = np.zeros(max(len(v) for v in values))
+        for v in values:
+            total[: len(v)] += v
+        return total.tolist()
+    if all(isinstance(v, dict) and "values" in v for v in values):
+        counts = pd.concat([pd.Series(v["counts"], index=v["values"]) for v in values])
+        counts = counts.groupby(level=0).sum().sort_index()
+        return {"values": counts.index.tolist(), "counts": counts.tolist()}
+    return None
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _sum_histograms(summaries: list[dict]) -> dict:
-    totals: dict[int, int] = {}
-    for summary in summaries:
-        for v, c in zip(summary["values"], summary["counts"], strict=True):
-            totals[v] = totals.get(v, 0) + c
-    values = sorted(totals)
-    return {"values": values, "counts": [totals[v] for v in values]}
-
-
-def _mean_std(values: np.ndarray, floatfmt: str = ".3f") -> str:
-    """``0.958 ± 0.008`` (sample std); just the mean for one value."""
-    if values.size == 1:
-        return format(float(values[0]), floatfmt)
-    return f"{values.mean():{floatfmt}} ± {values.std(ddof=1):{floatfmt}}"
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def markdown_table(
-    rows: Sequence[dict], columns: Sequence[str] | None = None, floatfmt: str = ".3f"
+    rows: pd.DataFrame | Sequence[dict],
+    columns: Sequence[str] | None = None,
+    floatfmt: str = ".3f",
 ) -> str:
-    """A GitHub markdown table of ``rows`` (dicts); columns default to the first row's keys."""
-    if not rows:
+    """A GitHub markdown table of a DataFrame (or of dicts); columns default to all of the
+    DataFrame's (the dicts' keys). Floats are printed with ``floatfmt``, nan as "nan"."""
+    # dtype=object keeps dicts' values as given: None stays None, 3 stays 3 (not 3.0).
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows), dtype=object)
+    if frame.empty:
         return ""
-    columns = list(columns) if columns is not None else list(rows[0])
+    columns = list(columns) if columns is not None else list(frame.columns)
     lines = [
-        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join(map(str, columns)) + " |",
         "|" + "|".join("---" for _ in columns) + "|",
     ]
-    for row in rows:
+    for row in frame.to_dict("records"):
         lines.append("| " + " | ".join(_fmt(row.get(c), floatfmt) for c in columns) + " |")
     return "\n".join(lines)
 
@@ -399,19 +442,20 @@ class Pivot:
     def cell(self, row: Any, col: Any) -> float:
         return float(self.values[self.rows.index(row), self.cols.index(col)])
 
+    def to_frame(self) -> pd.DataFrame:
+        """The means as a DataFrame (index: row values, columns: column values)."""
+        return pd.DataFrame(self.values, index=list(self.rows), columns=list(self.cols))
+
     def to_markdown(self, floatfmt: str = ".3f") -> str:
         """Cells are ``mean ± std (n)`` where a cell averages several runs."""
         corner = f"{_short(self.row_key)} \\ {_short(self.col_key)}"
-        table = []
-        for i, r in enumerate(self.rows):
-            row: dict[str, Any] = {corner: r}
-            for j, c in enumerate(self.cols):
-                mean, n = self.values[i, j], int(self.counts[i, j])
-                row[str(c)] = (
-                    f"{mean:{floatfmt}} ± {self.stds[i, j]:{floatfmt}} ({n})" if n > 1 else mean
-                )
-            table.append(row)
-        return markdown_table(table, [corner] + [str(c) for c in self.cols], floatfmt)
+        cells = self.to_frame().astype(object)
+        several = self.counts > 1
+        for i, j in zip(*np.nonzero(several), strict=True):
+            mean, std, n = self.values[i, j], self.stds[i, j], int(self.counts[i, j])
+            cells.iat[i, j] = f"{mean:{floatfmt}} ± {std:{floatfmt}} ({n})"
+        table = cells.rename(columns=str).rename_axis(corner).reset_index()
+        return markdown_table(table, floatfmt=floatfmt)
 
 
 def pivot(
@@ -439,35 +483,48 @@ def pivot(
     reducers = {
         "last_k": lambda r: last_k_mean(r, metric, last_k),
         "mean": lambda r: mean_over_steps(r, metric, skip_first=skip_first),
-        "max": lambda r: _max_over_steps(r, metric, skip_first=skip_first),
+        "max": lambda r: max_over_steps(r, metric, skip_first=skip_first),
     }
     if reduce not in reducers:
         raise ValueError(f"pivot: reduce={reduce!r} is not one of {', '.join(reducers)}")
-    rows = tuple(sorted({r.config.get(row_key) for r in runs}, key=_sort_key))
-    cols = tuple(sorted({r.config.get(col_key) for r in runs}, key=_sort_key))
-    cells: dict[tuple[int, int], list[float]] = {}
-    for run in runs:
-        value = reducers[reduce](run)
-        if math.isfinite(value):
-            i, j = rows.index(run.config.get(row_key)), cols.index(run.config.get(col_key))
-            cells.setdefault((i, j), []).append(value)
-    values = np.full((len(rows), len(cols)), np.nan)
-    stds = np.full((len(rows), len(cols)), np.nan)
-    counts = np.zeros((len(rows), len(cols)), np.int64)
-    for (i, j), items in cells.items():
-        values[i, j] = np.mean(items)
-        counts[i, j] = len(items)
-        if len(items) > 1:
-            stds[i, j] = np.std(items, ddof=1)
+    per_run = pd.DataFrame(
+        {
+            "row": [r.config.get(row_key) for r in runs],
+            "col": [r.config.get(col_key) for r in runs],
+            "value": [reducers[reduce](r) for r in runs],
+        }
+    )
+    rows = tuple(sorted(set(per_run["row"]), key=_sort_key))
+    cols = tuple(sorted(set(per_run["col"]), key=_sort_key))
+    # Runs without a finite value are left out of their cell (a gap, not a zero).
+    stats = (
+        per_run.dropna(subset=["value"])
+        .groupby(["row", "col"])["value"]
+        .agg(["mean", "std", "count"])
+    )
+
+    def grid(column: str, fill: float) -> np.ndarray:
+        wide = stats[column].unstack("col") if len(stats) else pd.DataFrame()
+        return wide.reindex(index=list(rows), columns=list(cols)).fillna(fill).to_numpy()
+
     label = f"{metric} last-{last_k}" if reduce == "last_k" else f"{metric} {reduce}"
-    return Pivot(row_key, col_key, rows, cols, values, stds, counts, label)
+    return Pivot(
+        row_key,
+        col_key,
+        rows,
+        cols,
+        values=grid("mean", np.nan).astype(np.float64),
+        stds=grid("std", np.nan).astype(np.float64),
+        counts=grid("count", 0).astype(np.int64),
+        metric=label,
+    )
 
 
 def _sort_key(value: Any) -> tuple:
     # Numbers before strings, each in natural order; None last.
     if value is None:
         return (2, "")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if _is_number(value):
         return (0, value)
     return (1, str(value))
 
@@ -475,37 +532,47 @@ def _sort_key(value: Any) -> tuple:
 def staleness_distribution(run: Run) -> tuple[np.ndarray, np.ndarray, bool]:
     """Token counts by staleness d over the whole run.
 
-    Returns ``(d, counts, exact)``. ``exact`` is True when the run logged per-token
-    staleness (``staleness/tokens`` as an integer histogram summary, or ``staleness/hist``
-    as a plain list of counts by d). Otherwise (``staleness/hist`` logged as a summary of
-    the count array, which does not keep which d each count belongs to) it falls back to
-    the per-step mean staleness, weighted by the step's token count, rounded to the
-    nearest integer, and ``exact`` is False.
+    Returns ``(d, counts, exact)``. The trainer logs ``staleness/counts`` each step, a
+    list with counts[d] = the step's trained tokens at staleness d, which is summed
+    directly (``exact`` True).
+
+    The rest are fallbacks for runs logged before that field existed (the committed runs
+    in ``results/``): ``staleness/tokens`` as an integer histogram summary, or
+    ``staleness/hist`` as a plain list of counts by d, are exact too. Otherwise
+    (``staleness/hist`` logged as a summary of the count array, which does not keep which
+    d each count belongs to) it falls back to the per-step mean staleness, weighted by the
+    step's token count, rounded to the nearest integer, and ``exact`` is False.
     """
-    totals: dict[int, float] = {}
-    exact = False
+    totals = pd.Series(dtype=np.float64)
+
+    def add(values: Sequence[int], counts: Sequence[float]) -> None:
+        nonlocal totals
+        step = pd.Series(np.asarray(counts, np.float64), index=np.asarray(values, np.int64))
+        totals = totals.add(step, fill_value=0.0)
+
     for record in run.records:
+        counts = record.get(STALENESS_COUNTS)
         tokens = record.get("staleness/tokens")
         hist = record.get("staleness/hist")
-        if isinstance(tokens, dict) and "values" in tokens:
-            for d, c in zip(tokens["values"], tokens["counts"], strict=True):
-                totals[int(d)] = totals.get(int(d), 0.0) + c
-            exact = True
+        if isinstance(counts, list):
+            add(range(len(counts)), counts)
+        elif isinstance(tokens, dict) and "values" in tokens:
+            add(tokens["values"], tokens["counts"])
         elif isinstance(hist, list):
-            for d, c in enumerate(hist):
-                totals[d] = totals.get(d, 0.0) + c
-            exact = True
+            add(range(len(hist)), hist)
+    exact = not totals.empty
     if not exact:
-        for record in run.records:
-            mean = record.get("staleness/mean")
-            if isinstance(mean, (int, float)) and math.isfinite(mean):
-                d = int(round(mean))
-                totals[d] = totals.get(d, 0.0) + float(record.get("loss/num_tokens", 1.0))
-    if not totals:
+        means = run.series("staleness/mean")
+        if "loss/num_tokens" in run.frame:
+            weights = run.frame["loss/num_tokens"].reindex(means.index).fillna(1.0)
+        else:
+            weights = pd.Series(1.0, index=means.index)
+        if not means.empty:
+            totals = weights.groupby(means.round().astype(np.int64).to_numpy()).sum()
+    if totals.empty:
         return np.zeros(0, np.int64), np.zeros(0), exact
-    top = max(totals)
-    d = np.arange(top + 1)
-    return d, np.asarray([totals.get(i, 0.0) for i in d]), exact
+    totals = totals.reindex(range(int(totals.index.max()) + 1), fill_value=0.0)
+    return totals.index.to_numpy(np.int64), totals.to_numpy(np.float64), exact
 
 
 # --------------------------------------------------------------------------------------
@@ -521,14 +588,9 @@ def _figure(nrows: int = 1, ncols: int = 1, *, width: float = 6.0, height: float
     return fig, axes
 
 
-def _smooth(values: np.ndarray, window: int) -> np.ndarray:
+def _smooth(values: pd.Series, window: int) -> np.ndarray:
     """Trailing moving average (window 1 = raw); the first points average what exists."""
-    if window <= 1 or values.size == 0:
-        return values
-    csum = np.cumsum(np.insert(values, 0, 0.0))
-    idx = np.arange(1, values.size + 1)
-    lo = np.maximum(idx - window, 0)
-    return (csum[idx] - csum[lo]) / (idx - lo)
+    return values.rolling(max(window, 1), min_periods=1).mean().to_numpy()
 
 
 def _labels(runs: Sequence[Run]) -> list[str]:
@@ -560,14 +622,14 @@ def plot_curves(
 
         ax.set_prop_cycle(color=colormaps["tab20"].colors)
     for run, label in zip(runs, labels, strict=True):
-        steps, values = run.scalar(key)
-        if not values.size:
+        values = run.series(key)
+        if values.empty:
             continue
         if x == "wall":
-            clock = dict(zip((r["step"] for r in run.records), run.elapsed_s(), strict=True))
-            xs = np.asarray([clock[s] for s in steps])
+            clock = pd.Series(run.elapsed_s(), index=run.frame.index)
+            xs = clock.loc[values.index].to_numpy()
         else:
-            xs = steps
+            xs = values.index.to_numpy()
         ax.plot(xs, _smooth(values, smooth), label=label, linewidth=1.5)
     ax.set_xlabel("step" if x == "step" else "wall-clock s (from end of step 1)")
     title = key if smooth <= 1 else f"{key} (moving avg {smooth})"
@@ -609,15 +671,18 @@ def plot_phase_times(runs: Sequence[Run], *, skip_first: int = 1):
     labels = _labels(runs)
     fig, axes = _figure(width=max(6.0, 0.55 * len(runs) + 2.5), height=4.2)
     ax = axes[0, 0]
-    bottom = np.zeros(len(runs))
+    means = pd.DataFrame(
+        {
+            phase: [mean_over_steps(r, phase, skip_first=skip_first) for r in runs]
+            for phase in (*PHASES, "time/step_s")
+        }
+    ).fillna(0.0)
     xs = np.arange(len(runs))
+    bottom = np.zeros(len(runs))
     for phase in PHASES:
-        means = np.asarray([mean_over_steps(r, phase, skip_first=skip_first) for r in runs])
-        means = np.nan_to_num(means)
-        ax.bar(xs, means, bottom=bottom, label=phase.removeprefix("time/"), width=0.7)
-        bottom += means
-    totals = [mean_over_steps(r, "time/step_s", skip_first=skip_first) for r in runs]
-    ax.plot(xs, np.nan_to_num(totals), "k_", markersize=14, label="step_s (total)")
+        ax.bar(xs, means[phase], bottom=bottom, label=phase.removeprefix("time/"), width=0.7)
+        bottom += means[phase].to_numpy()
+    ax.plot(xs, means["time/step_s"], "k_", markersize=14, label="step_s (total)")
     ax.set_xticks(xs, labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("seconds per step")
     ax.set_title(f"time per step by phase (mean, first {skip_first} step(s) excluded)", fontsize=10)
@@ -633,9 +698,9 @@ def plot_staleness(runs: Sequence[Run]):
     nrows = math.ceil(len(runs) / ncols)
     fig, axes = _figure(nrows, ncols, width=2.6, height=2.2)
     any_approx = False
-    top = max((len(staleness_distribution(r)[0]) for r in runs), default=1)
-    for ax, run, label in zip(axes.flat, runs, labels, strict=False):
-        d, counts, exact = staleness_distribution(run)
+    distributions = [staleness_distribution(r) for r in runs]
+    top = max((len(d) for d, _, _ in distributions), default=1)
+    for ax, (d, counts, exact), label in zip(axes.flat, distributions, labels, strict=False):
         any_approx |= not exact
         if counts.sum() > 0:
             ax.bar(d, counts / counts.sum(), width=0.8, color="C0" if exact else "C1")
@@ -713,9 +778,9 @@ def write_summary(
         raise ValueError("write_summary: no runs")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    aggregate = seed_aggregate_rows(runs, last_k=last_k)
-    shown = merge_seeds(runs) if aggregate else list(runs)
-    averaged = " (mean over seeds)" if aggregate else ""
+    aggregate = seed_table(runs, last_k=last_k)
+    shown = merge_seeds(runs) if not aggregate.empty else list(runs)
+    averaged = " (mean over seeds)" if not aggregate.empty else ""
     figures = {
         "reward.png": (
             f"Reward vs step and vs wall-clock time{averaged}",
@@ -748,7 +813,7 @@ def write_summary(
         " per step excludes the first (compiling) step; ± is the sample std over seeds.",
         "",
     ]
-    if aggregate:
+    if not aggregate.empty:
         lines += ["## Mean ± std over seeds", "", markdown_table(aggregate), ""]
     if axes is not None:
         for metric, reduce in ((REWARD, "last_k"), (REWARD, "mean"), ("loss/clipfrac", "mean")):
@@ -765,7 +830,7 @@ def write_summary(
             lines += [grid.to_markdown(), ""]
     for file, (caption, _) in figures.items():
         lines += [f"## {caption}", "", f"![{caption}]({file})", ""]
-    lines += ["## Every run", "", markdown_table(summary_rows(runs, last_k=last_k)), ""]
+    lines += ["## Every run", "", markdown_table(summary_table(runs, last_k=last_k)), ""]
     lines += [
         "## Settings shared by all runs",
         "",
@@ -780,29 +845,3 @@ def write_summary(
     path = out / "summary.md"
     path.write_text("\n".join(lines))
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m a3po_jax.cli.results",
-        description="Tables and plots from run directories (config.json + metrics.jsonl).",
-    )
-    parser.add_argument("runs", nargs="+", help="run directories or folders holding runs")
-    parser.add_argument("--out", required=True, help="where summary.md and the PNGs go")
-    parser.add_argument("--last-k", type=int, default=5, help="steps averaged for 'last-k'")
-    parser.add_argument("--smooth", type=int, default=5, help="moving-average window (curves)")
-    parser.add_argument("--title", default=None, help="heading of summary.md")
-    args = parser.parse_args(argv)
-    try:
-        runs = load_runs(args.runs)
-    except FileNotFoundError as err:
-        print(f"a3po_jax.cli.results: {err}", file=sys.stderr)
-        return 2
-    title = args.title or f"Results: {', '.join(Path(p).name for p in args.runs)}"
-    path = write_summary(runs, args.out, last_k=args.last_k, title=title, smooth=args.smooth)
-    print(f"wrote {path} ({len(runs)} runs)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

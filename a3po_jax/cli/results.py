@@ -1,8 +1,53 @@
-"""Tables and plots of one or more runs: `python -m a3po_jax.cli.results RUN... --out DIR`."""
+"""Tables and plots of one or more runs: ``python -m a3po_jax.cli.results RUN... --out DIR``.
 
+Examples::
+
+    python -m a3po_jax.cli.results results/staleness_sweep_toy --out results/staleness_sweep_toy
+    python -m a3po_jax.cli.results RUN_DIR [RUN_DIR ...] --out DIR [--last-k 5]
+
+writes ``DIR/summary.md`` and the PNGs it links (:func:`a3po_jax.analysis.results.write_summary`).
+A directory argument that is not itself a run (no ``metrics.jsonl``) is searched recursively
+for runs. Needs the ``analysis`` extra (pandas, matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
-from a3po_jax.analysis.results import main
+PROG = "python -m a3po_jax.cli.results"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Tables and plots from run directories (config.json + metrics.jsonl).",
+    )
+    parser.add_argument("runs", nargs="+", help="run directories or folders holding runs")
+    parser.add_argument("--out", required=True, help="where summary.md and the PNGs go")
+    parser.add_argument("--last-k", type=int, default=5, help="steps averaged for 'last-k'")
+    parser.add_argument("--smooth", type=int, default=5, help="moving-average window (curves)")
+    parser.add_argument("--title", default=None, help="heading of summary.md")
+    args = parser.parse_args(argv)
+    try:
+        from a3po_jax.analysis import results
+    except ImportError as err:
+        print(f"{PROG}: {err} (pip install 'a3po_jax[analysis]')", file=sys.stderr)
+        return 2
+    try:
+        runs = results.load_runs(args.runs)
+    except FileNotFoundError as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 2
+    title = args.title or f"Results: {', '.join(Path(p).name for p in args.runs)}"
+    path = results.write_summary(
+        runs, args.out, last_k=args.last_k, title=title, smooth=args.smooth
+    )
+    print(f"wrote {path} ({len(runs)} runs)")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
