@@ -1,16 +1,25 @@
 """Shared pieces of the benchmark scripts: model shapes and synthetic rollouts.
 
 Speed does not depend on weight values, so benchmarks use randomly initialised models with
-the real architectures' shapes and random token rollouts.
+the real architectures' shapes and random token rollouts (`synthetic_groups`, from
+`tests/factories.py`).
 """
 
 from __future__ import annotations
 
-import numpy as np
+import sys
+from pathlib import Path
 
-from a3po_jax import model
-from a3po_jax.core.types import Rollout, RolloutGroup
-from a3po_jax.model.assets import smollm2_config
+# The synthetic-group factory is shared with the tests (tests/factories.py); benchmarks, like
+# tests, run from a checkout of the repository.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from factories import synthetic_groups  # noqa: E402
+
+from a3po_jax import model  # noqa: E402
+from a3po_jax.model.assets import smollm2_config  # noqa: E402
+
+__all__ = ["CONFIGS", "synthetic_groups"]
 
 CONFIGS = {
     "tiny": model.ModelConfig.tiny(max_seq_len=4096),
@@ -26,38 +35,3 @@ CONFIGS = {
     ),
     "smollm2": smollm2_config(),
 }
-
-
-def synthetic_groups(
-    n_groups: int,
-    group_size: int,
-    prompt_len: int,
-    response_len: int,
-    vocab: int,
-    *,
-    max_version: int = 0,
-    seed: int = 0,
-) -> list[RolloutGroup]:
-    """Groups of random prompts/completions; each group's tokens carry one version drawn
-    from [0, max_version] so staleness-dependent code paths are exercised."""
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(n_groups):
-        prompt = rng.integers(3, vocab, size=prompt_len)
-        version = int(rng.integers(0, max_version + 1))
-        rollouts = [
-            Rollout(
-                prompt_id=f"p{g}",
-                group_id=g,
-                sample_index=i,
-                prompt_tokens=prompt,
-                completion_tokens=rng.integers(3, vocab, size=response_len),
-                behav_logprobs=-rng.uniform(0.5, 3.0, size=response_len),
-                versions=np.full(response_len, version, np.int32),
-                finish_reason="stop",
-                reward=float(rng.integers(0, 2)),
-            )
-            for i in range(group_size)
-        ]
-        groups.append(RolloutGroup(f"p{g}", g, rollouts, admitted_at_version=0))
-    return groups
