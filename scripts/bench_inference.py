@@ -16,6 +16,9 @@ Prints, side by side on the same model, prompts and CPU/GPU:
   Decode steps run `model.apply_decode` on the weights split per layer (`model.decode_params`),
   which the engine makes once per weight update: its time is printed separately ("weight
   split"), not counted in the steps;
+* swap: what an in-flight weight update costs the host (update policy "in_flight"): every
+  running sample's KV cache is recomputed under the new weights, one batched prefill of the
+  B slots at prompt + new_tokens / 2 tokens (mid-sample), in ms per swap and in decode steps;
 * naive: a jitted full forward over the whole padded sequence per token (no KV cache);
 * hf: transformers' PyTorch `LlamaForCausalLM.generate` (greedy, KV cache) with the same
   weights (converted from the JAX params; the script checks logits and greedy tokens agree);
@@ -158,6 +161,31 @@ def bench_engine(
             best = (dt, np.stack([np.asarray(first)] + steps, axis=1))
     dt, tokens = best
     return B * (new_tokens - 1) / dt, (new_tokens - 1) / dt, tokens, float(np.mean(windows))
+
+
+def bench_swap_recompute(
+    config, params, prompts: np.ndarray, new_tokens: int, repeats: int, capacity: int
+) -> float:
+    """Seconds one in-flight swap spends recomputing the caches of B running samples, each
+    half way through its generation (`EngineCore.recompute_cache`, as `InferenceHost` runs
+    it at a swap; the first call compiles and is not timed)."""
+    B, P = prompts.shape
+    core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
+    state = core.init_decode_state()
+    for b in range(B):
+        prefix = core.prefill(params, prompts[b].tolist())
+        state, _, _ = core.insert(prefix, state, b, SlotSampling(temperature=0.0))
+    for _ in range(new_tokens // 2):
+        state, _, _ = core.generate(params, state)
+    longest = int(np.max(np.asarray(state.cache.lengths)))
+    window = core.window_for(longest)
+    tokens = np.zeros((B, window), np.int32)  # the values do not change the cost
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(core.recompute_cache(params, state, tokens))
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def bench_host(config, params, prompts: np.ndarray, new_tokens: int, capacity: int):
@@ -338,7 +366,8 @@ def main() -> None:
     header = (
         f"{'batch':>5} | {'engine tok/s':>12} | {'host tok/s':>10} | {'naive tok/s':>11} | "
         f"{'hf tok/s':>9} | {'engine/hf':>9} | {'steps/s':>8} | {'bound steps/s':>13} | "
-        f"{'of bound':>8} | {'xla bound':>9} | {'of xla':>6} | tokens agree"
+        f"{'of bound':>8} | {'xla bound':>9} | {'of xla':>6} | {'swap ms':>7} | "
+        f"{'swap steps':>10} | tokens agree"
     )
     print(header)
     print("-" * len(header))
@@ -347,6 +376,7 @@ def main() -> None:
         engine_tps, steps_per_s, engine_tokens, window = bench_engine(
             config, params, prompts, new_tokens, args.repeats, capacity, not args.no_window
         )
+        swap_s = bench_swap_recompute(config, params, prompts, new_tokens, args.repeats, capacity)
         host_tps = (
             float("nan")
             if args.no_host
@@ -368,12 +398,14 @@ def main() -> None:
             f"{B:>5} | {engine_tps:>12.1f} | {host_tps:>10.1f} | {naive_tps:>11.1f} | "
             f"{hf_tps:>9.1f} | {engine_tps / hf_tps:>8.2f}x | {steps_per_s:>8.1f} | "
             f"{bound:>13.1f} | {steps_per_s / bound:>7.0%} | {xla_bound:>9.1f} | "
-            f"{steps_per_s / xla_bound:>5.0%} | " + ", ".join(agree)
+            f"{steps_per_s / xla_bound:>5.0%} | {swap_s * 1e3:>7.1f} | "
+            f"{swap_s * steps_per_s:>10.1f} | " + ", ".join(agree)
         )
     print(
         "bound = copy bandwidth / (weights + KV cache bytes per step, the cache up to the "
         "window the step attends to); xla bound uses the XLA weight-read rate instead. Above "
-        "100% the working set sits in CPU caches (tiny model)."
+        "100% the working set sits in CPU caches (tiny model). swap = the cache recompute of "
+        "one in-flight weight update with every slot half way (ms, and in decode steps)."
     )
 
 
