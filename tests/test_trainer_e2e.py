@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from a3po_jax.tasks import Prompt
+from a3po_jax.tasks.toy import LetterTask  # reward: fraction of 'a's; other tests import it here
 from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
@@ -19,28 +19,6 @@ from a3po_jax.training.metrics import read_metrics
 from a3po_jax.training.trainer import Trainer, load_policy
 
 pytestmark = pytest.mark.slow
-
-
-class LetterTask:
-    """Reward = fraction of the completion's characters that are 'a': a random model gets a
-    spread of rewards (so advantages are non-zero) and can learn it within a few steps."""
-
-    name = "letters"
-
-    def prompts(self, split):
-        return [
-            Prompt(f"letters/{split}/{i}", ({"role": "user", "content": f"say a {i}"},), "a")
-            for i in range(16)
-        ]
-
-    def score(self, prompt, completion_text):
-        return completion_text.count("a") / max(len(completion_text), 1)
-
-    def format_ok(self, completion_text):
-        return True
-
-    def extract_answer(self, prompt, completion_text):
-        return completion_text
 
 
 def make_cfg(tmp_path, name, *, mode="async", eta=2, steps=3, **algo):
