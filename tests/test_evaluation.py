@@ -187,3 +187,103 @@ def test_evaluate_rejects_bad_arguments_and_bad_generate_output():
 
     with pytest.raises(ValueError, match="returned 1 sample lists for 2 prompts"):
         evaluate(TASK, "test", too_few_prompts, TOKENIZER, num_prompts=2)
+
+
+# --- the command line on a run: it scores what the run trained on ---------------------------
+
+
+RUN_TASK_OPTIONS = '{"letters": "xyz", "test_size": 5}'
+
+
+def tiny_run(tmp_path):
+    """A run dir of the tiny model trained on `letters` with non-default options: its
+    config.json and one checkpoint (the random init: the params do not matter here)."""
+    import json
+
+    from a3po_jax.training.checkpointing import CheckpointManager
+    from a3po_jax.training.config import (
+        ModelSection,
+        RolloutSection,
+        TaskSection,
+        TrainConfig,
+    )
+    from a3po_jax.training.trainer import load_policy
+
+    run = tmp_path / "run"
+    cfg = TrainConfig(
+        model=ModelSection(name="tiny"),
+        task=TaskSection(name="letters", options=RUN_TASK_OPTIONS),
+        rollout=RolloutSection(max_new_tokens=5),
+        eval_prompts=3,
+        run_dir=str(run),
+    )
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    policy = load_policy(cfg.model)
+    with CheckpointManager(run / "checkpoints", async_save=False) as manager:
+        manager.save(
+            1, params=policy.params, opt_state={"count": np.zeros(())}, extra={}, force=True
+        )
+    return run
+
+
+def test_eval_spec_from_run_config():
+    from a3po_jax.analysis.evaluation import EvalSpec
+    from a3po_jax.training.config import RolloutSection, TaskSection, TrainConfig
+
+    cfg = TrainConfig(
+        task=TaskSection(name="letters", options=RUN_TASK_OPTIONS, split="train"),
+        rollout=RolloutSection(max_new_tokens=7),
+        eval_prompts=9,
+    )
+    spec = EvalSpec.from_run_config(cfg)
+    # The run's task and budget; the test split (the trainer draws from train).
+    assert spec == EvalSpec("letters", RUN_TASK_OPTIONS, "test", 9, 7)
+    same, notes = spec.override(task_options='{"test_size":5, "letters":"xyz"}', split=None)
+    assert same == spec and notes == []  # the same options written differently
+    changed, notes = spec.override(max_new_tokens=3)
+    assert changed.max_new_tokens == 3 and notes == ["max_new_tokens: 7 -> 3"]
+
+
+def test_cli_scores_a_run_on_its_own_task_and_budget(tmp_path, capsys):
+    import json
+
+    from a3po_jax.cli import evaluate as cli
+    from a3po_jax.tasks import make_task
+
+    run = tiny_run(tmp_path)
+    out = tmp_path / "result.json"
+    assert cli.main(["--run-dir", str(run), "--json", str(out), "--num-slots", "4"]) == 0
+    result = json.loads(out.read_text())
+    # The run's task with the run's options, not the CLI's chain_sum defaults: the targets
+    # x/y/z exist only with letters="xyz" (the default letters task asks for "a").
+    expected = make_task("letters", letters="xyz", test_size=5).prompts("test")[:3]
+    assert result["task"] == "letters" and result["split"] == "test"
+    assert result["n"] == 3  # the run's eval_prompts, not the CLI's 64
+    assert [r["prompt_id"] for r in result["records"]] == [p.prompt_id for p in expected]
+    assert [r["answer"] for r in result["records"]] == [p.answer for p in expected]
+    # The run's generation budget (rollout.max_new_tokens=5), not the CLI's 64.
+    lengths = [n for r in result["records"] for n in r["num_tokens"]]
+    assert max(lengths) <= 5
+    err = capsys.readouterr().err
+    assert "overrides" not in err and "from the run's config" in err
+
+    # Flags override explicitly and say so.
+    options = '{"letters": "q", "test_size": 4}'
+    argv = ["--run-dir", str(run), "--json", str(out), "--num-slots", "4"]
+    argv += ["--task-options", options, "--max-new-tokens", "3", "--num-prompts", "2"]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["n"] == 2 and {r["answer"] for r in result["records"]} == {"q"}
+    assert max(n for r in result["records"] for n in r["num_tokens"]) <= 3
+    err = capsys.readouterr().err
+    assert "a flag overrides the run's config: max_new_tokens: 5 -> 3" in err
+    assert "a flag overrides the run's config: task_options:" in err
+    assert "a flag overrides the run's config: num_prompts: 3 -> 2" in err
+
+
+def test_cli_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    from a3po_jax.cli import evaluate as cli
+
+    assert cli.main(["--run-dir", str(tmp_path)]) == 2
+    assert "no config.json (not a run directory)" in capsys.readouterr().err

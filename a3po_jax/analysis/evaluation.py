@@ -20,11 +20,17 @@ Metrics, over n prompts with k samples each and per-prompt mean score m_i:
 With k = 1 and 0/1 scores the stderr is exactly the binomial sqrt(p (1 - p) / n); with
 k > 1 it is the standard error over prompts of the per-prompt means (prompts are the
 independent units; samples of one prompt are correlated).
+
+What a run is scored on (task, options, split, prompts, generation budget) is an
+:class:`EvalSpec`, read from the run's config by :meth:`EvalSpec.from_run_config` the same
+way the trainer's own evaluation (``eval_every``) reads it. Analysis layer: imports the
+tasks and the config, never the trainer; the command line is :mod:`a3po_jax.cli.evaluate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,8 +38,58 @@ from typing import Any
 import numpy as np
 
 from a3po_jax.tasks.task import Prompt, Task, render_prompt
+from a3po_jax.training.config import TrainConfig
 
 GenerateFn = Callable[..., list[list[tuple[list[int], bool]]]]
+
+# The split a run is evaluated on: the trainer draws prompts from ``task.split`` (train)
+# and its ``eval_every`` evaluation scores the test split, as the CLI does.
+EVAL_SPLIT = "test"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """What an evaluation scores, and with which generation budget."""
+
+    task: str  # a name for a3po_jax.tasks.make_task
+    task_options: str  # JSON object of the task's keyword arguments
+    split: str  # the split whose first `num_prompts` prompts are scored
+    num_prompts: int  # prompts scored (capped at the split's size by `capped`)
+    max_new_tokens: int  # token budget per completion
+
+    @classmethod
+    def from_run_config(cls, cfg: TrainConfig) -> EvalSpec:
+        """What a run's own evaluation scores: its task with its options, the test split,
+        its ``eval_prompts`` prompts and its rollout budget ``rollout.max_new_tokens``
+        (prompts are rendered with the run's tokenizer and completions stop at its EOS,
+        as in training)."""
+        return cls(
+            task=cfg.task.name,
+            task_options=cfg.task.options,
+            split=EVAL_SPLIT,
+            num_prompts=cfg.eval_prompts,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+        )
+
+    @property
+    def task_kwargs(self) -> dict[str, Any]:
+        return json.loads(self.task_options)
+
+    def override(self, **values: Any) -> tuple[EvalSpec, list[str]]:
+        """This spec with the fields given a different value (None: not given) replaced,
+        and one line per field that changed (``"task: 'letters' -> 'chain_sum'"``)."""
+        changes = {
+            k: v
+            for k, v in values.items()
+            if v is not None and not _same_value(k, v, getattr(self, k))
+        }
+        notes = [f"{k}: {getattr(self, k)!r} -> {v!r}" for k, v in changes.items()]
+        return dataclasses.replace(self, **changes), notes
+
+
+def _same_value(field: str, a: Any, b: Any) -> bool:
+    # Options are JSON text: '{"a": 1}' and '{"a":1}' are the same options.
+    return json.loads(a) == json.loads(b) if field == "task_options" else a == b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,94 +337,3 @@ def host_generate_fn(host: Any, *, stop_tokens: Sequence[int] = ()) -> GenerateF
         return out
 
     return generate
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m a3po_jax.cli.evaluate --model smollm2 --task chain_sum --num-prompts 64`."""
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(
-        prog="python -m a3po_jax.cli.evaluate",
-        description=__doc__,
-        formatter_class=argparse.RawTextHelpFormatter,
-    )
-    parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | checkpoint path")
-    parser.add_argument(
-        "--run-dir",
-        help="evaluate a trained run: its config's model with the params of its newest "
-        "checkpoint (overrides --model)",
-    )
-    parser.add_argument("--step", type=int, help="checkpoint step with --run-dir (default: newest)")
-    parser.add_argument("--task", default="chain_sum")
-    parser.add_argument(
-        "--task-options",
-        default='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',
-        help="JSON object of task keyword arguments",
-    )
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--k", type=int, default=1, help="samples per prompt (mean@k)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-slots", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="also write the result (with per-prompt records) here")
-    args = parser.parse_args(argv)
-
-    from a3po_jax.inference.host import InferenceHost
-    from a3po_jax.tasks import make_task
-    from a3po_jax.training.config import ModelSection
-    from a3po_jax.training.trainer import load_policy
-
-    task = make_task(args.task, **json.loads(args.task_options))
-    if args.run_dir:
-        import pathlib
-
-        from a3po_jax.training.checkpointing import CheckpointManager
-        from a3po_jax.training.config import config_from_dict
-
-        run_cfg = config_from_dict(
-            json.loads((pathlib.Path(args.run_dir) / "config.json").read_text())
-        )
-        policy = load_policy(run_cfg.model)
-        manager = CheckpointManager(pathlib.Path(args.run_dir) / "checkpoints", async_save=False)
-        policy.params = manager.restore_params(args.step, params_template=policy.params)
-        print(f"evaluating {args.run_dir} at step {args.step or manager.latest_step()}")
-    else:
-        policy = load_policy(ModelSection(name=args.model))
-    eos = policy.tokenizer.eos_token_id
-    longest = max(
-        len(render_prompt(policy.tokenizer, p))
-        for p in task.prompts(args.split)[: args.num_prompts]
-    )
-    bucket = 64
-    while bucket < longest:
-        bucket *= 2
-    with InferenceHost(
-        policy.config,
-        policy.params,
-        num_slots=args.num_slots,
-        prefill_buckets=(bucket,),
-        max_cache_len=bucket + args.max_new_tokens,
-    ) as host:
-        result = evaluate(
-            task,
-            args.split,
-            host_generate_fn(host, stop_tokens=() if eos is None else (eos,)),
-            policy.tokenizer,
-            num_prompts=args.num_prompts,
-            k=args.k,
-            temperature=args.temperature,
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
-        )
-    print(result.summary())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
