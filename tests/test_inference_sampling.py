@@ -5,8 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from a3po_jax.core.types import FINISH_REASONS as CORE_FINISH_REASONS
+from a3po_jax.core.types import Rollout
 from a3po_jax.inference import sampling
-from a3po_jax.inference.types import GenerateRequest, SampleResult, SamplingParams
+from a3po_jax.inference.types import (
+    FINISH_REASONS,
+    ErrorKind,
+    GenerateRequest,
+    SampleResult,
+    SamplingParams,
+    error_result,
+)
 
 JIT_VARIANTS = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["nojit", "jit"])
 
@@ -165,6 +174,48 @@ def test_sample_result_checks_shapes():
         SampleResult("r", 0, [1], [1, 2], [0.0], [0], "stop")
     with pytest.raises(ValueError, match="finish_reason"):
         SampleResult("r", 0, [1], [1], [0.0], [0], "done")
+
+
+def test_sample_result_error_kind_is_set_exactly_on_errors():
+    with pytest.raises(ValueError, match="error_kind"):
+        SampleResult("r", 0, [1], [], [], [], "error", error="boom")
+    with pytest.raises(ValueError, match="error_kind"):
+        SampleResult("r", 0, [1], [1], [0.0], [0], "stop", error_kind=ErrorKind.LOST)
+    r = SampleResult("r", 0, [1], [], [], [], "error", error="x", error_kind="transport")
+    assert r.error_kind is ErrorKind.TRANSPORT  # the wire value name is accepted
+
+
+def test_to_rollout_is_the_one_conversion_to_the_cores_rollout():
+    r = SampleResult("g7", 2, [5, 6], [7, 8, 9], [-0.5, -1.0, -2.0], [3, 3, 4], "length")
+    rollout = r.to_rollout(
+        prompt_id="p", group_id=7, reward=1.0, info={"k": 1}, admitted_at_version=3
+    )
+    assert isinstance(rollout, Rollout)
+    assert (rollout.prompt_id, rollout.group_id, rollout.sample_index) == ("p", 7, 2)
+    np.testing.assert_array_equal(rollout.prompt_tokens, [5, 6])
+    np.testing.assert_array_equal(rollout.completion_tokens, [7, 8, 9])
+    np.testing.assert_array_equal(rollout.behav_logprobs, [-0.5, -1.0, -2.0])
+    np.testing.assert_array_equal(rollout.versions, [3, 3, 4])
+    assert rollout.finish_reason == "length" and rollout.reward == 1.0
+    assert rollout.info == {"k": 1} and rollout.admitted_at_version == 3
+    # "stop" and "length" mean the same on both types; an error sample has no Rollout.
+    assert set(FINISH_REASONS) - {"error"} <= set(CORE_FINISH_REASONS)
+    failed = SampleResult("g7", 0, [5], [], [], [], "error", "gone", error_kind=ErrorKind.LOST)
+    with pytest.raises(ValueError, match="lost: gone"):
+        failed.to_rollout(prompt_id="p", group_id=7)
+
+
+@pytest.mark.parametrize("kind", list(ErrorKind))
+def test_error_kind_survives_the_grpc_message(kind):
+    # The kind travels as its value name in the wire's finish_reason (an exact lookup).
+    from a3po_jax.inference.grpc_messages import result_from_proto, result_to_proto
+
+    request = GenerateRequest("r", (1, 2))
+    back = result_from_proto(result_to_proto(error_result(request, 0, kind, "why")))
+    assert (back.finish_reason, back.error_kind, back.error) == ("error", kind, "why")
+    ok = SampleResult("r", 1, [1, 2], [3], [-0.25], [5], "stop")
+    back = result_from_proto(result_to_proto(ok))
+    assert (back.finish_reason, back.error_kind, back.versions.tolist()) == ("stop", None, [5])
 
 
 def test_package_import_does_not_load_jetstream_or_tensorflow():

@@ -1,10 +1,14 @@
-"""Inference host: engine, continuous batching, weight updates, gRPC and JetStream serving.
+"""Inference layer (shell): engine, continuous batching, weight updates, gRPC and JetStream.
 
-* `types`: `SamplingParams`, `GenerateRequest`, `SampleResult` (what goes in and out).
+* `protocol`: `Host`, the interface every host below implements (the trainer types on it).
+* `types`: `SamplingParams`, `GenerateRequest`, `SampleResult` (what goes in and out; one
+  conversion to the core's `Rollout`), `ErrorKind` (why a sample failed).
 * `sampling`: per-slot temperature / top-k / top-p sampling and behaviour log-probs.
 * `engine_core`: pure-JAX prefill / insert / generate over a fixed number of slots.
 * `host`: `InferenceHost`, the in-process serving thread (the embedded default).
-* `grpc_server` / `grpc_client`: the same host in another process (`GrpcInferenceClient`).
+* `grpc_server` / `grpc_client`: the same host in another process (`GrpcInferenceClient`;
+  the command line is `a3po_jax.cli.serve`).
+* `pool`: `HostPool`, several hosts behind one `Host`, with health checks and failover.
 * `jetstream_engine`: `JetStreamEngine`, the engine behind JetStream's `Engine` API.
 
 Importing this package does not import JetStream (hence TensorFlow) or gRPC: those load on
@@ -13,7 +17,9 @@ first use of `JetStreamEngine` / `GrpcInferenceClient`.
 
 from a3po_jax.inference.engine_core import DecodeState, EngineCore, Prefix, SlotSampling
 from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import (
+    ErrorKind,
     GenerateRequest,
     HostClosedError,
     InferenceError,
@@ -39,8 +45,10 @@ def __getattr__(name):
 __all__ = [
     "DecodeState",
     "EngineCore",
+    "ErrorKind",
     "GenerateRequest",
     "GrpcInferenceClient",
+    "Host",
     "HostClosedError",
     "InferenceError",
     "InferenceHost",

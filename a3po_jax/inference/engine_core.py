@@ -9,6 +9,10 @@ ignored: a fixed batch shape compiles once).
     prompt ──prefill──▶ Prefix (cache [L,1,Tb,..], last logits [V]) ──insert(slot, i)──▶
     DecodeState slot (first token sampled at step 0) ──generate──▶ next token per slot ...
 
+After an in-flight weight swap, `recompute_cache` rewrites the running slots' caches under
+the new weights (one batched prefill of each slot's prompt + tokens so far), so decoding
+continues as if the new weights had computed the whole sequence.
+
 Prompts are right-padded to a bucket length `Tb`, so a run compiles one prefill (and one
 insert) per bucket. Nothing here knows about threads, queues or versions: the host
 (`host.py`) and the JetStream adapter (`jetstream_engine.py`) drive these functions.
