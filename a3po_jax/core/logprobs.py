@@ -22,16 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 
 # Default tokens per chunk (C). Two costs pull in opposite directions:
-# * memory: each live [C, V] float32 array is 4·C·V bytes: 0.2 GB at C=1024 and SmolLM2's
-#   V=49152 (the backward keeps about two: the logits and their cotangent);
+# * memory: one [C, V] float32 buffer of 4·C·V bytes per pass (the forward's logits; the
+#   backward's logits turned in place into their cotangent) plus, in the backward, the
+#   [D, V] float32 head gradient. XLA's memory analysis of the jitted function at SmolLM2's
+#   head (D=576, V=49152) and 4096 tokens, temporaries in MiB, forward / forward+backward:
+#   plain 1536 / 2304; C=256 49 / 157; C=512 97 / 205; C=1024 194 / 302; C=2048 389 / 497.
 # * speed: every chunk streams the whole head W ([D, V]) through the matmul, so a chunk does
 #   2·C·D·V FLOPs per 4·D·V bytes of W read: C/2 FLOP/byte, and the backward's dW += hᵀ·dz
 #   reads and writes the accumulator too (C/4). A CPU is compute-bound from about 15
 #   FLOP/byte (300 GFLOP/s over ~20 GB/s), an H100 in bfloat16 only from about 300
 #   (990 TFLOP/s over 3.35 TB/s), i.e. C ≳ 600; 1024 is the next power of two.
 # At 1024 the vocabulary work stays at matmul speed on both kinds of machine while the
-# memory is already 4x below the plain path at 4096 tokens. A caller short on memory (a
-# large vocabulary on a small machine) passes a smaller chunk_size; on CPU 256 loses little.
+# memory is already 7-8x below the plain path at 4096 tokens. A caller short on memory (a
+# large vocabulary on a small machine) passes a smaller chunk_size; a CPU is still
+# compute-bound at 256. `scripts/bench_logprobs.py --chunk-sizes ...` measures both.
 DEFAULT_CHUNK_SIZE = 1024
 
 
@@ -51,8 +55,8 @@ def chunked_token_logprobs(
         H[b, t]    = -Σ_v p_v log p_v,    p = softmax(z[b, t])
 
     the same as ``losses.token_logprobs(logits / temperature, targets)`` and
-    ``losses.entropy(logits / temperature)`` with ``logits = hidden @ head`` (what
-    ``model.apply`` computes from its ``return_hidden`` states; there is no logit softcap).
+    ``losses.entropy(logits / temperature)`` with ``logits = hidden @ head``, which is how
+    the decoder makes its logits from its final-norm hidden states (float32, no softcap).
 
     Matmuls run in the inputs' promoted dtype with float32 accumulation (the decoder passes
     float32 states and a float32 head); everything after the matmul is float32, because the
@@ -103,21 +107,46 @@ def chunked_token_logprobs(
 # way, so the backward's recomputation gives the forward's numbers.
 
 
+def _scales_states(h: jax.Array, w: jax.Array) -> bool:
+    """Whether 1/temperature is applied to the [C, D] states rather than the [C, V] logits.
+
+    For a float32 matmul it is: (h / T)·W equals (h·W) / T to float32 rounding, and XLA:CPU
+    does not fuse a scale into a dot's output, so scaling the logits kept a second [C, V]
+    buffer per chunk (twice the memory, one more pass over it). For bfloat16 inputs the
+    float32 product is divided instead: dividing bf16 states would round them once more.
+    """
+    return jnp.finfo(jnp.result_type(h, w)).bits >= 32
+
+
+def _scaled(h: jax.Array, w: jax.Array, temperature: float) -> jax.Array:
+    """[C, D] h / temperature in the matmul's (promoted, float32) dtype: a bf16 h with a
+    float32 head is promoted first, not divided in bf16."""
+    return h.astype(jnp.result_type(h, w)) / temperature
+
+
 def _chunk_logits(h: jax.Array, w: jax.Array, temperature: float) -> jax.Array:
-    """[C, V] float32 z = h·W / temperature (divided, as the plain path does, not scaled)."""
+    """[C, V] float32 z = h·W / temperature."""
+    if _scales_states(h, w):
+        return jnp.dot(_scaled(h, w, temperature), w, preferred_element_type=jnp.float32)
     return jnp.dot(h, w, preferred_element_type=jnp.float32) / temperature
 
 
+def _pick(z: jax.Array, tgt: jax.Array) -> jax.Array:
+    """[C] z[c, tgt[c]], 0 for an id outside [0, V); a gather of C values (a one-hot select
+    would be one more [C, V] buffer)."""
+    v = z.shape[-1]
+    picked = jnp.take_along_axis(z, jnp.clip(tgt, 0, v - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where((tgt >= 0) & (tgt < v), picked, 0.0)
+
+
 def _chunk_forward(h, w, tgt, temperature):
-    """(logp [C], entropy [C], logsumexp [C]) of one chunk."""
+    """(logp [C], entropy [C], logsumexp [C]) of one chunk; only z is a [C, V] buffer, the
+    rest are reductions fused over it."""
     z = _chunk_logits(h, w, temperature)  # [C, V]
     lse = jax.nn.logsumexp(z, axis=-1)  # [C]
-    logp_all = z - lse[:, None]  # [C, V]
-    # The target is picked by comparison with an iota (fused into the reduction; an
-    # out-of-range id matches nothing) rather than a gather.
-    is_target = jnp.arange(z.shape[-1])[None, :] == tgt[:, None]  # [C, V]
-    logp = jnp.sum(jnp.where(is_target, z, 0.0), axis=-1) - lse  # as token_logprobs
-    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    logp_all = z - lse[:, None]  # [C, V], fused into the entropy's reduction
+    logp = _pick(z, tgt) - lse  # as losses.token_logprobs
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)  # as losses.entropy
     return logp, ent, lse
 
 
@@ -127,8 +156,8 @@ def _chunk_backward(h, w, tgt, lse, ent, g_logp, g_ent, temperature):
     With p = softmax(z), log p = z - lse:
         d logp_t / dz_k = δ_kt - p_k
         d H / dz_k      = -p_k (log p_k + H)
-    so dz_k = g_logp δ_kt - p_k (g_logp + g_H (log p_k + H)), and dz / temperature is the
-    cotangent of h·W.
+    so dz_k = g_logp δ_kt - p_k (g_logp + g_H (log p_k + H)); z = (h / T)·W gives
+    dW = (h / T)ᵀ·dz and dh = (dz·Wᵀ) / T, wherever the 1/T was applied.
     """
     z = _chunk_logits(h, w, temperature)  # [C, V]
     logp_all = z - lse[:, None]
@@ -136,10 +165,15 @@ def _chunk_backward(h, w, tgt, lse, ent, g_logp, g_ent, temperature):
     is_target = jnp.arange(z.shape[-1])[None, :] == tgt[:, None]
     dz = jnp.where(is_target, g_logp[:, None], 0.0) - p * (
         g_logp[:, None] + g_ent[:, None] * (logp_all + ent[:, None])
-    )
-    d_logits = dz / temperature  # [C, V]
-    dh = jnp.dot(d_logits, w.T, preferred_element_type=jnp.float32)  # [C, D]
-    dw = jnp.dot(h.T, d_logits, preferred_element_type=jnp.float32)  # [D, V]
+    )  # [C, V]
+    if _scales_states(h, w):
+        h_scaled = _scaled(h, w, temperature)  # [C, D], as in the forward
+        dh = jnp.dot(dz, w.T, preferred_element_type=jnp.float32) / temperature  # [C, D]
+        dw = jnp.dot(h_scaled.T, dz, preferred_element_type=jnp.float32)  # [D, V]
+    else:
+        d_logits = dz / temperature  # [C, V]
+        dh = jnp.dot(d_logits, w.T, preferred_element_type=jnp.float32)
+        dw = jnp.dot(h.T, d_logits, preferred_element_type=jnp.float32)
     return dh, dw
 
 
