@@ -715,6 +715,9 @@ class Trainer:
             "throughput/train_tokens_per_s": n_tok / max(timings["time/train_s"], 1e-9),
             "throughput/host_tokens_per_s": float(host_stats.get("tokens_per_s", 0.0)),
             "host/version": int(host_stats.get("version", -1)),
+            # In-flight swaps' KV-cache recompute (totals; per swap = seconds / recomputes).
+            "host/kv_recomputes": int(host_stats.get("kv_recomputes", 0)),
+            "host/kv_recompute_s": float(host_stats.get("kv_recompute_s", 0.0)),
             "step/skipped_total": self.skipped_steps,
         }
         counters = {"queue": self.queue.counters(), "hosts": self.host.counters()}
