@@ -12,7 +12,7 @@ import string
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from a3po_jax.tasks import CHATML_TEMPLATE
+from a3po_jax.model.chat_template import CHATML_TEMPLATE
 
 SPECIAL_TOKENS = ("<pad>", "<|im_start|>", "<|im_end|>")
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())

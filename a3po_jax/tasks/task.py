@@ -18,21 +18,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from a3po_jax.model.chat_template import CHATML_TEMPLATE  # re-exported by a3po_jax.tasks
+
 BOXED_INSTRUCTION = "Put your final answer within \\boxed{}."
 # Word problems: ask for the working first, then the boxed number without units, which is
 # what the GSM8K scorer compares.
 MATH_INSTRUCTION = (
     "Solve the following math problem step by step. Put your final numeric answer "
     "(without units) within \\boxed{}."
-)
-
-# ChatML, used when a tokenizer has no chat template of its own. SmolLM2 and Qwen use this
-# format; `<|im_start|>`/`<|im_end|>` are only special tokens if the tokenizer has them.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 _ROLES = ("system", "user", "assistant")
