@@ -285,12 +285,8 @@ def test_two_processes_train_like_one(tmp_path):
     assert int(multi_out["_process_count"]) == 2 and int(single_out["_process_count"]) == 1
     np.testing.assert_allclose(multi_out["_losses"], single_out["_losses"], rtol=1e-5, atol=1e-6)
     assert multi_out["_losses"].shape == (steps,)
-    init = {
-        model.tree_path_str(p): np.asarray(x)
-        for p, x in jax.tree.flatten_with_path(
-            model.init_params(model.ModelConfig.tiny(), jax.random.key(0))
-        )[0]
-    }
+    init = model.flatten_params(model.init_params(model.ModelConfig.tiny(), jax.random.key(0)))
+    init = {name: np.asarray(x) for name, x in init.items()}
     names = sorted(k for k in single_out.files if not k.startswith("_"))
     assert names == sorted(init) == sorted(k for k in multi_out.files if not k.startswith("_"))
     moved = 0.0

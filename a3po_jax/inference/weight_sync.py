@@ -14,40 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SEPARATOR = "/"
+from a3po_jax.model import flatten_params  # the one weight naming; re-exported here
+
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-
-
-def _key_name(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            name = str(getattr(entry, attr))
-            break
-    else:
-        name = str(entry)
-    if SEPARATOR in name:
-        raise ValueError(f"parameter key {name!r} contains {SEPARATOR!r}; cannot flatten it")
-    return name
-
-
-def flatten_params(params: Any) -> dict[str, Any]:
-    """`{"layers/0/attn/wq": leaf, ...}` from a nested pytree of arrays (order preserved)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    out: dict[str, Any] = {}
-    for path, leaf in flat:
-        name = SEPARATOR.join(_key_name(p) for p in path)
-        if name in out:
-            raise ValueError(f"two parameters flatten to the same name {name!r}")
-        out[name] = leaf
-    return out
 
 
 def unflatten_params(flat: Mapping[str, Any], like: Any) -> Any:
     """The pytree of `like` with its leaves taken from `flat` by name (names must match)."""
-    check_names(flatten_params(like), flat)
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
-    names = [SEPARATOR.join(_key_name(p) for p in path) for path, _ in leaves_with_path]
-    return jax.tree_util.tree_unflatten(treedef, [flat[n] for n in names])
+    names = flatten_params(like)  # the names in `like`'s leaf order
+    check_names(names, flat)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(like), [flat[n] for n in names])
 
 
 def check_names(reference: Mapping[str, Any], candidate: Mapping[str, Any]) -> None:
