@@ -306,7 +306,10 @@ def test_one_pass_reference_and_old(groups, tiny_params):
     out = jax.jit(one_pass)(tiny_params, ref_params, arrays)
     # Reference from the one pass == a separate reference forward, packed and unpacked.
     separate_ref, _ = packed_fn(TINY)(ref_params, arrays)
-    np.testing.assert_array_equal(out.ref_logp, separate_ref)
+    # Two differently compiled programs (one pass for policy and reference, and the
+    # reference alone) agree to rounding, not bit for bit on every CPU; a policy/reference
+    # mix-up is off by > 0.1 (checked below).
+    np.testing.assert_allclose(out.ref_logp, separate_ref, atol=1e-6, rtol=1e-6)
     unpacked_ref, _ = unpacked_fn(TINY)(ref_params, unpacked)
     np.testing.assert_allclose(
         np.asarray(out.ref_logp)[mask], np.asarray(unpacked_ref)[mask], atol=1e-5
