@@ -12,7 +12,7 @@ from inference_reference import CFG, collect, recompute_greedy, recompute_logpro
 
 from a3po_jax import model as model_lib
 from a3po_jax.inference import HostClosedError, InferenceHost
-from a3po_jax.inference.types import GenerateRequest, SamplingParams
+from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 
 BUCKETS = (8, 16)
 CAPACITY = 128
@@ -245,7 +245,10 @@ def _in_flight_run(params, params_v1, policy):
     h.update_weights(params_v1, 1)
     results = drive(h, 3)
     stats = h.stats()
+    counters = h.counters()
     h.close()
+    assert (counters["samples_requested"], counters["samples_delivered"]) == (3, 3)
+    assert counters["samples_lost"] == counters["samples_outstanding"] == 0
     return results, stats
 
 
@@ -401,6 +404,10 @@ def test_closed_host_rejects_and_fails_pending(params):
     results = h.poll(timeout=1.0)
     assert sorted(r.sample_index for r in results) == [0, 1]
     assert all(r.finish_reason == "error" and "closed" in r.error for r in results)
+    assert all(r.error_kind is ErrorKind.HOST_CLOSED for r in results)
+    c = h.counters()
+    assert (c["samples_requested"], c["samples_delivered"], c["samples_lost"]) == (2, 0, 2)
+    assert c["samples_outstanding"] == 0 and c["lost_reasons"] == {"host_closed": 2}
     with pytest.raises(HostClosedError):
         h.submit(GenerateRequest("late", PROMPTS["short"]))
 
