@@ -1,0 +1,150 @@
+"""The README's Python examples run, and the paths, scripts and modules it names exist.
+
+Every ```python block of README.md is executed as written, each in a fresh namespace, with
+one substitution: functions that load real weights (`load_model`, `load_hf_checkpoint`,
+`load_gguf`, `load_smollm2`) return the tiny random model instead, so the examples run on
+any machine in seconds without the SmolLM2 cache or a Qwen checkpoint. The substitution
+patches the functions by name, so a renamed loader fails here too.
+
+A block that cannot run (one that needs a pod, a remote host...) is exempted by an HTML
+comment on the line just before its fence, with the reason:
+
+    <!-- not run: needs a TPU pod -->
+
+Keep exemptions few (the test allows at most `MAX_EXEMPT`); today there are none.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import jax
+import pytest
+
+from a3po_jax.model import assets, checkpoint_io, loader
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MAX_EXEMPT = 2
+LOADS_WEIGHTS = re.compile(r"load_(model|hf_checkpoint|gguf|smollm2)\(")
+EXEMPT = re.compile(r"<!--\s*not run:\s*(?P<reason>[^>]*?)\s*-->")
+
+
+def python_blocks() -> list[tuple[int, str, str | None]]:
+    """(line number of the fence, code, exemption reason or None) for each python block."""
+    lines = README.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            start = i
+            previous = lines[i - 1].strip() if i else ""
+            match = EXEMPT.fullmatch(previous)
+            i += 1
+            body = []
+            while lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            blocks.append((start + 1, "\n".join(body) + "\n", match["reason"] if match else None))
+        i += 1
+    return blocks
+
+
+BLOCKS = python_blocks()
+
+
+@pytest.fixture
+def tiny_weights(monkeypatch):
+    """Every loader of real weights returns the tiny random model (what `load_model("tiny")`
+    builds), with the call's shape of result."""
+    real_load_model = loader.load_model
+    tiny = real_load_model("tiny")
+    calls = []
+
+    def load_model(name, **kwargs):
+        calls.append(name)
+        return real_load_model("tiny", **kwargs)
+
+    def load_checkpoint(path, **kwargs):
+        calls.append(str(path))
+        return tiny.config, tiny.params
+
+    def load_smollm2(*args, **kwargs):
+        calls.append("smollm2")
+        return tiny.config, tiny.params, tiny.tokenizer
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+    monkeypatch.setattr(checkpoint_io, "load_hf_checkpoint", load_checkpoint)
+    monkeypatch.setattr(checkpoint_io, "load_gguf", load_checkpoint)
+    monkeypatch.setattr(assets, "load_smollm2", load_smollm2)
+    return calls
+
+
+def test_the_readme_has_examples_and_few_exemptions():
+    assert len(BLOCKS) >= 3, "the README's python examples were not found"
+    exempt = [(line, reason) for line, _, reason in BLOCKS if reason is not None]
+    assert all(reason for _, reason in exempt), f"an exemption without a reason: {exempt}"
+    assert len(exempt) <= MAX_EXEMPT, f"too many README examples are not run: {exempt}"
+
+
+@pytest.mark.parametrize(
+    "line, code, reason", BLOCKS, ids=[f"README.md:{line}" for line, _, _ in BLOCKS]
+)
+def test_readme_example_runs(line, code, reason, tiny_weights):
+    if reason is not None:
+        pytest.skip(f"README.md:{line} is marked not run: {reason}")
+    namespace = {"__name__": f"readme_line_{line}"}
+    exec(compile(code, f"README.md:{line}", "exec"), namespace)  # noqa: S102
+    if LOADS_WEIGHTS.search(code):
+        # It ran on the tiny model: it did not load SmolLM2 or look for a checkpoint.
+        assert tiny_weights, f"README.md:{line} loads weights but no patched loader was called"
+    # What the examples promise, checked where they bind it.
+    if "logits" in namespace:
+        cfg = namespace["cfg"]
+        assert namespace["logits"].shape == (*namespace["tokens"].shape, cfg.vocab_size)
+    if "results" in namespace:
+        results = namespace["results"]
+        assert len(results) == 4 and all(len(r.tokens) == len(r.logprobs) for r in results)
+    if "grad" in namespace:
+        assert bool(jax.numpy.isfinite(namespace["loss"]))
+
+
+# --- what the README's prose and commands name ----------------------------------------------
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a markdown heading: lower case, punctuation dropped, '-' for ' '."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readme_links_and_paths_exist():
+    text = README.read_text()
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+://", t)]
+    top = "a3po_jax|scripts|experiments|tests|docs|notebooks"
+    paths = re.findall(rf"(?<![\w/.~-])((?:{top})/[\w./-]+)", text)
+    missing = sorted(
+        {
+            p
+            for p in [t.split("#")[0] for t in links] + [p.rstrip(".,:;") for p in paths]
+            if p and not (ROOT / p).exists()
+        }
+    )
+    assert "docs/design.md" in links, "the README does not link the design notes"
+    assert "../shared" not in text, "the README points outside the repository"
+    assert not missing, f"the README names files that do not exist: {missing}"
+    broken = []
+    for link in links:
+        target, _, anchor = link.partition("#")
+        if anchor and (ROOT / target).is_file():
+            headings = re.findall(r"^#+ (.+)$", (ROOT / target).read_text(), re.MULTILINE)
+            if anchor not in {github_anchor(h) for h in headings}:
+                broken.append(link)
+    assert not broken, f"the README links headings that do not exist: {broken}"
+
+
+def test_the_readme_python_m_modules_exist():
+    modules = sorted(set(re.findall(r"python -m (a3po_jax(?:\.\w+)+)", README.read_text())))
+    assert modules, "no `python -m a3po_jax...` command found"
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    assert not missing, f"the README runs modules that do not exist: {missing}"
