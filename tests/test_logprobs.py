@@ -201,6 +201,35 @@ def test_bfloat16_states_and_head():
         )
 
 
+def test_micro_batched_under_vmap_and_scan_equals_full_batch():
+    """The train step maps over micro-batches: vmapped or scanned over them, values and the
+    summed gradients equal the full batch's (the custom VJP batches and nests in a scan)."""
+    hidden, head, targets = _inputs(8, b=4)
+    mask = jnp.ones((4, T), jnp.float32).at[:, 5:].set(0.0)
+    objective = lambda h, w, tgt, m: _masked_objective(_chunked(4), tgt, m, 0.7)(h, w)
+    grad = jax.grad(objective, argnums=(0, 1))
+    split = lambda x: x.reshape(2, 2, *x.shape[1:])  # [M=2, b=2, ...]
+
+    dh_full, dw_full = grad(hidden, head, targets, mask)
+    dh_v, dw_v = jax.jit(jax.vmap(grad, in_axes=(0, None, 0, 0)))(
+        split(hidden), head, split(targets), split(mask)
+    )
+    np.testing.assert_allclose(dh_v.reshape(dh_full.shape), dh_full, **TOL)
+    np.testing.assert_allclose(dw_v.sum(0), dw_full, **TOL)
+
+    def accumulate(dw_acc, mb):
+        return dw_acc + grad(mb[0], head, mb[1], mb[2])[1], None
+
+    xs = (split(hidden), split(targets), split(mask))
+    dw_s, _ = jax.jit(lambda xs: jax.lax.scan(accumulate, jnp.zeros_like(head), xs))(xs)
+    np.testing.assert_allclose(dw_s, dw_full, **TOL)
+    logp_v, _ = jax.vmap(_chunked(4), in_axes=(0, None, 0, None))(
+        split(hidden), head, split(targets), 0.7
+    )
+    logp_full, _ = _chunked(4)(hidden, head, targets, 0.7)
+    np.testing.assert_allclose(logp_v.reshape(logp_full.shape), logp_full, **TOL)
+
+
 def test_out_of_range_target_picks_nothing():
     # A target id outside [0, V) matches no logit: logp = 0 - logsumexp, finite.
     hidden, head, targets = _inputs(5)
