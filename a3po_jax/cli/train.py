@@ -19,12 +19,26 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
-from a3po_jax.training.config import ConfigError, apply_overrides, load_experiment
+from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
+
+log = logging.getLogger(__name__)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class Refused(Exception):
+    """The run is not started: one line on stderr (``a3po-train: <message>``), exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line, like every other refusal (argparse's default adds the usage block).
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="a3po-train", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("experiment", help="experiment file with a config() function")
@@ -33,24 +47,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level")
+    parser.add_argument(
+        "--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level"
+    )
     # Intermixed: flags may come before, between or after the key=value overrides.
     return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``a3po-train``; returns the exit code (2 for a run that was refused)."""
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        return _train(args)
+    except Refused as err:
+        # The traceback of what was refused, for --log-level DEBUG.
+        log.debug("refused", exc_info=err.__cause__ or err)
+        print(f"a3po-train: {err}", file=sys.stderr)
+        return 2
+
+
+def _train(args: argparse.Namespace) -> int:
     try:
         cfg = apply_overrides(load_experiment(args.experiment), args.overrides)
     except ConfigError as err:
-        print(f"a3po-train: config error: {err}", file=sys.stderr)
-        return 2
+        raise Refused(f"config error: {err}") from err
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    # Before anything is loaded or written: a fresh run must not land on a finished one.
+    start = check_run_dir(cfg, resume=args.resume)
 
     # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
     # scripts/launch.py sets them) join one job before anything touches a device.
@@ -59,41 +87,99 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup = distributed.initialize()
     except ValueError as err:
-        print(f"a3po-train: distributed setup: {err}", file=sys.stderr)
-        return 2
+        raise Refused(f"distributed setup: {err}") from err
     leader = setup.process_id == 0
 
     # Heavy imports only once the config is known to be good.
     from a3po_jax.training.trainer import Trainer, load_policy
 
+    say = _say if leader else (lambda message: None)
     print(
         f"a3po-train[{setup.process_id}/{setup.num_processes}]: mode={cfg.system.mode} "
         f"prox={cfg.algo.prox} loss={cfg.algo.loss} "
         f"model={cfg.model.name} task={cfg.task.name} steps={cfg.steps} -> {cfg.run_dir}",
         file=sys.stderr,
     )
+    if args.resume:
+        say(
+            f"resuming {cfg.run_dir} from step {start} of {cfg.steps}"
+            if start
+            else f"--resume: no checkpoint to continue from in {cfg.run_dir} "
+            f"(checkpoint_every={cfg.checkpoint_every}): starting at step 0"
+        )
     from a3po_jax.tasks import make_task
 
     try:  # the task first: a bad task.options fails in a second, not after loading a model
         task = make_task(cfg.task.name, **cfg.task.kwargs)
     except (TypeError, ValueError) as err:
-        print(
-            f"a3po-train: config error: task.name={cfg.task.name!r} with "
-            f"task.options={cfg.task.options}: {err}",
-            file=sys.stderr,
-        )
-        return 2
-    policy = load_policy(cfg.model)
+        raise Refused(
+            f"config error: task.name={cfg.task.name!r} with task.options={cfg.task.options}: {err}"
+        ) from err
+    say(f"loading model {cfg.model.name!r} ...")
+    try:
+        policy = load_policy(cfg.model)
+    except (OSError, ValueError) as err:
+        raise Refused(f"cannot load the model: {err}") from err
     host = None
     if cfg.system.inference_hosts and leader:  # only process 0 talks to the hosts
         host = connect_hosts(cfg.system)
-    trainer = Trainer(cfg, policy, host=host, task=task)
-    record = trainer.run(resume=args.resume)
+    say("building the train step and the inference host ...")
+    try:
+        trainer = Trainer(cfg, policy, host=host, task=task)
+    except ValueError as err:  # a combination this job cannot run (named in the message)
+        raise Refused(str(err)) from err
+    say(f"step {start + 1}: compiling the train step and generating the first rollouts ...")
+    try:
+        record = trainer.run(resume=args.resume)
+    except FileExistsError as err:  # checkpoints appeared since check_run_dir
+        raise Refused(str(err)) from err
     if not leader:
         return 0
     summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
     print(json.dumps({"final": summary}, sort_keys=True))
     return 0
+
+
+def _say(message: str) -> None:
+    """A progress line before work that is long and otherwise silent."""
+    print(f"a3po-train: {message}", file=sys.stderr, flush=True)
+
+
+def check_run_dir(cfg: TrainConfig, *, resume: bool) -> int:
+    """The step the run starts from; refuses a fresh run into a run dir with checkpoints.
+
+    Reads only: nothing in the run dir is created, moved or replaced.
+
+    Raises:
+      Refused: ``resume`` is false and ``cfg.run_dir`` holds a complete checkpoint.
+    """
+    step = latest_checkpoint_step(cfg.run_dir)
+    if step and not resume:
+        raise Refused(
+            f"{cfg.run_dir} already has checkpoints (newest step {step}): pass --resume to "
+            "continue that run, or choose a new run_dir=... (nothing was overwritten)"
+        )
+    # With checkpoint_every=0 the trainer keeps no checkpoints and restores none.
+    return step if resume and cfg.checkpoint_every else 0
+
+
+def latest_checkpoint_step(run_dir: str | Path) -> int:
+    """The newest complete checkpoint step in ``run_dir/checkpoints`` (0 if none).
+
+    The steps orbax would restore from (committed step directories), found without opening
+    an orbax manager, which would create the directory and move unfinished steps aside.
+    """
+    from a3po_jax.training.checkpointing import is_committed_step
+
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return 0
+    steps = [
+        int(child.name)
+        for child in directory.iterdir()
+        if child.is_dir() and child.name.isdigit() and is_committed_step(child)
+    ]
+    return max(steps, default=0)
 
 
 def connect_hosts(system):
@@ -109,7 +195,7 @@ def connect_hosts(system):
     token = _read_token(system.host_token_file)
     addresses = [a.strip() for a in system.inference_hosts.split(",") if a.strip()]
     if len(set(addresses)) != len(addresses):
-        raise SystemExit(f"a3po-train: system.inference_hosts lists a host twice: {addresses}")
+        raise Refused(f"config error: system.inference_hosts lists a host twice: {addresses}")
     clients = []
     try:
         for address in addresses:
@@ -128,11 +214,14 @@ def connect_hosts(system):
 
 def _read_token(path: str) -> str:
     if path:
-        with open(os.path.expanduser(path)) as f:
-            return f.read().strip()
+        try:
+            with open(os.path.expanduser(path)) as f:
+                return f.read().strip()
+        except OSError as err:
+            raise Refused(f"config error: system.host_token_file={path!r}: {err}") from err
     token = os.environ.get("A3PO_HOST_TOKEN", "")
     if not token:
-        raise SystemExit("a3po-train: remote hosts need system.host_token_file or A3PO_HOST_TOKEN")
+        raise Refused("remote hosts need system.host_token_file or A3PO_HOST_TOKEN")
     return token
 
 
