@@ -25,28 +25,23 @@ Sizes:    after AReaL's larger math recipe (examples/math/boba_grpo.yaml: 16 sam
           DAPO (arXiv 2503.14476) uses for its larger model; token-mean aggregation
           (DAPO's token-level loss); 32 concurrent decodes (the KV cache of 8704 tokens
           per slot is ≈ 1.3 GB at bf16).
-Parent:   experiments/a3po_qwen25_1p5b_gsm8k.py in spirit (same comparison, SWEEP);
-          built from the defaults.
+Parent:   experiments/a3po_qwen25_1p5b_gsm8k.py: the same comparison (its SWEEP of four
+          methods, A-3PO as the base run, remat, the importance-weight cap 5 in "mask"
+          mode, grad clip 1, seed 1, in-flight updates). Changes: the model (Qwen3-8B,
+          bf16 params), the task (jsonl math instead of GSM8K), the sizes above (16 x 32
+          samples, 8192 new tokens, 4 minibatches, micro-batches of 2, 32 slots), clip
+          0.2/0.28, lr 1e-6, weight decay 0.01, η = 4, 400 steps, length buckets of 512,
+          a 2 h rollout timeout, checkpoints and 30-problem evaluations every 20 steps.
 """
 
+import dataclasses
 import json
+from pathlib import Path
 
-from a3po_jax.training.config import (
-    AlgoSection,
-    ModelSection,
-    OptimSection,
-    RolloutSection,
-    SystemSection,
-    TaskSection,
-    TrainConfig,
-)
+from a3po_jax.training.config import TrainConfig, import_experiment, load_experiment
 
-SWEEP = [
-    {"system.mode": "sync", "algo.prox": "behav"},
-    {"system.mode": "async", "algo.prox": "recompute"},
-    {"system.mode": "async", "algo.prox": "a3po"},
-    {"system.mode": "async", "algo.prox": "behav"},
-]
+PARENT = Path(__file__).with_name("a3po_qwen25_1p5b_gsm8k.py")
+SWEEP = import_experiment(PARENT).SWEEP
 
 TASK_OPTIONS = {
     "path": {"train": "data/dapo_math_17k.jsonl", "test": "data/aime_2024.jsonl"},
@@ -57,42 +52,29 @@ TASK_OPTIONS = {
 
 
 def config() -> TrainConfig:
-    return TrainConfig(
-        model=ModelSection(
+    parent = load_experiment(PARENT)
+    replace = dataclasses.replace
+    return replace(
+        parent,
+        model=replace(
+            parent.model,
             name="checkpoints/Qwen3-8B",  # override: your HF checkpoint dir
             param_dtype="bfloat16",
-            compute_dtype="bfloat16",
-            remat=True,
         ),
-        task=TaskSection(name="jsonl", options=json.dumps(TASK_OPTIONS)),
-        rollout=RolloutSection(
-            group_size=16,
-            groups_per_step=32,
-            max_new_tokens=8192,
-            temperature=1.0,
-            num_slots=32,
-            prompt_buckets=(256, 512),
+        task=replace(parent.task, name="jsonl", options=json.dumps(TASK_OPTIONS)),
+        rollout=replace(
+            parent.rollout, group_size=16, groups_per_step=32, max_new_tokens=8192, num_slots=32
         ),
-        algo=AlgoSection(
-            prox="a3po",
-            advantage="grpo",
-            aggregation="token_mean",
-            clip_eps=0.2,
-            clip_eps_high=0.28,
-            behav_weight_cap=5.0,
-            num_minibatches=4,
-        ),
-        optim=OptimSection(learning_rate=1e-6, weight_decay=0.01, grad_clip=1.0),
-        system=SystemSection(
-            mode="async",
+        algo=replace(parent.algo, clip_eps=0.2, clip_eps_high=0.28, num_minibatches=4),
+        optim=replace(parent.optim, learning_rate=1e-6, weight_decay=0.01),
+        system=replace(
+            parent.system,
             max_staleness=4,
-            update_policy="in_flight",
             micro_batch_size=2,
             length_bucket=512,
             rollout_timeout_s=7200.0,
         ),
         steps=400,
-        seed=1,
         run_dir="runs/a3po_qwen3_8b_math",
         checkpoint_every=20,
         eval_every=20,

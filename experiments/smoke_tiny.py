@@ -1,33 +1,29 @@
-"""Smoke run: a tiny random model on 1-digit sums, seconds on a laptop CPU.
+"""Smoke run: a tiny random model learns the toy `letters` task in about ten seconds.
 
-Command:  a3po-train experiments/smoke_tiny.py [system.mode=sync|periodic|one_step_off|async]
-Hardware: any CPU. Checks the whole pipeline (host, queue, staleness, train step); the
-random model learns nothing meaningful. Parent: none (the defaults in a3po_jax/training/config.py).
+Command:  a3po-train experiments/smoke_tiny.py [system.mode=sync|one_step_off|async]
+          (periodic: system.mode=periodic system.max_staleness=0)
+Hardware: any CPU (about 10 s on a laptop, most of it compiling). Checks the whole pipeline
+          (host, queue, staleness, train step) and that it learns: the random 2-layer
+          model's reward (the fraction of completion characters that are the letter the
+          prompt asks for) starts near 0.01 (uniform over ~99 characters) and climbs to
+          ~0.15 in 20 steps; loss and gradient norm are non-zero from the first step (a
+          reward spread within each group gives non-zero GRPO advantages).
+Parent:   experiments/a3po_compare_toy.py (the tiny model, the `letters` task, 8 samples x
+          4 prompts, 12 new tokens, learning rate 3e-3); changes: 20 steps instead of 40,
+          η = 2 instead of 4, its own run_dir.
 """
 
-from a3po_jax.training.config import (
-    AlgoSection,
-    ModelSection,
-    RolloutSection,
-    SystemSection,
-    TaskSection,
-    TrainConfig,
-)
+import dataclasses
+from pathlib import Path
+
+from a3po_jax.training.config import TrainConfig, load_experiment
 
 
 def config() -> TrainConfig:
-    return TrainConfig(
-        model=ModelSection(name="tiny"),
-        task=TaskSection(
-            name="chain_sum",
-            options='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',
-        ),
-        rollout=RolloutSection(
-            group_size=4, groups_per_step=2, max_new_tokens=8, num_slots=8, prompt_buckets=(256,)
-        ),
-        algo=AlgoSection(prox="a3po"),
-        system=SystemSection(mode="async", max_staleness=2),
-        steps=3,
+    parent = load_experiment(Path(__file__).with_name("a3po_compare_toy.py"))
+    return dataclasses.replace(
+        parent,
+        system=dataclasses.replace(parent.system, max_staleness=2),
+        steps=20,
         run_dir="runs/smoke_tiny",
-        checkpoint_every=0,
     )
