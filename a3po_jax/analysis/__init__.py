@@ -1,1 +1,4 @@
-"""Host-side shell: evaluation scoring, run tables, plots and sweeps."""
+"""Host-side shell: evaluation scoring, run tables, plots and sweeps.
+
+Analysis layer (host-side shell).
+"""

@@ -1,5 +1,7 @@
 """Sweeps: an experiment file's list of override sets, turned into named runs.
 
+Analysis layer (host-side shell).
+
 An experiment file builds its base config in ``config()``; a sweep adds a module-level
 ``SWEEP``, a list of dicts ``{"section.field": value}``, one per run::
 

@@ -1,1 +1,4 @@
-"""Command-line entry points (``a3po-train`` and ``python -m a3po_jax.cli.*``)."""
+"""Command-line entry points (``a3po-train`` and ``python -m a3po_jax.cli.*``).
+
+CLI layer (entry points): nothing in the package imports it.
+"""

@@ -1,5 +1,7 @@
 """Command line (cli): prepare the offline SmolLM2 cache once.
 
+CLI layer (entry points): nothing in the package imports it.
+
     python -m a3po_jax.cli.assets prepare-smollm2 [--cache-dir DIR] [--force]
     python -m a3po_jax.cli.assets locate-smollm2
 

@@ -1,5 +1,7 @@
 """Score a policy (a run's checkpoint or a named model) on a task: pass@1 / mean@k.
 
+CLI layer (entry points): nothing in the package imports it.
+
 Examples::
 
     python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po    # on what the run trained on

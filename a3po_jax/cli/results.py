@@ -1,5 +1,7 @@
 """Tables and plots of one or more runs: ``python -m a3po_jax.cli.results RUN... --out DIR``.
 
+CLI layer (entry points): nothing in the package imports it.
+
 Examples::
 
     python -m a3po_jax.cli.results results/staleness_sweep_toy --out results/staleness_sweep_toy

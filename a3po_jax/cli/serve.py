@@ -1,5 +1,7 @@
 """Command line (cli): serve an inference host over gRPC.
 
+CLI layer (entry points): nothing in the package imports it.
+
     python -m a3po_jax.cli.serve --model tiny --port 50051 \\
         --host 127.0.0.1 --token-file ~/.a3po_host_token [--update-policy drain]
 

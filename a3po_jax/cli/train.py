@@ -1,5 +1,7 @@
 """Command line: ``a3po-train EXPERIMENT.py [section.field=value ...] [--resume]``.
 
+CLI layer (entry points): nothing in the package imports it.
+
 Examples::
 
     a3po-train experiments/quickstart_a3po.py

@@ -1,5 +1,7 @@
 """The data the core trains on: completed samples (`Rollout`) and whole groups (`RolloutGroup`).
 
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
 Plain dataclasses of numpy arrays, validated at construction; the pure core (batching,
 packing) turns them into arrays and the host-side shell (rollout queue, workers) builds them.
 This module is part of the core: it imports nothing from the shell.

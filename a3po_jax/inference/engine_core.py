@@ -1,5 +1,7 @@
 """The decode engine as pure JAX functions: prefill, insert, generate over fixed slots.
 
+Inference layer (host-side shell).
+
 A `DecodeState` holds `N` slots, each one running sample: its KV cache rows, the last sampled
 token (not yet fed to the model), and its sampling settings and PRNG coordinates. One
 `generate` call feeds every slot's last token, writes its keys/values at the slot's length

@@ -1,5 +1,7 @@
 """Client for an inference host in another process, with `InferenceHost`'s methods.
 
+Inference layer (host-side shell).
+
     client = GrpcInferenceClient("127.0.0.1:50051", token)   # or .from_token_file(...)
     client.submit(GenerateRequest(...))       # ValueError if the host rejects the request
     results = client.poll(timeout=1.0)        # finished samples, as they finish

@@ -1,5 +1,7 @@
 """Conversions between the host's types and the `inference.proto` messages, and gRPC limits.
 
+Inference layer (host-side shell).
+
 Shared by `grpc_server.py` and `grpc_client.py` so both sides agree on every field.
 
 An error result's `ErrorKind` travels in the wire field `finish_reason`, as the kind's value

@@ -1,5 +1,7 @@
 """In-process continuous-batching inference host: a serving thread over `EngineCore`.
 
+Inference layer (host-side shell).
+
 The trainer talks to it through `submit` / `poll` / `update_weights` / `stats` (the gRPC
 client in `grpc_client.py` offers the same methods for a host in another process). One
 thread owns the engine and runs this loop:

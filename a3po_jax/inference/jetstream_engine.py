@@ -1,5 +1,7 @@
 """`JetStreamEngine`: the a3po_jax engine behind JetStream's `Engine` API.
 
+Inference layer (host-side shell).
+
 A thin adapter over `engine_core`, so the same model serves under JetStream's stock
 orchestrator and gRPC server (`jetstream.core.orchestrator.Driver`, `server_lib.run`):
 

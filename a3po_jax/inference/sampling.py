@@ -1,5 +1,7 @@
 """Next-token sampling for a batch of decode slots with per-slot settings.
 
+Inference layer (host-side shell).
+
 Every setting (temperature, top-k, top-p) is an array over slots, so requests with different
 settings share one compiled step. PRNG keys are derived from (request seed, sample index,
 step), never from a running key, so a sample's tokens do not depend on which other requests

@@ -1,5 +1,7 @@
 """Requests, sampling settings and results exchanged with an inference host.
 
+Inference layer (host-side shell).
+
 These are plain host-side values (no JAX arrays): the in-process `InferenceHost` and the gRPC
 client accept and return exactly these, so a trainer is written once for both.
 """

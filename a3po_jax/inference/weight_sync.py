@@ -1,5 +1,7 @@
 """Parameter trees as flat `"/"`-joined names: validation and chunking for weight pushes.
 
+Inference layer (host-side shell).
+
 A weight push is accepted whole or not at all: every tensor of the serving params must come
 with the same name, shape and dtype, and no other tensor may come. Transfers never pickle:
 a tensor travels as (name, dtype name, shape, raw native (little-endian) bytes) in chunks.

@@ -1,5 +1,7 @@
 """A character-level tokenizer for tiny random models (tests and smoke runs).
 
+Model layer (pure core): imports only the core, model and parallel layers.
+
 Real runs use the checkpoint's own tokenizer. This one needs no files: ids 0-2 are
 ``<pad>``, ``<|im_start|>`` and ``<|im_end|>`` (EOS, as in SmolLM2's ChatML), then printable
 ASCII and newline, one id per character, so it fits ``ModelConfig.tiny()``'s vocabulary of 128.

@@ -1,5 +1,7 @@
 """Hugging Face checkpoints and GGUF files in and out of the `model.py` params pytree.
 
+Model layer (pure core): imports only the core, model and parallel layers.
+
 Reading never needs torch: `config.json` goes through transformers' config classes,
 `*.safetensors` through `safetensors` with numpy (sharded checkpoints follow
 `model.safetensors.index.json`), GGUF through PyPI `gguf` (dequantised to float, Q/K rows

@@ -1,5 +1,7 @@
 """Multi-process (multi-host) training: ``jax.distributed`` and the host-side protocol.
 
+Parallel layer (core side): meshes, sharding and processes, used by the core and the shell.
+
 Every host of a TPU slice (or every process of a multi-GPU job) runs the trainer. Process 0
 alone talks to the inference hosts (producer and collector threads, rollout queue, logging,
 checkpoint metadata); every step it sends the batch's numpy arrays to the other processes,

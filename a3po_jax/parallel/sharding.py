@@ -1,5 +1,7 @@
 """Device mesh and the one table that maps the model's logical axes to mesh axes.
 
+Parallel layer (core side): meshes, sharding and processes, used by the core and the shell.
+
 The model names logical axes only (`model.PARAM_LOGICAL_AXES`: "embed", "heads", ...).
 Here a rules table maps each logical name to a mesh axis (or a tuple of them, or None for
 replicated), one preset per role:

@@ -1,5 +1,7 @@
 """Tasks: prompts with gold answers, verifiable rewards, and a resumable prompt iterator.
 
+Tasks layer (host-side shell).
+
 task = make_task("chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=1)
 it = PromptIterator(task.prompts("train"), batch_size=8, seed=0)
 batch = it.next_batch()                       # list[Prompt]

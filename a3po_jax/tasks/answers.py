@@ -1,5 +1,7 @@
 """Answer extraction from completions and formatting-tolerant answer comparison.
 
+Tasks layer (host-side shell).
+
 A completion states its final answer in one of several ways; `extract_answer` looks for
 them in order of how explicit they are, and reports which one it found:
 

@@ -1,5 +1,7 @@
 """GSM8K: the full set through tensorflow-datasets, and 100 real test problems offline.
 
+Tasks layer (host-side shell).
+
 * `Gsm8kTask` reads the `gsm8k` tfds builder ("train": 7473, "test": 1319 problems). tfds
   downloads it on first use (internet needed) into `data_dir`; with a prepared `data_dir`
   and `download=False` it reads only local files. TensorFlow is imported inside the

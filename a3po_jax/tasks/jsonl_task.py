@@ -1,5 +1,7 @@
 """A task from the user's own JSON Lines files: one record per line, fields named by the user.
 
+Tasks layer (host-side shell).
+
 Each record holds a prompt (a string — the user turn — or a list of chat messages
 `[{"role": ..., "content": ...}]`) and a gold answer (a string or a number). A malformed
 record fails at load time with an error naming the file, the line and the field, not as

@@ -1,4 +1,7 @@
-"""A seeded, resumable iterator over a task's prompts, in fixed-size batches."""
+"""A seeded, resumable iterator over a task's prompts, in fixed-size batches.
+
+Tasks layer (host-side shell).
+"""
 
 from __future__ import annotations
 

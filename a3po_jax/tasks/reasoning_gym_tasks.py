@@ -1,5 +1,7 @@
 """Procedural tasks from reasoning-gym, scored by reasoning-gym's own verifiers.
 
+Tasks layer (host-side shell).
+
 `reasoning_gym.create_dataset(name, size=N, seed=S, **config)` makes item `i` from
 `random.Random(S + i)`. So the test split must not start at `S + 1` — its item `i` would
 be train item `i + 1` — and is drawn from seed `S + TEST_SEED_OFFSET` instead: the two

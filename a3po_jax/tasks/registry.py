@@ -1,4 +1,7 @@
-"""`make_task`: build a task by name, e.g. from an experiment config or the command line."""
+"""`make_task`: build a task by name, e.g. from an experiment config or the command line.
+
+Tasks layer (host-side shell).
+"""
 
 from __future__ import annotations
 

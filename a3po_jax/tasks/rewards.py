@@ -1,5 +1,7 @@
 """Reward shaping on top of a task's correctness score: format bonus, no-EOS penalty, length cap.
 
+Tasks layer (host-side shell).
+
     reward = [score + format_reward · format_ok] · (num_tokens <= length_cap)
              - no_eos_penalty · (not finished)
 

@@ -1,5 +1,7 @@
 """The task interface: prompts with gold answers, a scorer, and chat-template rendering.
 
+Tasks layer (host-side shell).
+
 A task is anything with a `name`, `prompts(split)` and `score(prompt, completion_text)`
 (plus `format_ok` and `extract_answer`, used by reward shaping and evaluation records).
 Each source (reasoning-gym, GSM8K, a user's JSONL file) is one concrete class; `Task` is a

@@ -1,5 +1,7 @@
 """`letters`: a procedural toy task a random tiny model can learn in tens of steps on a CPU.
 
+Tasks layer (host-side shell).
+
 Each prompt asks for text made of one target letter; the reward is the fraction of the
 completion's characters that equal it::
 

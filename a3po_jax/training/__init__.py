@@ -1,1 +1,4 @@
-"""Host-side shell: the trainer loop, its config, checkpoints and metrics."""
+"""Host-side shell: the trainer loop, its config, checkpoints and metrics.
+
+Training layer (host-side shell).
+"""

@@ -1,5 +1,7 @@
 """Training checkpoints with orbax, and a SIGTERM flag for saving before a preemption.
 
+Training layer (host-side shell).
+
 A checkpoint step holds three items::
 
     <directory>/<step>/params     # the parameter pytree (any dtypes, e.g. bfloat16)

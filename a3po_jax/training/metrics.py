@@ -1,5 +1,7 @@
 """Where training metrics go: a JSONL file, TensorBoard, and the console.
 
+Training layer (host-side shell).
+
 * :class:`MetricsLogger` writes one JSON line per ``log`` call to ``run_dir/metrics.jsonl``,
   flushed at once so a crash loses nothing already logged, and the same numbers as
   TensorBoard scalars (arrays as histograms) under ``run_dir/tensorboard``.
