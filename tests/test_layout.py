@@ -4,6 +4,7 @@
   directly, not through another module, not through a function-local import.
 * Nothing outside `cli/` imports `cli/`: entry points sit on top of everything.
 * No import cycle among `a3po_jax` modules.
+* Every module docstring says which layer the module belongs to.
 * The README's layout table names only paths that exist, and every subpackage and every
   module of the package is in it.
 
@@ -190,6 +191,19 @@ def test_no_import_cycle():
         best = min(chains, key=len)
         cycles.append(" -> ".join(best + [start]) + f"   ({len(component)} modules in the cycle)")
     assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+def test_every_module_docstring_names_its_layer():
+    """A reader opening any module learns its layer from the first lines ("Core layer",
+    "Inference layer (host-side shell)", ...). Generated protobuf modules are exempt."""
+    unnamed = []
+    for name, path in sorted(all_modules().items()):
+        if not layer(name) or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if not re.search(rf"\b{layer(name)} layer\b", docstring, re.IGNORECASE):
+            unnamed.append(str(path.relative_to(ROOT)))
+    assert not unnamed, f"module docstrings that do not say '<layer> layer': {unnamed}"
 
 
 # --- the README's layout table ------------------------------------------------------------
