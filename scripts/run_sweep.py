@@ -103,15 +103,6 @@ def _run_in_subprocess(argv_run: list[str], compile_cache: str) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _has_checkpoint(run_dir: Path) -> bool:
-    directory = run_dir / "checkpoints"
-    if not directory.is_dir() or not any(directory.iterdir()):
-        return False
-    from a3po_jax.training.checkpointing import CheckpointManager
-
-    return CheckpointManager(directory).latest_step() is not None
-
-
 def _start_over(run_dir: Path) -> None:
     """Remove what an unfinished run without checkpoints left, so the new one starts clean."""
     for name in ("metrics.jsonl", "config.json"):
@@ -169,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if is_complete(cfg):
             print(f"{tag}: complete ({cfg.steps} steps), skipped", flush=True)
             continue
-        resume = cfg.checkpoint_every > 0 and _has_checkpoint(run_dir)
+        # The same read-only test a3po-train refuses a fresh run with.
+        resume = cfg.checkpoint_every > 0 and train.latest_checkpoint_step(run_dir) > 0
         argv_run = [args.experiment, *overrides]
         if args.log_level.upper() != "WARNING":
             argv_run += ["--log-level", args.log_level]
