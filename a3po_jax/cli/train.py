@@ -11,7 +11,12 @@ Examples::
 
 With ``system.inference_hosts`` empty the inference host is embedded in this process;
 otherwise the trainer talks to the gRPC hosts at those addresses (see
-``python -m a3po_jax.inference.grpc_server``).
+``python -m a3po_jax.cli.serve``).
+
+Exit codes: 0 when the run finished (or stopped on SIGTERM after a checkpoint); 2 when it
+was refused, with one line on stderr saying why (a config error, a broken experiment file,
+a model that cannot be loaded, a run dir with checkpoints and no ``--resume``). A refused
+run writes nothing: the run dir is read, never changed, before the run is accepted.
 """
 
 from __future__ import annotations
