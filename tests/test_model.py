@@ -349,6 +349,50 @@ def test_config_errors_name_the_field(overrides, field):
         ModelConfig.tiny(**overrides)
 
 
+def test_init_params_keeps_its_random_streams():
+    """A seed gives the weights it gave before the decoder became plain functions (Flax
+    still draws them, one stream per parameter name and layer). Values recorded from the
+    Flax-module decoder; a changed stream gives unrelated numbers, not a 1e-6 shift."""
+    params = init_params(ModelConfig.tiny(qkv_bias=True, tie_embeddings=False), jax.random.key(0))
+    p = params
+    expected = [  # (leaf[index], values)
+        (p["embed"]["embedding"][0, :3], [-0.0125226555, 0.0127407629, 0.0072157695]),
+        (
+            p["layers"]["attn"]["q_proj"]["kernel"][1, 0, 0, :3],
+            [-0.0160886105, 0.0236787796, 0.0173190627],
+        ),
+        (p["layers"]["mlp"]["down_proj"]["kernel"][0, 0, :2], [-0.0603424571, -0.0292957108]),
+        (p["lm_head"]["kernel"][0, :3], [0.0365605205, 0.0115733678, -0.0079567321]),
+    ]
+    for got, values in expected:
+        np.testing.assert_allclose(got, values, rtol=1e-6)
+
+
+def test_one_layer_function_serves_apply_and_apply_decode(monkeypatch):
+    """The layer maths exists once: `apply` (scanned, traced once for all L layers) and
+    `apply_decode` (unrolled, once per layer) both run `decoder_layer`."""
+    from a3po_jax.model import decoder
+
+    config = ModelConfig.tiny()
+    params = init_params(config, jax.random.key(0))
+    calls = []
+    real = decoder.decoder_layer
+
+    def counted(w, *args, **kwargs):
+        calls.append("fused" if "qkv" in w["attn"] else "stacked")
+        return real(w, *args, **kwargs)
+
+    monkeypatch.setattr(decoder, "decoder_layer", counted)
+    tok = jnp.zeros((1, 1), jnp.int32)
+    cache = init_kv_cache(config, 1, 4)
+    jax.eval_shape(lambda p: apply(p, tok, tok, config=config, kv_cache=cache), params)
+    assert calls == ["stacked"]
+    calls.clear()
+    dparams = decode_params(params, config)
+    jax.eval_shape(lambda p: apply_decode(p, tok, tok, config=config, kv_cache=cache), dparams)
+    assert calls == ["fused"] * config.n_layers
+
+
 def test_logical_axes_rejects_unknown_parameter():
     params = init_params(ModelConfig.tiny(), jax.random.key(0))
     params["layers"]["attn"]["mystery"] = {"kernel": jnp.zeros((2, 3))}
