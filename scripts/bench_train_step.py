@@ -30,6 +30,7 @@ from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is o
 from a3po_jax import model
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
+from a3po_jax.training import step_builder
 from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
 
 
@@ -92,12 +93,16 @@ def main():
             algo=AlgoSection(prox=prox),
         )
         settings = dataclasses.replace(
-            ts.StepSettings.from_config(cfg), micro_batch_size=args.micro_batch
+            step_builder.step_settings(cfg), micro_batch_size=args.micro_batch
         )
-        opt = ts.make_optimizer(cfg)
+        opt = step_builder.optimizer(cfg)
         step = jax.jit(
             functools.partial(
-                ts.train_step, settings=settings, model_config=mcfg, optimizer=opt, grad_clip=1.0
+                ts.train_step,
+                algo=ts.build_algorithm(settings),
+                model_config=mcfg,
+                optimizer=opt,
+                grad_clip=1.0,
             )
         )
         state = ts.init_train_state(params, opt)

@@ -8,41 +8,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from factories import synthetic_groups
 
 from a3po_jax import model
+from a3po_jax.core import advantages, losses, prox
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batching import build_batch
-from a3po_jax.core.types import Rollout, RolloutGroup
+from a3po_jax.core.batching import build_batch, group_advantages
+from a3po_jax.training import config as config_lib
+from a3po_jax.training import step_builder
 from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
 
 CFG = model.ModelConfig.tiny()
 
 
 def make_groups(num_groups=4, group_size=4, seed=0, versions_from=0, vocab=None):
-    """Synthetic complete groups with varied lengths, rewards and versions."""
-    rng = np.random.default_rng(seed)
-    vocab = vocab or CFG.vocab_size
-    groups = []
-    for g in range(num_groups):
-        prompt = rng.integers(3, vocab, size=rng.integers(3, 9))
-        rollouts = []
-        for i in range(group_size):
-            n = int(rng.integers(2, 12))
-            rollouts.append(
-                Rollout(
-                    prompt_id=f"p{g}",
-                    group_id=g,
-                    sample_index=i,
-                    prompt_tokens=prompt,
-                    completion_tokens=rng.integers(3, vocab, size=n),
-                    behav_logprobs=-rng.uniform(3.0, 6.0, size=n),
-                    versions=np.full(n, max(0, versions_from - (i % 2))),
-                    finish_reason="stop",
-                    reward=float(rng.integers(0, 2)),
-                )
-            )
-        groups.append(RolloutGroup(f"p{g}", g, rollouts, admitted_at_version=versions_from))
-    return groups
+    """Synthetic complete groups with varied lengths and rewards; odd samples are one
+    version older than `versions_from` (so a batch mixes staleness d and d + 1)."""
+    return synthetic_groups(
+        num_groups,
+        group_size,
+        prompt_len=(3, 8),
+        response_len=(2, 11),
+        vocab=vocab or CFG.vocab_size,
+        versions=lambda g, i: max(0, versions_from - (i % 2)),
+        behav_range=(3.0, 6.0),
+        admitted_at_version=versions_from,
+        seed=seed,
+    )
 
 
 def make_config(**algo):
@@ -54,17 +46,20 @@ def make_config(**algo):
 
 def setup(cfg: TrainConfig, seed=0):
     params = model.init_params(CFG, jax.random.key(seed))
-    opt = ts.make_optimizer(cfg)
+    opt = step_builder.optimizer(cfg)
     return ts.init_train_state(params, opt), opt
 
 
+def algorithm(cfg: TrainConfig, **overrides) -> ts.Algorithm:
+    return ts.build_algorithm(dataclasses.replace(step_builder.step_settings(cfg), **overrides))
+
+
 def step_fn(cfg: TrainConfig, **overrides):
-    settings = dataclasses.replace(ts.StepSettings.from_config(cfg), **overrides)
-    opt = ts.make_optimizer(cfg)
+    opt = step_builder.optimizer(cfg)
     return jax.jit(
         functools.partial(
             ts.train_step,
-            settings=settings,
+            algo=algorithm(cfg, **overrides),
             model_config=CFG,
             optimizer=opt,
             grad_clip=cfg.optim.grad_clip,
@@ -101,31 +96,34 @@ def test_train_step_runs_and_bumps_version():
     assert any(not np.allclose(a, b) for a, b in zip(leaves_old, leaves_new, strict=True))
 
 
-def test_micro_batched_grads_equal_full_batch():
-    cfg = make_config(prox="a3po")
-    settings = ts.StepSettings.from_config(cfg)
+@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
+def test_micro_batched_grads_equal_full_batch(aggregation):
+    cfg = make_config(prox="a3po", aggregation=aggregation)
+    algo = algorithm(cfg)
     params = model.init_params(CFG, jax.random.key(1))
     batch = as_jnp(build_batch(make_groups(versions_from=2), advantage="grpo", length_bucket=16))
     version = jnp.int32(3)
 
-    def grads(m):
-        g, loss, sums = ts.accumulate_grads(
+    def accumulate(m):
+        return ts.accumulate_grads(
             params,
             ts.split_micro_batches(batch, m),
             version=version,
-            prox_logp=None,
+            old_logp=None,
             ref_logp=None,
-            settings=settings,
+            algo=algo,
             model_config=CFG,
         )
-        return g, loss, sums
 
-    g1, l1, s1 = grads(1)
-    g4, l4, s4 = grads(4)
-    np.testing.assert_allclose(l1, l4, rtol=1e-5)
-    chex.assert_trees_all_close(g1, g4, rtol=2e-4, atol=1e-6)
-    np.testing.assert_allclose(s1["staleness/max"], s4["staleness/max"])
-    np.testing.assert_allclose(s1["is/weight_max"], s4["is/weight_max"], rtol=1e-5)
+    one, four = accumulate(1), accumulate(4)
+    np.testing.assert_allclose(one.loss_sum, four.loss_sum, rtol=1e-5)
+    np.testing.assert_allclose(one.count, four.count)
+    chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)
+    # Every metric, reduced once from its sums, is the full batch's (not a mean of means).
+    m1, m4 = ts.finalize(one.stats), ts.finalize(four.stats)
+    assert m1.keys() == m4.keys()
+    for key in m1:
+        np.testing.assert_allclose(m1[key], m4[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 def test_recompute_equals_a3po_at_zero_staleness_with_one_minibatch():
@@ -137,43 +135,44 @@ def test_recompute_equals_a3po_at_zero_staleness_with_one_minibatch():
             r.versions[:] = 0
     batch = as_jnp(build_batch(groups, advantage="grpo", length_bucket=16))
     out = {}
-    for prox in ("recompute", "a3po"):
-        cfg = make_config(prox=prox)
+    for rule in ("recompute", "a3po"):
+        cfg = make_config(prox=rule)
         state, _ = setup(cfg)
-        out[prox], metrics = step_fn(cfg)(state, batch, None)
+        out[rule], metrics = step_fn(cfg)(state, batch, None)
     chex.assert_trees_all_close(out["recompute"].params, out["a3po"].params, rtol=1e-5, atol=1e-7)
 
 
-def test_periodic_arrival_order_equals_sync_update():
+@pytest.mark.parametrize("prox_rule", ["behav", "recompute"])
+def test_periodic_arrival_order_equals_sync_update(prox_rule):
     # Periodic Asynchrony: groups arrive in any order, gradients are accumulated per
     # arriving micro-batch, one optimizer step at the end = the sync update.
-    cfg = make_config(prox="behav")
-    settings = ts.StepSettings.from_config(cfg)
+    cfg = make_config(prox=prox_rule)
+    algo = algorithm(cfg)
     state, opt = setup(cfg)
     groups = make_groups(seed=3)
     full = as_jnp(build_batch(groups, advantage="grpo", length_bucket=32))
-    sync_state, _ = step_fn(cfg)(state, full, None)
+    sync_state, sync_metrics = step_fn(cfg)(jax.tree.map(jnp.copy, state), full, None)
 
     # Arrival order reversed; advantages are per group so each group batch stands alone.
-    g_total, l_total, denom = None, 0.0, 0.0
+    total = None
     for g in reversed(groups):
         part = as_jnp(build_batch([g], advantage="grpo", length_bucket=32))
-        g_sum, l_sum, _ = ts.accumulate_grads(
+        acc = ts.fold_group(
             state.params,
-            ts.split_micro_batches(part, 1),
-            version=state.step,
-            prox_logp=None,
-            ref_logp=None,
-            settings=settings,
+            None,
+            ts.split_micro_batches(part, 2),
+            state.step,
+            algo=algo,
             model_config=CFG,
         )
-        g_total = g_sum if g_total is None else jax.tree.map(jnp.add, g_total, g_sum)
-        l_total += l_sum
-        denom += ts.global_denominator(part, settings)
-    periodic_state, _ = ts.apply_grads(
-        state, g_total, denom, optimizer=opt, grad_clip=cfg.optim.grad_clip, loss_sum=l_total
+        total = acc if total is None else ts.add_accumulated(total, acc)
+    periodic_state, metrics = ts.apply_accumulated(
+        state, total, optimizer=opt, grad_clip=cfg.optim.grad_clip
     )
     chex.assert_trees_all_close(periodic_state.params, sync_state.params, rtol=1e-5, atol=1e-6)
+    assert metrics.keys() == sync_metrics.keys()
+    for key in metrics:
+        np.testing.assert_allclose(metrics[key], sync_metrics[key], rtol=1e-4, err_msg=key)
 
 
 def test_tokens_from_the_future_poison_the_step():
@@ -230,14 +229,14 @@ def test_reference_losses_run(algo):
 
 def test_train_step_traces_once_per_bucket_shape():
     cfg = make_config(prox="a3po")
-    settings = ts.StepSettings.from_config(cfg)
-    opt = ts.make_optimizer(cfg)
+    algo = algorithm(cfg)
+    opt = step_builder.optimizer(cfg)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     @chex.assert_max_traces(n=1)
     def step(state, batch):
         return ts.train_step(
-            state, batch, None, settings=settings, model_config=CFG, optimizer=opt, grad_clip=1.0
+            state, batch, None, algo=algo, model_config=CFG, optimizer=opt, grad_clip=1.0
         )
 
     state, _ = setup(cfg)
@@ -263,9 +262,9 @@ def test_packed_and_one_pass_steps_equal_the_plain_recompute_step():
     results = {}
     for name, batch, overrides in (
         ("plain", plain_batch, {}),
-        ("packed", packed_arrays, {"packed": True}),
+        ("packed", packed_arrays, {"packed_prompts": True}),
         ("one_pass", plain_batch, {"one_pass_old": True}),
-        ("packed_one_pass", packed_arrays, {"packed": True, "one_pass_old": True}),
+        ("packed_one_pass", packed_arrays, {"packed_prompts": True, "one_pass_old": True}),
     ):
         state, _ = setup(cfg)
         results[name], metrics = step_fn(cfg, **overrides)(state, batch, None)
@@ -274,3 +273,145 @@ def test_packed_and_one_pass_steps_equal_the_plain_recompute_step():
         chex.assert_trees_all_close(
             results[name].params, results["plain"].params, rtol=1e-4, atol=1e-6
         )
+
+
+def test_prox_equal_to_behav_is_plain_ppo():
+    # prox = behav (the "behav" rule, and A-3PO where every token has d = 1, so α = 1) makes
+    # the decoupled step plain PPO against the behaviour policy: the step's gradient equals
+    # that of losses.ppo_clip_loss on the whole batch, written independently here.
+    groups = make_groups(seed=7, versions_from=1)
+    for g in groups:
+        for r in g.rollouts:
+            r.versions[:] = 1
+    batch = as_jnp(build_batch(groups, advantage="grpo", length_bucket=16))
+    params = model.init_params(CFG, jax.random.key(2))
+
+    def ppo(p):
+        logp, _ = ts.forward_logprobs(p, batch, model_config=CFG, temperature=1.0)
+        loss, _ = losses.ppo_clip_loss(
+            logp, batch["behav_logp"], batch["advantages"], batch["loss_mask"], clip_eps=0.2
+        )
+        return loss
+
+    want = jax.grad(ppo)(params)
+    for rule in ("behav", "a3po"):
+        acc = ts.accumulate_grads(
+            params,
+            ts.split_micro_batches(batch, 2),
+            version=jnp.int32(2),
+            old_logp=None,
+            ref_logp=None,
+            algo=algorithm(make_config(prox=rule)),
+            model_config=CFG,
+        )
+        got = jax.tree.map(lambda g: g / acc.count, acc.grads)  # noqa: B023
+        chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_metrics_cover_every_minibatch():
+    # Two minibatches: rows 0-7 (minibatch 0) were sampled at version 0, rows 8-15 at
+    # version 2, and the step starts at version 2. Minibatch 0 trains at v = 2 (d = 2),
+    # minibatch 1 at v = 3 (d = 1). Reporting the last minibatch only (the old step) gave
+    # staleness/max 1, half the tokens in loss/num_tokens and a mean staleness of 1.
+    groups = make_groups(seed=8)
+    for g in groups:
+        for r in g.rollouts:
+            r.versions[:] = 0 if g.group_id < 2 else 2
+    b = build_batch(groups, advantage="grpo", length_bucket=16)
+    cfg = make_config(prox="a3po", num_minibatches=2)
+    state, _ = setup(cfg)
+    state = state._replace(step=jnp.int32(2))
+    new_state, metrics = step_fn(cfg)(state, as_jnp(b), None)
+    assert int(new_state.step) == 4
+    mask = b.loss_mask
+    n0, n1 = mask[:8].sum(), mask[8:].sum()
+    assert float(metrics["loss/num_tokens"]) == mask.sum()
+    assert float(metrics["staleness/max"]) == 2.0
+    np.testing.assert_allclose(metrics["staleness/mean"], (2 * n0 + 1 * n1) / (n0 + n1), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("loss", "reinforce", ts.LOSS_TERMS),
+        ("prox", "bogus", prox.PROX_RULES),
+        ("advantage", "gae", advantages.ESTIMATORS),
+        ("aggregation", "seq_sum", losses.AGGREGATIONS),
+        ("kl_kind", "k4", losses.KL_KINDS),
+        ("cap_mode", "clip", losses.CAP_MODES),
+        ("a3po_zero_staleness", "never", prox.ZERO_STALENESS),
+    ],
+)
+def test_unknown_algorithm_names_fail_when_the_step_is_built(field, value, allowed):
+    # The names are resolved against the tables once, before any array exists; the error
+    # lists what is allowed.
+    settings = dataclasses.replace(ts.StepSettings(), **{field: value})
+    with pytest.raises(ValueError, match=repr(value)) as err:
+        ts.build_algorithm(settings)
+    for name in allowed:
+        assert name in str(err.value)
+
+
+def test_algorithm_holds_the_chosen_functions():
+    # What the differentiated function calls was picked at build time from the tables.
+    for rule in ("recompute", "a3po", "behav"):
+        algo = algorithm(make_config(prox=rule))
+        assert algo.needs_old_pass == (rule == "recompute")
+        assert algo.needs_reference is False and algo.kl_in_loss is None
+        prox_fn = algo.loss_term.keywords["prox_fn"]
+        assert getattr(prox_fn, "func", prox_fn) is prox.PROX_RULES[rule].fn
+    one_pass = algorithm(make_config(prox="recompute"), one_pass_old=True)
+    assert one_pass.needs_old_pass is False
+    dpo = ts.build_algorithm(ts.StepSettings(loss="dpo"))
+    assert dpo.loss_term.func is ts.dpo_term and dpo.needs_reference and not dpo.needs_old_pass
+    kl = algorithm(make_config(kl_coef=0.1))
+    assert kl.needs_reference and kl.kl_in_loss is not None and kl.kl_in_reward is None
+    shaped = algorithm(make_config(kl_coef=0.1, kl_in_reward=True))
+    assert shaped.kl_in_loss is None and shaped.keeps_reference and not shaped.needs_reference
+
+
+def test_config_choices_are_the_core_tables():
+    assert config_lib.PROX_MODES == tuple(prox.PROX_RULES)
+    assert config_lib.LOSSES == tuple(ts.LOSS_TERMS)
+    assert config_lib.ADVANTAGES == tuple(advantages.ESTIMATORS)
+    assert config_lib.AGGREGATIONS == tuple(losses.AGGREGATORS)
+    assert config_lib.KL_KINDS == tuple(losses.KL_ESTIMATORS)
+
+
+def test_step_settings_come_from_the_config_by_field_name():
+    cfg = TrainConfig(
+        rollout=RolloutSection(group_size=4, groups_per_step=4, temperature=0.7),
+        algo=AlgoSection(prox="recompute", clip_eps_high=0.28, num_minibatches=2),
+        system=config_lib.SystemSection(micro_batch_size=4, packed_prompts=True),
+    )
+    s = step_builder.step_settings(cfg)
+    assert (s.prox, s.clip_eps_high, s.num_minibatches) == ("recompute", 0.28, 2)
+    assert (s.temperature, s.micro_batch_size, s.packed_prompts) == (0.7, 4, True)
+    # A field with no home in the given sections is refused, naming it.
+    with pytest.raises(TypeError, match="'temperature'"):
+        step_builder._by_name({"algo": cfg.algo}, ["temperature"], "StepSettings")
+
+
+def test_kl_in_reward_is_the_shaped_reward_and_its_advantages():
+    # R_b - β Σ_t KL_bt with KL under the current and reference policies, then GRPO on the
+    # shaped rewards; with the reference equal to the policy the rewards do not move.
+    groups = make_groups(seed=9)
+    b = build_batch(groups, advantage="grpo", length_bucket=16)
+    batch, rewards = as_jnp(b), jnp.asarray(b.rewards)
+    algo = algorithm(make_config(kl_coef=0.5, kl_kind="k1", kl_in_reward=True))
+    params = model.init_params(CFG, jax.random.key(0))
+    ref_params = model.init_params(CFG, jax.random.key(1))
+    fn = jax.jit(functools.partial(ts.kl_in_reward, algo=algo, model_config=CFG, group_size=4))
+
+    same_r, same_adv = fn(params, params, batch, rewards)
+    np.testing.assert_allclose(same_r, b.rewards, atol=1e-6)
+    np.testing.assert_allclose(same_adv, b.advantages, atol=1e-5)
+
+    shaped, adv = fn(params, ref_params, batch, rewards)
+    logp, _ = ts.forward_logprobs(params, batch, model_config=CFG, temperature=1.0)
+    ref, _ = ts.forward_logprobs(ref_params, batch, model_config=CFG, temperature=1.0)
+    kl_seq = np.sum(np.asarray(logp - ref) * b.loss_mask, axis=-1)  # k1 = logp - ref
+    want = b.rewards - 0.5 * kl_seq
+    np.testing.assert_allclose(shaped, want, rtol=1e-5, atol=1e-5)
+    want_adv = group_advantages(want, 4, "grpo")[:, None] * b.loss_mask
+    np.testing.assert_allclose(adv, want_adv, rtol=1e-4, atol=1e-5)

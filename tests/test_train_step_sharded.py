@@ -15,13 +15,14 @@ SCRIPT = textwrap.dedent(
     from test_train_step import make_groups, make_config, CFG
     from a3po_jax import model
     from a3po_jax.core import train_step as ts
+    from a3po_jax.training import step_builder
     from a3po_jax.core.batching import build_batch
     from a3po_jax.parallel.sharding import make_mesh
 
     assert len(jax.devices()) == 8, jax.devices()
     cfg = make_config(prox="a3po")
-    settings = ts.StepSettings.from_config(cfg)
-    opt = ts.make_optimizer(cfg)
+    algo = step_builder.algorithm(cfg)
+    opt = step_builder.optimizer(cfg)
     batch = build_batch(make_groups(versions_from=1), advantage="grpo", length_bucket=16)
     arrays = batch.arrays()
     params = model.init_params(CFG, jax.random.key(0))
@@ -29,7 +30,7 @@ SCRIPT = textwrap.dedent(
     for name, mesh in (("one", make_mesh(1, 1, 1, devices=jax.devices()[:1])),
                        ("eight", make_mesh(2, 2, 2))):
         state = ts.place_train_state(params, opt, mesh)
-        step = ts.jit_train_step(state, mesh, 16, settings=settings, model_config=CFG,
+        step = ts.jit_train_step(state, mesh, 16, algo=algo, model_config=CFG,
                                  optimizer=opt, grad_clip=1.0, with_reference=False)
         state, metrics = step(state, arrays, None)
         state, metrics = step(state, arrays, None)

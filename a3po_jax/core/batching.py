@@ -1,5 +1,7 @@
 """From rollout groups to the padded arrays the jitted train step consumes (host side).
 
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
 Each sample becomes one row ``[prompt | completion | pad]``. Position t of the row predicts
 token t+1, so every per-token quantity of the loss (behaviour log-prob, version, advantage,
 mask) is stored at the position of the token that *predicts* it ("target-aligned"). Row
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from a3po_jax.core import losses
+from a3po_jax.core import advantages
 from a3po_jax.core.types import RolloutGroup
 
 
@@ -59,16 +61,9 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, kind: str) -> np.ndarray:
-    """Per-sequence advantages ``[N*G]`` from rewards by GRPO, Dr.GRPO or RLOO."""
-    if kind == "grpo":
-        adv = losses.grpo_advantages(rewards, group_size)
-    elif kind == "drgrpo":
-        adv = losses.grpo_advantages(rewards, group_size, normalize_std=False)
-    elif kind == "rloo":
-        adv = losses.rloo_advantages(rewards, group_size)
-    else:
-        raise ValueError(f"unknown advantage {kind!r}; allowed: grpo, drgrpo, rloo")
-    return np.asarray(adv, np.float32)
+    """Per-sequence advantages ``[N*G]`` from rewards by the estimator ``kind`` of
+    :data:`a3po_jax.core.advantages.ESTIMATORS` (grpo, drgrpo, rloo)."""
+    return np.asarray(advantages.estimator(kind)(rewards, group_size), np.float32)
 
 
 def build_batch(
@@ -83,7 +78,7 @@ def build_batch(
 
     Args:
       groups: complete groups of equal size G, every rollout with a reward.
-      advantage: "grpo", "drgrpo" or "rloo" (ignored values for DPO are still computed).
+      advantage: a name from ``advantages.ESTIMATORS`` (for DPO still computed, unused).
       length_bucket: T is rounded up to a multiple of this.
       dpo_pairs: order each group of 2 as (chosen, rejected) by reward, so rows 2i and 2i+1
         form pair i; ``pair_mask`` is 0 on both rows where the rewards tie.
@@ -131,7 +126,7 @@ def build_batch(
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
 
     seq_adv = group_advantages(rewards, group_size, advantage)
-    advantages = (seq_adv[:, None] * loss_mask).astype(np.float32)
+    token_adv = (seq_adv[:, None] * loss_mask).astype(np.float32)
     if dpo_pairs:
         pair_mask = np.repeat(rewards[0::2] != rewards[1::2], 2).astype(np.float32)
     else:
@@ -144,7 +139,7 @@ def build_batch(
         loss_mask=loss_mask,
         behav_logp=behav,
         versions=versions,
-        advantages=advantages,
+        advantages=token_adv,
         rewards=rewards,
         pair_mask=pair_mask,
         prompt_ids=[r.prompt_id for r in rows],

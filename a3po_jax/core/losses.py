@@ -1,5 +1,7 @@
 """Pure-functional losses for asynchronous RL of LLMs (design.md §3).
 
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
 Everything here is a function of arrays: no model, no config object, keyword-only
 hyperparameters. Policy losses return ``(loss, metrics)`` so they drop straight into
 ``jax.value_and_grad(..., has_aux=True)``.
@@ -21,8 +23,6 @@ import jax
 import jax.numpy as jnp
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
 CAP_MODES: tuple[str, ...] = ("mask", "truncate")
 DPO_KINDS: tuple[str, ...] = ("sigmoid", "ipo")
 
@@ -217,6 +217,34 @@ def a3po_prox_logp(
 # --------------------------------------------------------------------------------------
 
 
+def _token_mean(values, mask, max_len):
+    del max_len
+    return jnp.sum(values), jnp.sum(mask)
+
+
+def _seq_mean_token_mean(values, mask, max_len):
+    del max_len
+    tokens_per_seq = jnp.sum(mask, axis=-1)  # [B]
+    per_seq = jnp.sum(values, axis=-1) / (tokens_per_seq + _TINY)
+    return jnp.sum(per_seq), jnp.sum(tokens_per_seq > 0).astype(jnp.float32)
+
+
+def _seq_mean_token_sum_norm(values, mask, max_len):
+    norm = jnp.shape(values)[-1] if max_len is None else max_len
+    _check_positive("max_len", norm)
+    per_seq = jnp.sum(values, axis=-1) / norm
+    return jnp.sum(per_seq), jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
+
+
+# Each maps (masked values [B, T], mask [B, T], max_len) to (numerator, count).
+AGGREGATORS = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+AGGREGATIONS: tuple[str, ...] = tuple(AGGREGATORS)
+
+
 def aggregate_sum(
     values: jax.Array,
     mask: jax.Array,
@@ -239,7 +267,7 @@ def aggregate_sum(
         the importance-weight cap: the count comes from ``mask`` alone, so dropped tokens
         still count, as design.md §3 requires).
       mask: ``[B, T]`` validity (1 = completion token).
-      mode: one of ``AGGREGATIONS``.
+      mode: one of ``AGGREGATIONS`` (a key of ``AGGREGATORS``).
       max_len: Dr.GRPO's constant normaliser; defaults to T.
 
     Returns:
@@ -249,17 +277,7 @@ def aggregate_sum(
     _check_rank("values", values, 2, "[B, T]")
     _check_same_shape("values", values, mask=mask)
     mask = mask.astype(jnp.float32)
-    values = values.astype(jnp.float32) * mask
-    if mode == "token_mean":
-        return jnp.sum(values), jnp.sum(mask)
-    tokens_per_seq = jnp.sum(mask, axis=-1)  # [B]
-    if mode == "seq_mean_token_mean":
-        per_seq = jnp.sum(values, axis=-1) / (tokens_per_seq + _TINY)
-    else:
-        norm = jnp.shape(values)[-1] if max_len is None else max_len
-        _check_positive("max_len", norm)
-        per_seq = jnp.sum(values, axis=-1) / norm
-    return jnp.sum(per_seq), jnp.sum(tokens_per_seq > 0).astype(jnp.float32)
+    return AGGREGATORS[mode](values.astype(jnp.float32) * mask, mask, max_len)
 
 
 def aggregate(
@@ -591,6 +609,24 @@ def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
 # --------------------------------------------------------------------------------------
 
 
+def _k1(x):
+    return -x
+
+
+def _k2(x):
+    return 0.5 * jnp.square(x)
+
+
+def _k3(x):
+    # expm1 keeps k3 accurate for small x, where exp(x) - 1 - x cancels to float32 noise.
+    return jnp.expm1(x) - x
+
+
+# Each maps x = ref - logp ([B, T] float32) to the per-token estimator.
+KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
+KL_KINDS: tuple[str, ...] = tuple(KL_ESTIMATORS)
+
+
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Array:
     """Per-token estimator of KL(π_θ ‖ π_ref) on samples from π_θ (Schulman, 2020).
 
@@ -599,20 +635,14 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Ar
     Args:
       logp: ``[B, T]`` current log-probs.
       ref_logp: ``[B, T]`` reference log-probs.
-      kind: ``"k1"``, ``"k2"`` or ``"k3"``.
+      kind: ``"k1"``, ``"k2"`` or ``"k3"`` (a key of ``KL_ESTIMATORS``).
 
     Returns:
       ``[B, T]`` float32 per-token penalty (mask and aggregate it yourself).
     """
     _check_choice("kl kind", kind, KL_KINDS)
     _check_same_shape("logp", logp, ref_logp=ref_logp)
-    x = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
-    if kind == "k1":
-        return -x
-    if kind == "k2":
-        return 0.5 * jnp.square(x)
-    # expm1 keeps k3 accurate for small x, where exp(x) - 1 - x cancels to float32 noise.
-    return jnp.expm1(x) - x
+    return KL_ESTIMATORS[kind](ref_logp.astype(jnp.float32) - logp.astype(jnp.float32))
 
 
 # --------------------------------------------------------------------------------------

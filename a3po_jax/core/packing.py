@@ -1,5 +1,7 @@
 """Shared-prompt packing and one-pass policy / old / reference log-probs (design §6).
 
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
 Periodic Asynchrony (arXiv 2511.18871) gets most of its training-side speed from two changes:
 
 * **Shared-prompt packing.** The G samples of a group share one prompt, so instead of G rows
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from a3po_jax import model
-from a3po_jax.core import losses
+from a3po_jax.core import losses, prox
 from a3po_jax.core.batching import TrainBatch, build_batch, round_up
 from a3po_jax.core.types import Rollout, RolloutGroup
 
@@ -267,13 +269,6 @@ def packed_attention_mask(response_id: jax.Array) -> jax.Array:
     return causal[None] & (k != PAD_ID) & ((k == PROMPT_ID) | (k == q))
 
 
-def lm_head_kernel(params: Params, config: model.ModelConfig) -> jax.Array:
-    """[D, V] float32 output projection, as ``model.Decoder`` applies it (tied: embedding.T)."""
-    if config.tie_embeddings:
-        return params["embed"]["embedding"].astype(jnp.float32).T
-    return params["lm_head"]["kernel"].astype(jnp.float32)
-
-
 def completions_to_rows(
     values: jax.Array, completion_mask: jax.Array, window_start: jax.Array, length: int
 ) -> jax.Array:
@@ -362,7 +357,7 @@ def packed_token_logprobs(
     row = jnp.arange(b) // g  # [B] packed row of each sample
     h = hidden[row[:, None], pred_pos]  # [B, C, D]
     # Same float32 head as model.Decoder; temperature as in forward_logprobs.
-    logits = jnp.einsum("bcd,dv->bcv", h, lm_head_kernel(params, model_config)) / temperature
+    logits = jnp.einsum("bcd,dv->bcv", h, model.lm_head_kernel(params, model_config)) / temperature
     logp_c = losses.token_logprobs(logits, packed["completion_targets"])  # [B, C]
     ent_c = losses.entropy(logits)  # [B, C]
     window_start = jnp.asarray(packed["prompt_len"])[row] - 1  # [B]
@@ -429,9 +424,7 @@ def policy_old_ref_logprobs(
     logp, ent = run(params)
     old = None
     if old_is_current:
-        # The proximal anchor is never differentiated (design §3); detaching the current
-        # pass gives it without a second forward.
-        old = jax.lax.stop_gradient(logp)
+        old = prox.old_is_current(logp)  # no second forward
     elif old_params is not None:
         old = jax.lax.stop_gradient(run(old_params)[0])
     ref = None

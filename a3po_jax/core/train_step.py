@@ -1,17 +1,28 @@
 """The jitted training step: logits → logp → prox → loss → grads → optax update.
 
-Pure functions of arrays and params pytrees. The pieces:
+Core layer: pure functions of arrays and params pytrees; imports only ``a3po_jax.core``,
+``a3po_jax.model`` and ``a3po_jax.parallel``. The algorithm is chosen once, when the step is
+built (:func:`build_algorithm`), from three tables: the prox rule
+(:data:`a3po_jax.core.prox.PROX_RULES`), the loss term (:data:`LOSS_TERMS`) and the
+advantage estimator (:data:`a3po_jax.core.advantages.ESTIMATORS`). The result, an
+:class:`Algorithm`, holds functions, not names: nothing inside the differentiated function
+compares strings.
 
-* :func:`loss_sums` — one micro-batch's loss *sum* (denominator 1) and metric sums. Sums add
-  across micro-batches and across arrival order, so the caller divides once by the whole
-  batch's count (design §3: reduce once, at the top).
-* :func:`accumulate_grads` — gradients of ``loss_sums`` scanned over micro-batches.
-* :func:`apply_grads` — divide by the global count, clip, AdamW, skip the update if
+Reduction happens once, at the top (design §3). Every loss term returns a
+``(loss_sum, count)`` pair and its metrics as :class:`Stats` (sums with their counts,
+totals, maxima, minima); all of them add (or max/min) across micro-batches, minibatches and
+arriving groups, and :func:`finalize` divides once.
+
+* :func:`accumulate_grads`: gradients of :func:`loss_sums` scanned over micro-batches.
+* :func:`apply_grads`: divide by the accumulated count, clip, AdamW, skip the update if
   anything is non-finite, bump the version.
-* :func:`train_step` — the whole step for a batch that is all at hand (``sync``,
-  ``one_step_off``, ``async``): optional ``recompute`` prox pass and reference pass, then
-  ``num_minibatches`` optimizer steps. ``periodic`` mode calls ``accumulate_grads`` per
-  arriving micro-batch and ``apply_grads`` once per iteration instead.
+* :func:`train_step`: the whole step for a batch that is all at hand (``sync``,
+  ``one_step_off``, ``async``): the old-policy pass when the prox rule needs one, the
+  reference pass when the loss does, then ``num_minibatches`` optimizer steps; metrics
+  cover every minibatch.
+* :func:`fold_group` / :func:`add_accumulated` / :func:`apply_accumulated`: ``periodic``
+  mode, one arriving group at a time, one optimizer step per iteration.
+* :func:`kl_in_reward`: the reference KL charged to the rewards, advantages recomputed.
 
 Shape letters: M micro-batches, B sequences (per micro-batch b), T tokens, V vocab.
 """
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -27,11 +39,14 @@ import jax.numpy as jnp
 import optax
 
 from a3po_jax import model
-from a3po_jax.core import losses
-from a3po_jax.training.config import TrainConfig
+from a3po_jax.core import advantages, losses, packing, prox
 
 Params = Any
 Batch = dict[str, jax.Array]
+
+# The loss's denominator is at least this, so a batch with nothing to learn from (every DPO
+# pair tied, every token masked) reports loss 0 rather than 0/0.
+_TINY = 1e-8
 
 
 class TrainState(NamedTuple):
@@ -42,67 +57,332 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps applied = the policy version
 
 
+# --------------------------------------------------------------------------------------
+# Settings (plain values) and the algorithm built from them (functions).
+# --------------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-    """The static (hashable) knobs of the step, taken from a :class:`TrainConfig`."""
+    """The plain values a step is built from.
 
-    loss: str = "ppo"
-    prox: str = "a3po"
-    zero_staleness: str = "current"
-    aggregation: str = "token_mean"
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    dual_clip: float | None = None
-    behav_weight_cap: float | None = None
-    cap_mode: str = "mask"
-    kl_coef_in_loss: float = 0.0
-    kl_kind: str = "k3"
-    dpo_beta: float = 0.1
-    dpo_kind: str = "sigmoid"
-    temperature: float = 1.0
-    num_minibatches: int = 1
-    micro_batch_size: int = 0  # 0 = whole minibatch
-    packed: bool = False  # batches come from packing.pack_groups (shared-prompt rows)
-    one_pass_old: bool = False  # recompute's prox taken from this pass (old == current)
+    Field names are those of the run configuration's sections (``algo``, ``system``,
+    ``rollout``), so ``a3po_jax.training.step_builder`` fills them by name: the core never
+    sees the config and a renamed field fails loudly there, not silently here.
+    """
 
-    @classmethod
-    def from_config(cls, cfg: TrainConfig) -> StepSettings:
-        a = cfg.algo
-        return cls(
-            loss=a.loss,
-            prox=a.prox,
-            zero_staleness=a.a3po_zero_staleness,
-            aggregation=a.aggregation,
-            clip_eps=a.clip_eps,
-            clip_eps_high=a.clip_eps_high or None,
-            dual_clip=a.dual_clip or None,
-            behav_weight_cap=a.behav_weight_cap or None,
-            cap_mode=a.cap_mode,
-            kl_coef_in_loss=0.0 if a.kl_in_reward else a.kl_coef,
-            kl_kind=a.kl_kind,
-            dpo_beta=a.dpo_beta,
-            dpo_kind=a.dpo_kind,
-            temperature=cfg.rollout.temperature,
-            num_minibatches=a.num_minibatches,
-            micro_batch_size=cfg.system.micro_batch_size,
-            packed=cfg.system.packed_prompts,
-            one_pass_old=cfg.system.one_pass_old,
+    loss: str = "ppo"  # a key of LOSS_TERMS
+    prox: str = "a3po"  # a key of prox.PROX_RULES
+    a3po_zero_staleness: str = "current"  # A-3PO at d = 0: "current" (paper) or "behav"
+    advantage: str = "grpo"  # a key of advantages.ESTIMATORS (used by KL-in-reward)
+    aggregation: str = "token_mean"  # one of losses.AGGREGATIONS
+    clip_eps: float = 0.2  # ε_low
+    clip_eps_high: float = 0.0  # ε_high; 0 means = clip_eps
+    dual_clip: float = 0.0  # c > 1 enables dual clipping; 0 = off
+    behav_weight_cap: float = 0.0  # cap on w = π_prox/π_behav; 0 = off
+    cap_mode: str = "mask"  # one of losses.CAP_MODES
+    kl_coef: float = 0.0  # reference KL coefficient β; 0 = no reference
+    kl_kind: str = "k3"  # one of losses.KL_KINDS
+    kl_in_reward: bool = False  # charge β·KL to the rewards instead of the loss
+    dpo_beta: float = 0.1  # Online DPO β
+    dpo_kind: str = "sigmoid"  # one of losses.DPO_KINDS
+    num_minibatches: int = 1  # optimizer steps per batch (each is one version)
+    temperature: float = 1.0  # sampling temperature; the loss uses logits / temperature
+    micro_batch_size: int = 0  # sequences per micro-batch; 0 = whole minibatch
+    packed_prompts: bool = False  # batches come from packing.pack_groups (one row per group)
+    one_pass_old: bool = False  # prox="recompute": old = sg(current), no extra pass
+
+
+LogprobFn = Callable[..., tuple[jax.Array, jax.Array]]  # (params, batch, *, model_config)
+Aggregator = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+TermFn = Callable[..., tuple[jax.Array, jax.Array, "Stats"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """The step's algorithm, resolved from :class:`StepSettings` by :func:`build_algorithm`:
+    functions with their hyperparameters bound, and the flags derived from them once."""
+
+    forward: LogprobFn  # (params, batch, *, model_config) -> (logp [B, T], entropy [B, T])
+    loss_term: TermFn  # (logp, mb, *, staleness, old_logp, ref_logp) -> (sum, count, Stats)
+    kl_in_loss: Callable[[jax.Array, jax.Array], jax.Array] | None  # (logp, ref) -> KL [B, T]
+    kl_coef: float  # β of the KL term in the loss (with kl_in_loss)
+    kl_in_reward: Callable[..., tuple[jax.Array, jax.Array]] | None
+    aggregate: Aggregator  # (values [B, T], mask [B, T]) -> (numerator, count)
+    needs_old_pass: bool  # a no-grad pass of the step's starting weights (prox "recompute")
+    needs_reference: bool  # the step reads the frozen reference's log-probs
+    keeps_reference: bool  # the run keeps a reference (the step's, or KL-in-reward's)
+    num_minibatches: int
+    micro_batch_size: int
+    packed: bool
+
+
+class LossTerm(NamedTuple):
+    """A loss family: how to bind its hyperparameters, and what inputs it reads."""
+
+    make: Callable[[StepSettings, prox.ProxRule | None], TermFn]
+    uses_prox: bool  # reads a prox rule (and maybe the old pass)
+    needs_reference: bool  # reads reference log-probs
+
+
+def _check_choice(what: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
+
+
+# --------------------------------------------------------------------------------------
+# Metrics that combine exactly across micro-batches.
+# --------------------------------------------------------------------------------------
+
+
+class Stats(NamedTuple):
+    """Metrics in a form that adds across micro-batches, minibatches and arriving groups.
+
+    ``means`` hold ``(Σ value, count)`` and report Σ / count; ``totals`` are sums reported
+    as is; ``maxima`` / ``minima`` combine by max / min. A metric's kind is its place here,
+    never its name.
+    """
+
+    means: dict[str, tuple[jax.Array, jax.Array]] = {}
+    totals: dict[str, jax.Array] = {}
+    maxima: dict[str, jax.Array] = {}
+    minima: dict[str, jax.Array] = {}
+
+
+# Identities of max / min for "no valid token in this micro-batch"; finalize reports 0.
+_NO_MAX = float(jnp.finfo(jnp.float32).min)
+_NO_MIN = float(jnp.finfo(jnp.float32).max)
+
+
+def masked_pair(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(Σ m·x, Σ m)`` in float32, the parts of a masked mean."""
+    m = mask.astype(jnp.float32)
+    return jnp.sum(x.astype(jnp.float32) * m), jnp.sum(m)
+
+
+def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.max(jnp.where(mask > 0, x.astype(jnp.float32), _NO_MAX))
+
+
+def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.min(jnp.where(mask > 0, x.astype(jnp.float32), _NO_MIN))
+
+
+def combine(a: Stats, b: Stats) -> Stats:
+    """Merge two :class:`Stats`: pairs and totals add, maxima max, minima min; a metric in
+    only one of them is kept as is."""
+
+    def merge(x, y, op):
+        return {k: op(x[k], y[k]) if k in x and k in y else x.get(k, y.get(k)) for k in {**x, **y}}
+
+    def add(u, v):
+        return jax.tree.map(jnp.add, u, v)
+
+    return Stats(
+        means=merge(a.means, b.means, add),
+        totals=merge(a.totals, b.totals, add),
+        maxima=merge(a.maxima, b.maxima, jnp.maximum),
+        minima=merge(a.minima, b.minima, jnp.minimum),
+    )
+
+
+def finalize(stats: Stats) -> dict[str, jax.Array]:
+    """Scalars to report: Σ / count for means (0 when the count is 0), totals, maxima and
+    minima (0 when no token was valid anywhere)."""
+    out = {k: s / jnp.maximum(n, _TINY) for k, (s, n) in stats.means.items()}
+    out.update(stats.totals)
+    out.update({k: jnp.where(v == _NO_MAX, 0.0, v) for k, v in stats.maxima.items()})
+    out.update({k: jnp.where(v == _NO_MIN, 0.0, v) for k, v in stats.minima.items()})
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Loss terms: (loss_sum, count, Stats) of one micro-batch.
+# --------------------------------------------------------------------------------------
+
+
+def ppo_term(
+    logp: jax.Array,
+    mb: Batch,
+    *,
+    staleness: jax.Array,
+    old_logp: jax.Array | None,
+    ref_logp: jax.Array | None,
+    prox_fn: prox.ProxFn,
+    aggregate: Aggregator,
+    **clip: Any,
+) -> tuple[jax.Array, jax.Array, Stats]:
+    """Decoupled PPO on one micro-batch: prox from ``prox_fn``, then
+    :func:`losses.decoupled_ppo_per_token` reduced by ``aggregate`` into a sum/count pair.
+
+    ``clip`` holds ``clip_eps``, ``clip_eps_high``, ``dual_clip``, ``behav_weight_cap``,
+    ``cap_mode`` (bound at build time).
+    """
+    del ref_logp
+    mask = mb["loss_mask"]
+    behav = mb["behav_logp"]
+    prox_logp = prox_fn(logp, behav, staleness, old_logp)
+    per_token, diag = losses.decoupled_ppo_per_token(
+        logp, prox_logp, behav, mb["advantages"], mask, **clip
+    )
+    loss_sum, count = aggregate(per_token, mask)
+    d = staleness.astype(jnp.float32)
+    stats = Stats(
+        means={
+            "loss/clipfrac": masked_pair(diag["clipped"], mask),
+            "loss/dual_clipfrac": masked_pair(diag["dual_clipped"], mask),
+            "is/weight_mean": masked_pair(diag["is_weight"], mask),
+            "is/capped_frac": masked_pair(diag["capped"], mask),
+            "kl/behav_k3": masked_pair(diag["kl_behav_k3"], mask),
+            "staleness/mean": masked_pair(d, mask),
+        },
+        maxima={
+            "is/weight_max": masked_max(diag["is_weight"], mask),
+            "staleness/max": masked_max(d, mask),
+        },
+        minima={"is/weight_min": masked_min(diag["is_weight"], mask)},
+    )
+    return loss_sum, count, stats
+
+
+def dpo_term(
+    logp: jax.Array,
+    mb: Batch,
+    *,
+    staleness: jax.Array,
+    old_logp: jax.Array | None,
+    ref_logp: jax.Array,
+    beta: float,
+    kind: str,
+) -> tuple[jax.Array, jax.Array, Stats]:
+    """Online DPO on one micro-batch: rows 2i / 2i+1 are pair i's chosen / rejected sample
+    (``batching.build_batch(dpo_pairs=True)``); the count is the pairs with a preference."""
+    del staleness, old_logp
+    mask = mb["loss_mask"]
+    seq = losses.sequence_logprobs(logp, mask)  # [b]
+    ref_seq = losses.sequence_logprobs(ref_logp, mask)  # [b]
+    per_pair, diag = losses.online_dpo_per_pair(
+        seq[0::2], seq[1::2], ref_seq[0::2], ref_seq[1::2], beta=beta, kind=kind
+    )
+    pairs = mb["pair_mask"][0::2].astype(jnp.float32)  # [b / 2]
+    loss_sum, count = masked_pair(per_pair, pairs)
+    stats = Stats(
+        means={
+            "dpo/margin_mean": masked_pair(diag["margin"], pairs),
+            "dpo/accuracy": masked_pair(diag["accuracy"], pairs),
+            "dpo/chosen_reward": masked_pair(diag["chosen_reward"], pairs),
+            "dpo/rejected_reward": masked_pair(diag["rejected_reward"], pairs),
+        },
+        totals={"dpo/num_pairs": count},
+    )
+    return loss_sum, count, stats
+
+
+def _make_ppo(s: StepSettings, rule: prox.ProxRule | None) -> TermFn:
+    _check_choice("cap_mode", s.cap_mode, losses.CAP_MODES)
+    return functools.partial(
+        ppo_term,
+        prox_fn=rule.fn,
+        aggregate=aggregator(s.aggregation),
+        clip_eps=s.clip_eps,
+        clip_eps_high=s.clip_eps_high or None,
+        dual_clip=s.dual_clip or None,
+        behav_weight_cap=s.behav_weight_cap or None,
+        cap_mode=s.cap_mode,
+    )
+
+
+def _make_dpo(s: StepSettings, rule: prox.ProxRule | None) -> TermFn:
+    del rule
+    _check_choice("dpo_kind", s.dpo_kind, losses.DPO_KINDS)
+    return functools.partial(dpo_term, beta=s.dpo_beta, kind=s.dpo_kind)
+
+
+LOSS_TERMS: Mapping[str, LossTerm] = {
+    "ppo": LossTerm(_make_ppo, uses_prox=True, needs_reference=False),
+    "dpo": LossTerm(_make_dpo, uses_prox=False, needs_reference=True),
+}
+
+
+def build_algorithm(settings: StepSettings) -> Algorithm:
+    """Resolve every name in ``settings`` against its table, once, before anything is traced.
+
+    Raises:
+      ValueError: for an unknown loss, prox rule, advantage, aggregation, KL kind, cap mode
+        or DPO kind, naming the value and the allowed ones.
+    """
+    s = settings
+    _check_choice("loss", s.loss, LOSS_TERMS)
+    _check_choice("aggregation", s.aggregation, losses.AGGREGATIONS)
+    _check_choice("kl_kind", s.kl_kind, losses.KL_KINDS)
+    estimate = advantages.estimator(s.advantage)
+    term = LOSS_TERMS[s.loss]
+    rule = None
+    if term.uses_prox:
+        rule = prox.make_prox_rule(
+            s.prox, zero_staleness=s.a3po_zero_staleness, one_pass_old=s.one_pass_old
         )
+    kl_in_loss = kl_in_reward = None
+    if s.kl_coef > 0 and s.kl_in_reward:
+        kl_in_reward = functools.partial(
+            advantages.kl_in_reward_advantages,
+            estimate=estimate,
+            kl_coef=s.kl_coef,
+            kl_kind=s.kl_kind,
+        )
+    elif s.kl_coef > 0:
+        kl_in_loss = functools.partial(_kl_estimate, estimate=losses.KL_ESTIMATORS[s.kl_kind])
+    forward = packing.packed_token_logprobs if s.packed_prompts else forward_logprobs
+    needs_reference = term.needs_reference or kl_in_loss is not None
+    return Algorithm(
+        forward=functools.partial(forward, temperature=s.temperature),
+        loss_term=term.make(s, rule),
+        kl_in_loss=kl_in_loss,
+        kl_coef=s.kl_coef,
+        kl_in_reward=kl_in_reward,
+        aggregate=aggregator(s.aggregation),
+        needs_old_pass=rule is not None and rule.needs_old_pass,
+        needs_reference=needs_reference,
+        keeps_reference=needs_reference or kl_in_reward is not None,
+        num_minibatches=s.num_minibatches,
+        micro_batch_size=s.micro_batch_size,
+        packed=s.packed_prompts,
+    )
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss == "dpo" or self.kl_coef_in_loss > 0
+
+def aggregator(mode: str) -> Aggregator:
+    """``losses.aggregate_sum`` with its mode resolved now, from ``losses.AGGREGATORS``."""
+    _check_choice("aggregation", mode, losses.AGGREGATORS)
+    reduce = losses.AGGREGATORS[mode]
+
+    def aggregate(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        mask = mask.astype(jnp.float32)
+        return reduce(values.astype(jnp.float32) * mask, mask, None)
+
+    return aggregate
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def _kl_estimate(logp: jax.Array, ref_logp: jax.Array, *, estimate) -> jax.Array:
+    """``losses.kl_penalty`` with its kind resolved at build time (x = ref - logp)."""
+    return estimate(ref_logp.astype(jnp.float32) - logp.astype(jnp.float32))
+
+
+def make_optimizer(
+    *,
+    learning_rate: float,
+    warmup_steps: int = 0,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
     """AdamW with linear warm-up; gradient clipping happens in :func:`apply_grads` so the
     pre-clip norm can be reported."""
-    o = cfg.optim
-    if o.warmup_steps:
-        lr = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
+    if warmup_steps:
+        lr = optax.linear_schedule(0.0, learning_rate, warmup_steps)
     else:
-        lr = o.learning_rate
-    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+        lr = learning_rate
+    return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
 
 
 def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
@@ -114,20 +394,6 @@ def init_train_state(params: Params, optimizer: optax.GradientTransformation) ->
 # --------------------------------------------------------------------------------------
 # Forward pieces.
 # --------------------------------------------------------------------------------------
-
-
-def policy_logprobs(
-    params: Params, batch: Batch, *, settings: StepSettings, model_config: model.ModelConfig
-) -> tuple[jax.Array, jax.Array]:
-    """``forward_logprobs`` or, for shared-prompt packed batches, its packed twin; both give
-    ``[B, T]`` log-probs in ``batching.build_batch``'s target-aligned layout."""
-    if settings.packed:
-        from a3po_jax.core import packing
-
-        fn = packing.packed_token_logprobs
-    else:
-        fn = forward_logprobs
-    return fn(params, batch, model_config=model_config, temperature=settings.temperature)
 
 
 def forward_logprobs(
@@ -152,34 +418,37 @@ def forward_logprobs(
     return losses.token_logprobs(logits, batch["targets"]), losses.entropy(logits)
 
 
-def _no_grad_logprobs(params, micro_batches, *, settings, model_config):
-    """[M, b, T] log-probs of every micro-batch, no gradient (prox recompute / reference)."""
+def _no_grad_logprobs(params, micro_batches, *, algo, model_config):
+    """[M, b, T] log-probs of every micro-batch, no gradient (old-policy / reference pass)."""
 
     def one(mb):
-        logp, _ = policy_logprobs(params, mb, settings=settings, model_config=model_config)
+        logp, _ = algo.forward(params, mb, model_config=model_config)
         return jax.lax.stop_gradient(logp)
 
     return jax.lax.map(one, micro_batches)
 
 
-def global_denominator(batch: Batch, settings: StepSettings) -> jax.Array:
-    """The count the loss sums are divided by: valid tokens for ``token_mean``, sequences
-    with ≥ 1 valid token for the sequence-level aggregations, informative pairs for DPO."""
-    mask = batch["loss_mask"]
-    if settings.loss == "dpo":
-        return jnp.sum(batch["pair_mask"]) / 2.0
-    if settings.aggregation == "token_mean":
-        return jnp.sum(mask)
-    return jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
+def auxiliary_logprobs(
+    params: Params,
+    ref_params: Params | None,
+    micro_batches: Batch,
+    *,
+    algo: Algorithm,
+    model_config: model.ModelConfig,
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """The no-grad passes the algorithm needs, ``[M, b, T]`` each or None: the old policy
+    (``params`` = the step's starting weights) and the frozen reference."""
+    old = ref = None
+    if algo.needs_old_pass:
+        old = _no_grad_logprobs(params, micro_batches, algo=algo, model_config=model_config)
+    if algo.needs_reference:
+        ref = _no_grad_logprobs(ref_params, micro_batches, algo=algo, model_config=model_config)
+    return old, ref
 
 
 # --------------------------------------------------------------------------------------
-# Loss sums for one micro-batch.
+# Loss sum of one micro-batch.
 # --------------------------------------------------------------------------------------
-
-# Metrics combined across micro-batches by max / min; everything else is a weighted mean.
-_MAX_METRICS = ("is/weight_max", "staleness/max")
-_MIN_METRICS = ("is/weight_min",)
 
 
 def loss_sums(
@@ -187,122 +456,66 @@ def loss_sums(
     mb: Batch,
     *,
     version: jax.Array,
-    prox_logp: jax.Array | None,
+    old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
-    settings: StepSettings,
+    algo: Algorithm,
     model_config: model.ModelConfig,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss *sum* of one micro-batch (divide by the global count later) and metric sums.
+) -> tuple[jax.Array, tuple[jax.Array, Stats]]:
+    """Loss *sum* of one micro-batch, its count, and its metric :class:`Stats`.
 
     Args:
       params: current policy parameters (differentiated).
       mb: micro-batch arrays ``[b, T]`` from :class:`a3po_jax.core.batching.TrainBatch`.
       version: int32 scalar trainer version v_θ for this optimizer step.
-      prox_logp: ``[b, T]`` recomputed prox (``settings.prox == "recompute"``), else None.
-      ref_logp: ``[b, T]`` reference log-probs when a reference is used, else None.
+      old_logp: ``[b, T]`` old-policy log-probs when ``algo.needs_old_pass``, else None.
+      ref_logp: ``[b, T]`` reference log-probs when ``algo.needs_reference``, else None.
 
     Returns:
-      (loss_sum, metric_sums): metric sums are weighted by the micro-batch's valid tokens
-      (``loss/num_tokens``), except max/min metrics.
+      (loss_sum, (count, stats)): the loss is ``Σ loss_sum / Σ count`` over micro-batches.
     """
-    logp, ent = policy_logprobs(params, mb, settings=settings, model_config=model_config)
+    logp, ent = algo.forward(params, mb, model_config=model_config)
     mask = mb["loss_mask"]
-    n_tok = jnp.sum(mask)
     # Staleness d = v_θ - v_behav per token; masked positions get 0 (their versions are 0
     # by construction and carry no meaning).
     staleness = jnp.where(mask > 0, version - mb["versions"], 0).astype(jnp.int32)
-
-    if settings.loss == "dpo":
-        seq = losses.sequence_logprobs(logp, mask)  # [b]
-        ref_seq = losses.sequence_logprobs(ref_logp, mask)
-        loss, m = losses.online_dpo_loss(
-            seq[0::2],
-            seq[1::2],
-            ref_seq[0::2],
-            ref_seq[1::2],
-            beta=settings.dpo_beta,
-            kind=settings.dpo_kind,
-            mask=mb["pair_mask"][0::2],
-            denominator=1.0,
-        )
-        pair_w = m.pop("dpo/num_pairs")
-        sums = {k: v * pair_w for k, v in m.items()}
-        sums["dpo/num_pairs"] = pair_w
-    else:
-        behav = mb["behav_logp"]
-        if settings.prox == "recompute" and settings.one_pass_old:
-            # One optimizer step per batch: the step's starting weights ARE the current ones,
-            # so the old policy's log-prob is this pass's, detached (Periodic Asynchrony's
-            # unified pass): the value a separate no-grad pass gives, without the pass.
-            prox = jax.lax.stop_gradient(logp)
-        elif settings.prox == "recompute":
-            prox = prox_logp
-        elif settings.prox == "a3po":
-            prox = losses.a3po_prox_logp(
-                logp, behav, staleness, zero_staleness=settings.zero_staleness
-            )
-        else:
-            prox = behav
-        loss, m = losses.decoupled_ppo_loss(
-            logp,
-            prox,
-            behav,
-            mb["advantages"],
-            mask,
-            clip_eps=settings.clip_eps,
-            clip_eps_high=settings.clip_eps_high,
-            dual_clip=settings.dual_clip,
-            behav_weight_cap=settings.behav_weight_cap,
-            cap_mode=settings.cap_mode,
-            aggregation=settings.aggregation,
-            denominator=1.0,
-            staleness=staleness,
-        )
-        m.pop("loss/num_tokens")
-        sums = {k: (v if k in _MAX_METRICS + _MIN_METRICS else v * n_tok) for k, v in m.items()}
-    if settings.kl_coef_in_loss > 0:
-        kl = losses.kl_penalty(logp, ref_logp, settings.kl_kind)
-        kl_sum = losses.aggregate(kl, mask, mode=settings.aggregation, denominator=1.0)
-        loss = loss + settings.kl_coef_in_loss * kl_sum
-        sums["kl/ref"] = jnp.sum(jax.lax.stop_gradient(kl) * mask)
-    sums["loss/num_tokens"] = n_tok
-    sums["policy/entropy"] = jnp.sum(jax.lax.stop_gradient(ent) * mask)
-    sums["policy/logp"] = jnp.sum(jax.lax.stop_gradient(logp) * mask)
-    return loss, sums
-
-
-def combine_metric_sums(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Merge two micro-batches' metric sums: max/min metrics by max/min, the rest added."""
-    out = {}
-    for k in a:
-        if k in _MAX_METRICS:
-            out[k] = jnp.maximum(a[k], b[k])
-        elif k in _MIN_METRICS:
-            out[k] = jnp.minimum(a[k], b[k])
-        else:
-            out[k] = a[k] + b[k]
-    return out
-
-
-def finalize_metrics(sums: dict[str, jax.Array], loss_sum: jax.Array, denom: jax.Array):
-    """Turn summed metrics into means (token-weighted; DPO metrics pair-weighted)."""
-    n_tok = jnp.maximum(sums["loss/num_tokens"], 1.0)
-    n_pairs = jnp.maximum(sums.get("dpo/num_pairs", 1.0), 1.0)
-    # A batch with nothing to learn from (e.g. every DPO pair tied) has denom 0: loss 0.
-    out = {"loss/total": loss_sum / jnp.maximum(denom, 1e-8)}
-    for k, v in sums.items():
-        if k in _MAX_METRICS + _MIN_METRICS or k in ("loss/num_tokens", "dpo/num_pairs"):
-            out[k] = v
-        elif k.startswith("dpo/"):
-            out[k] = v / n_pairs
-        else:
-            out[k] = v / n_tok
-    return out
+    loss, count, stats = algo.loss_term(
+        logp, mb, staleness=staleness, old_logp=old_logp, ref_logp=ref_logp
+    )
+    means = {
+        "policy/entropy": masked_pair(jax.lax.stop_gradient(ent), mask),
+        "policy/logp": masked_pair(jax.lax.stop_gradient(logp), mask),
+    }
+    if algo.kl_in_loss is not None:
+        kl = algo.kl_in_loss(logp, ref_logp)  # [b, T] estimator of KL(π_θ ‖ π_ref)
+        kl_sum, _ = algo.aggregate(kl, mask)
+        loss = loss + algo.kl_coef * kl_sum
+        means["kl/ref"] = masked_pair(jax.lax.stop_gradient(kl), mask)
+    own = Stats(means=means, totals={"loss/num_tokens": jnp.sum(mask.astype(jnp.float32))})
+    return loss, (count, combine(stats, own))
 
 
 # --------------------------------------------------------------------------------------
 # Gradients and updates.
 # --------------------------------------------------------------------------------------
+
+
+class Accumulated(NamedTuple):
+    """Sums over micro-batches (and arriving groups); nothing divided yet."""
+
+    grads: Params  # Σ ∂ loss_sum / ∂ params
+    loss_sum: jax.Array  # Σ loss_sum
+    count: jax.Array  # Σ count: the loss's denominator
+    stats: Stats
+
+
+def add_accumulated(a: Accumulated, b: Accumulated) -> Accumulated:
+    """Sum of two accumulations (periodic mode: one per arriving group)."""
+    return Accumulated(
+        grads=jax.tree.map(jnp.add, a.grads, b.grads),
+        loss_sum=a.loss_sum + b.loss_sum,
+        count=a.count + b.count,
+        stats=combine(a.stats, b.stats),
+    )
 
 
 def split_micro_batches(batch: Batch, num: int) -> Batch:
@@ -321,58 +534,51 @@ def accumulate_grads(
     micro_batches: Batch,
     *,
     version: jax.Array,
-    prox_logp: jax.Array | None,
+    old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
-    settings: StepSettings,
+    algo: Algorithm,
     model_config: model.ModelConfig,
-) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
-    """Sum of loss-sum gradients over ``[M, b, T]`` micro-batches (a ``lax.scan``).
-
-    Returns:
-      (grad_sums, loss_sum, metric_sums); nothing is divided yet.
-    """
+) -> Accumulated:
+    """Sum of loss-sum gradients over ``[M, b, T]`` micro-batches (a ``lax.scan``)."""
     grad_fn = jax.value_and_grad(
-        functools.partial(loss_sums, settings=settings, model_config=model_config),
-        has_aux=True,
+        functools.partial(loss_sums, algo=algo, model_config=model_config), has_aux=True
     )
 
-    def body(carry, xs):
-        g_acc, l_acc, m_acc = carry
-        mb, prox, ref = xs
-        (loss, sums), grads = grad_fn(params, mb, version=version, prox_logp=prox, ref_logp=ref)
-        g_acc = jax.tree.map(jnp.add, g_acc, grads)
-        m_acc = sums if m_acc is None else combine_metric_sums(m_acc, sums)
-        return (g_acc, l_acc + loss, m_acc), None
+    def one(mb, old, ref):
+        (loss, (count, stats)), grads = grad_fn(
+            params, mb, version=version, old_logp=old, ref_logp=ref
+        )
+        return Accumulated(grads, jax.lax.stop_gradient(loss), count, stats)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    # The first micro-batch seeds the metric dict so the scan carry has a fixed structure.
-    first = jax.tree.map(lambda x: x[0], (micro_batches, prox_logp, ref_logp))
-    (loss0, sums0), g0 = grad_fn(
-        params, first[0], version=version, prox_logp=first[1], ref_logp=first[2]
-    )
-    rest = jax.tree.map(lambda x: x[1:], (micro_batches, prox_logp, ref_logp))
-    (g_sum, l_sum, m_sum), _ = jax.lax.scan(
-        body, (jax.tree.map(jnp.add, zeros, g0), loss0, sums0), rest
-    )
-    return g_sum, l_sum, m_sum
+    def body(acc, xs):
+        return add_accumulated(acc, one(*xs)), None
+
+    # The first micro-batch seeds the carry so the scan carry has a fixed structure.
+    xs = (micro_batches, old_logp, ref_logp)
+    first = one(*jax.tree.map(lambda x: x[0], xs))
+    acc, _ = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], xs))
+    return acc
 
 
 def apply_grads(
     state: TrainState,
-    grad_sums: Params,
-    denominator: jax.Array,
+    acc: Accumulated,
     *,
     optimizer: optax.GradientTransformation,
     grad_clip: float,
-    loss_sum: jax.Array | None = None,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """Divide by the global count, clip, update; skip the update if anything is non-finite.
+) -> tuple[TrainState, Stats]:
+    """Divide by the accumulated count, clip, update; skip the update if anything is
+    non-finite.
 
     A skipped step leaves params, optimizer state and version untouched and reports
     ``step/skipped = 1`` so the host can count and stop after N in a row.
+
+    Returns:
+      (new_state, stats): ``loss/total`` and the ``optim/*`` norms as means (over the
+      minibatches of a step), ``step/skipped`` as a maximum.
     """
-    denominator = jnp.maximum(denominator, 1e-8)
-    grads = jax.tree.map(lambda g: g / denominator, grad_sums)
+    denominator = jnp.maximum(acc.count, _TINY)
+    grads = jax.tree.map(lambda g: g / denominator, acc.grads)
     grad_norm = optax.tree.norm(grads)
     if grad_clip > 0:
         # Same rule as optax.clip_by_global_norm, done here to report the pre-clip norm.
@@ -380,22 +586,24 @@ def apply_grads(
         grads = jax.tree.map(lambda g: g * scale, grads)
     updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(grad_norm)
-    if loss_sum is not None:
-        finite = finite & jnp.isfinite(loss_sum)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(acc.loss_sum)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     new_state = TrainState(
         params=jax.tree.map(keep, new_params, state.params),
         opt_state=jax.tree.map(keep, new_opt, state.opt_state),
         step=state.step + finite.astype(jnp.int32),
     )
-    metrics = {
-        "optim/grad_norm": grad_norm,
-        "optim/update_norm": optax.tree.norm(updates),
-        "optim/param_norm": optax.tree.norm(new_state.params),
-        "step/skipped": 1.0 - finite.astype(jnp.float32),
-    }
-    return new_state, metrics
+    one = jnp.ones((), jnp.float32)
+    stats = Stats(
+        means={
+            "loss/total": (acc.loss_sum / denominator, one),
+            "optim/grad_norm": (grad_norm, one),
+            "optim/update_norm": (optax.tree.norm(updates), one),
+            "optim/param_norm": (optax.tree.norm(new_state.params), one),
+        },
+        maxima={"step/skipped": 1.0 - finite.astype(jnp.float32)},
+    )
+    return new_state, stats
 
 
 def train_step(
@@ -403,69 +611,135 @@ def train_step(
     batch: Batch,
     ref_params: Params | None,
     *,
-    settings: StepSettings,
+    algo: Algorithm,
     model_config: model.ModelConfig,
     optimizer: optax.GradientTransformation,
     grad_clip: float,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One training step on a batch that is all at hand.
 
-    1. ``prox == "recompute"``: a no-grad forward of the step's starting weights over the
-       whole batch (decoupled PPO's extra pass; A-3PO exists to remove it).
-    2. reference log-probs with the frozen ``ref_params`` if the loss needs them.
+    1. the old-policy pass over the whole batch with the step's starting weights, when the
+       prox rule needs one (decoupled PPO's extra pass; A-3PO exists to remove it);
+    2. reference log-probs with the frozen ``ref_params`` if the loss needs them;
     3. ``num_minibatches`` optimizer steps; minibatch k trains at version v₀ + k, so its
        staleness is v₀ + k − v_behav.
 
     Args:
       state: the current :class:`TrainState` (donate it under jit).
-      batch: ``[B, T]`` arrays of a :class:`a3po_jax.core.batching.TrainBatch`.
+      batch: ``[B, T]`` arrays of a :class:`a3po_jax.core.batching.TrainBatch` (or
+        ``PackedBatch.arrays()`` when ``algo.packed``).
       ref_params: frozen reference params, or None.
 
     Returns:
-      (new_state, metrics) with metrics of the last minibatch plus ``time``-free scalars.
+      (new_state, metrics): metrics over every minibatch (means weighted by their counts,
+      ``optim/*`` averaged over the minibatches, maxima / minima over all of them;
+      ``step/skipped`` is 1 if any minibatch was skipped).
     """
-    k = settings.num_minibatches
+    k = algo.num_minibatches
     rows = batch["loss_mask"].shape[0]
     per_minibatch = rows // k
-    mb_size = settings.micro_batch_size or per_minibatch
+    mb_size = algo.micro_batch_size or per_minibatch
     n_micro = per_minibatch // mb_size
     minibatches = split_micro_batches(batch, k * n_micro)  # [k*M, b, T]
+    old_all, ref_all = auxiliary_logprobs(
+        state.params, ref_params, minibatches, algo=algo, model_config=model_config
+    )
 
-    prox_all = None
-    if settings.loss == "ppo" and settings.prox == "recompute" and not settings.one_pass_old:
-        prox_all = _no_grad_logprobs(
-            state.params, minibatches, settings=settings, model_config=model_config
-        )
-    ref_all = None
-    if settings.needs_reference:
-        ref_all = _no_grad_logprobs(
-            ref_params, minibatches, settings=settings, model_config=model_config
-        )
-
-    metrics = {}
+    stats = Stats()
     v0 = state.step
     for i in range(k):
         sl = slice(i * n_micro, (i + 1) * n_micro)
-        mbs = jax.tree.map(lambda x: x[sl], minibatches)  # noqa: B023
-        prox = None if prox_all is None else prox_all[sl]
-        ref = None if ref_all is None else ref_all[sl]
-        g_sum, l_sum, m_sum = accumulate_grads(
+        mbs, old, ref = jax.tree.map(lambda x: x[sl], (minibatches, old_all, ref_all))  # noqa: B023
+        acc = accumulate_grads(
             state.params,
             mbs,
             version=v0 + i,
-            prox_logp=prox,
+            old_logp=old,
             ref_logp=ref,
-            settings=settings,
+            algo=algo,
             model_config=model_config,
         )
-        denom = global_denominator(
-            jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), mbs), settings
-        )
-        state, opt_metrics = apply_grads(
-            state, g_sum, denom, optimizer=optimizer, grad_clip=grad_clip, loss_sum=l_sum
-        )
-        metrics = {**finalize_metrics(m_sum, l_sum, denom), **opt_metrics}
-    return state, metrics
+        state, opt_stats = apply_grads(state, acc, optimizer=optimizer, grad_clip=grad_clip)
+        stats = combine(stats, combine(acc.stats, opt_stats))
+    return state, finalize(stats)
+
+
+# --------------------------------------------------------------------------------------
+# Periodic mode: groups folded in as they arrive, one update per iteration.
+# --------------------------------------------------------------------------------------
+
+
+def fold_group(
+    params: Params,
+    ref_params: Params | None,
+    micro_batches: Batch,
+    version: jax.Array,
+    *,
+    algo: Algorithm,
+    model_config: model.ModelConfig,
+) -> Accumulated:
+    """One arriving group's contribution at the iteration's weights ``params``.
+
+    The old-policy pass (when the prox rule needs one) runs over ``params``: nothing has
+    been applied since the iteration began, so they are the step's starting weights, and
+    folding every group then one :func:`apply_accumulated` equals :func:`train_step` on
+    the whole batch up to summation order.
+    """
+    old, ref = auxiliary_logprobs(
+        params, ref_params, micro_batches, algo=algo, model_config=model_config
+    )
+    return accumulate_grads(
+        params,
+        micro_batches,
+        version=version,
+        old_logp=old,
+        ref_logp=ref,
+        algo=algo,
+        model_config=model_config,
+    )
+
+
+def apply_accumulated(
+    state: TrainState,
+    acc: Accumulated,
+    *,
+    optimizer: optax.GradientTransformation,
+    grad_clip: float,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The iteration's one optimizer step from the folded groups, and its metrics."""
+    state, opt_stats = apply_grads(state, acc, optimizer=optimizer, grad_clip=grad_clip)
+    return state, finalize(combine(acc.stats, opt_stats))
+
+
+# --------------------------------------------------------------------------------------
+# KL in the reward.
+# --------------------------------------------------------------------------------------
+
+
+def kl_in_reward(
+    params: Params,
+    ref_params: Params,
+    batch: Batch,
+    rewards: jax.Array,
+    *,
+    algo: Algorithm,
+    model_config: model.ModelConfig,
+    group_size: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Rewards minus β·Σ_t KL_t under the current and reference policies, and the group
+    advantages recomputed from them (``algo.kl_in_reward`` must be set).
+
+    Args:
+      batch: the step's arrays (``[B, T]``; packed arrays when ``algo.packed``).
+      rewards: ``[B]`` sequence rewards in the batch's row order.
+      group_size: G; groups are contiguous rows.
+
+    Returns:
+      (rewards [B], advantages [B, T]).
+    """
+    logp, _ = algo.forward(params, batch, model_config=model_config)
+    ref, _ = algo.forward(ref_params, batch, model_config=model_config)
+    return algo.kl_in_reward(rewards, logp, ref, batch["loss_mask"], group_size=group_size)
 
 
 # --------------------------------------------------------------------------------------
@@ -518,7 +792,7 @@ def jit_train_step(
     mesh: jax.sharding.Mesh,
     batch_size: int,
     *,
-    settings: StepSettings,
+    algo: Algorithm,
     model_config: model.ModelConfig,
     optimizer: optax.GradientTransformation,
     grad_clip: float,
@@ -541,7 +815,7 @@ def jit_train_step(
     ref_shardings = state_shardings.params if with_reference else None
     fn = functools.partial(
         train_step,
-        settings=settings,
+        algo=algo,
         model_config=model_config,
         optimizer=optimizer,
         grad_clip=grad_clip,

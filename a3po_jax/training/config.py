@@ -17,13 +17,20 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from a3po_jax.core import advantages, losses, prox
+from a3po_jax.core.train_step import LOSS_TERMS
+
 MODES = ("sync", "periodic", "one_step_off", "async")
-PROX_MODES = ("recompute", "a3po", "behav")
-LOSSES = ("ppo", "dpo")
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# The algorithm choices are the keys of the core's tables: one list, where the code is.
+PROX_MODES = tuple(prox.PROX_RULES)
+LOSSES = tuple(LOSS_TERMS)
+ADVANTAGES = tuple(advantages.ESTIMATORS)
+AGGREGATIONS = losses.AGGREGATIONS
+KL_KINDS = losses.KL_KINDS
+CAP_MODES = losses.CAP_MODES
+DPO_KINDS = losses.DPO_KINDS
+ZERO_STALENESS = prox.ZERO_STALENESS
 UPDATE_POLICIES = ("in_flight", "drain")
-KL_KINDS = ("k1", "k2", "k3")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -149,12 +156,12 @@ class AlgoSection:
     def __post_init__(self):
         _choice("algo", "loss", self.loss, LOSSES)
         _choice("algo", "prox", self.prox, PROX_MODES)
-        _choice("algo", "a3po_zero_staleness", self.a3po_zero_staleness, ("current", "behav"))
+        _choice("algo", "a3po_zero_staleness", self.a3po_zero_staleness, ZERO_STALENESS)
         _choice("algo", "advantage", self.advantage, ADVANTAGES)
         _choice("algo", "aggregation", self.aggregation, AGGREGATIONS)
-        _choice("algo", "cap_mode", self.cap_mode, ("mask", "truncate"))
+        _choice("algo", "cap_mode", self.cap_mode, CAP_MODES)
         _choice("algo", "kl_kind", self.kl_kind, KL_KINDS)
-        _choice("algo", "dpo_kind", self.dpo_kind, ("sigmoid", "ipo"))
+        _choice("algo", "dpo_kind", self.dpo_kind, DPO_KINDS)
         _positive("algo", "clip_eps", self.clip_eps)
         for name in ("clip_eps_high", "behav_weight_cap", "kl_coef"):
             _positive("algo", name, getattr(self, name), allow_zero=True)

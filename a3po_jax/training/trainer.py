@@ -41,10 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from a3po_jax import model
-from a3po_jax.core import losses
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batching import TrainBatch, build_batch, group_advantages
-from a3po_jax.core.types import RolloutGroup
+from a3po_jax.core.batching import TrainBatch, build_batch
+from a3po_jax.core.types import RolloutGroup, token_staleness
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 from a3po_jax.parallel import distributed
@@ -55,6 +54,7 @@ from a3po_jax.rollout.queue import (
     StalenessController,
 )
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task, render_prompt, shaped_reward
+from a3po_jax.training import step_builder
 from a3po_jax.training.checkpointing import CheckpointManager, install_sigterm_handler
 from a3po_jax.training.config import TrainConfig
 from a3po_jax.training.metrics import MetricsLogger, ProgressBar
@@ -123,15 +123,6 @@ def request_seed(run_seed: int, group_id: int) -> int:
     draws the same samples as an uninterrupted one."""
     digest = hashlib.sha256(f"{run_seed}:{group_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def token_staleness(batch: TrainBatch, version: int) -> np.ndarray:
-    """Staleness d = v_θ - v_behav of every trained (completion) token, ``[N]`` int32.
-
-    Logged as an integer array, which the metrics logger summarises with one bin per value:
-    the exact staleness histogram in the JSONL file and in TensorBoard.
-    """
-    return (version - batch.versions)[batch.loss_mask > 0].astype(np.int32)
 
 
 class Trainer:
@@ -224,12 +215,14 @@ class Trainer:
 
         system = cfg.system
         self.mesh = make_mesh(system.mesh_data, system.mesh_fsdp, system.mesh_tensor)
-        self.settings = ts.StepSettings.from_config(cfg)
-        self.optimizer = ts.make_optimizer(cfg)
+        # The algorithm is resolved from its tables here, once (an unknown name fails now).
+        self.algo = step_builder.algorithm(cfg)
+        self.optimizer = step_builder.optimizer(cfg)
         self.state = ts.place_train_state(policy.params, self.optimizer, self.mesh)
-        needs_ref = self.settings.needs_reference or cfg.algo.kl_coef > 0
         # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
-        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if needs_ref else None
+        self.ref_params = (
+            jax.tree.map(jnp.copy, self.state.params) if self.algo.keeps_reference else None
+        )
         self._build_jitted()
 
         self._own_host = host is None and self.leader
@@ -272,15 +265,15 @@ class Trainer:
     # ------------------------------------------------------------------ jitted pieces
 
     def _build_jitted(self) -> None:
-        common = dict(settings=self.settings, model_config=self.policy.config)
+        common = dict(algo=self.algo, model_config=self.policy.config)
         batch_rows = self.group_size * self.batch_groups
-        mb = self.settings.micro_batch_size or batch_rows // self.settings.num_minibatches
+        mb = self.algo.micro_batch_size or batch_rows // self.algo.num_minibatches
         from a3po_jax.parallel.sharding import TRAIN_RULES, check_batch_divisible
 
         # Each micro-batch splits evenly over the mesh (packed arrays lead with groups).
-        rows_per_micro = mb // self.group_size if self.settings.packed else mb
+        rows_per_micro = mb // self.group_size if self.algo.packed else mb
         check_batch_divisible(rows_per_micro, self.mesh, TRAIN_RULES)
-        step_rows = self.batch_groups if self.settings.packed else batch_rows
+        step_rows = self.batch_groups if self.algo.packed else batch_rows
         self._batch_sharding = ts.batch_shardings(self.mesh, step_rows)
         self._train_step = ts.jit_train_step(
             self.state,
@@ -292,20 +285,20 @@ class Trainer:
             **common,
         )
         # Periodic mode: fold each arriving group into the gradient, one update at the end.
-        self._accumulate = jax.jit(
-            lambda params, mbs, version, prox, ref: ts.accumulate_grads(
-                params, mbs, version=version, prox_logp=prox, ref_logp=ref, **common
-            )
-        )
-        self._apply = jax.jit(
+        self._fold_group = jax.jit(functools.partial(ts.fold_group, **common))
+        self._apply_folded = jax.jit(
             functools.partial(
-                ts.apply_grads, optimizer=self.optimizer, grad_clip=self.cfg.optim.grad_clip
+                ts.apply_accumulated,
+                optimizer=self.optimizer,
+                grad_clip=self.cfg.optim.grad_clip,
             ),
             donate_argnums=(0,),
         )
-        self._logprobs = jax.jit(
-            lambda params, batch: ts.policy_logprobs(params, batch, **common)[0]
-        )
+        self._kl_in_reward = None
+        if self.algo.kl_in_reward is not None:
+            self._kl_in_reward = jax.jit(
+                functools.partial(ts.kl_in_reward, group_size=self.group_size, **common)
+            )
 
     # ------------------------------------------------------------------ threads
 
@@ -404,7 +397,7 @@ class Trainer:
             length_bucket=self.cfg.system.length_bucket,
             dpo_pairs=self.cfg.algo.loss == "dpo",
         )
-        if self.settings.packed:
+        if self.algo.packed:
             from a3po_jax.core.packing import pack_groups
 
             packed = pack_groups(groups, **kwargs)
@@ -412,15 +405,17 @@ class Trainer:
         else:
             batch = build_batch(groups, **kwargs)
             arrays_of = batch.arrays
-        if self.cfg.algo.kl_coef > 0 and self.cfg.algo.kl_in_reward:
-            # KL in the reward: R_i ← R_i − β Σ_t KL_t (k1 per token), then advantages.
-            ref = self._logprobs(self.ref_params, _to_device(arrays_of()))
-            cur = self._logprobs(self.state.params, _to_device(arrays_of()))
-            kl = losses.kl_penalty(cur, ref, self.cfg.algo.kl_kind)
-            kl_seq = np.asarray(jnp.sum(kl * batch.loss_mask, axis=-1))
-            batch.rewards = batch.rewards - self.cfg.algo.kl_coef * kl_seq
-            adv = group_advantages(batch.rewards, self.group_size, self.cfg.algo.advantage)
-            batch.advantages = (adv[:, None] * batch.loss_mask).astype(np.float32)
+        if self._kl_in_reward is not None:
+            # KL in the reward: R_i ← R_i − β Σ_t KL_t, then the advantages of those rewards
+            # (core.train_step.kl_in_reward); the step then reads the new advantages.
+            rewards, adv = self._kl_in_reward(
+                self.state.params,
+                self.ref_params,
+                _to_device(arrays_of()),
+                jnp.asarray(batch.rewards),
+            )
+            batch.rewards = np.asarray(rewards, np.float32)
+            batch.advantages = np.asarray(adv, np.float32)
         return batch, arrays_of()
 
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
@@ -451,8 +446,7 @@ class Trainer:
         """Periodic Asynchrony: consume groups as they finish, fold each into the gradient,
         then one optimizer step. Same update as ``sync`` up to summation order."""
         params = self.state.params
-        g_total = l_total = m_total = None
-        denom = 0.0
+        folded = None
         groups: list[RolloutGroup] = []
         wait = 0.0
         mb = self.cfg.system.micro_batch_size or self.group_size
@@ -466,30 +460,13 @@ class Trainer:
             _, arrays = self._batch_from_groups([group])
             arrays = _to_device(arrays)
             # A packed group is one row: it cannot be split further.
-            n_micro = 1 if self.settings.packed else self.group_size // mb
+            n_micro = 1 if self.algo.packed else self.group_size // mb
             mbs = ts.split_micro_batches(arrays, n_micro)
-            prox = ref = None
-            if (
-                self.settings.loss == "ppo"
-                and self.settings.prox == "recompute"
-                and not self.settings.one_pass_old
-            ):
-                prox = jax.lax.stop_gradient(jax.vmap(lambda b: self._logprobs(params, b))(mbs))
-            if self.settings.needs_reference:
-                ref = jax.vmap(lambda b: self._logprobs(self.ref_params, b))(mbs)
-            g, loss_sum, m = self._accumulate(params, mbs, jnp.int32(version), prox, ref)
-            if g_total is None:
-                g_total, l_total, m_total = g, loss_sum, m
-            else:
-                g_total = jax.tree.map(jnp.add, g_total, g)
-                l_total = l_total + loss_sum
-                m_total = ts.combine_metric_sums(m_total, m)
-            denom += float(ts.global_denominator(arrays, self.settings))
+            # The prox rule's old pass and the reference pass run inside the fold.
+            acc = self._fold_group(params, self.ref_params, mbs, jnp.int32(version))
+            folded = acc if folded is None else ts.add_accumulated(folded, acc)
         timings["time/wait_rollouts_s"] = wait
-        self.state, opt_metrics = self._apply(
-            self.state, g_total, jnp.float32(denom), loss_sum=l_total
-        )
-        metrics = {**ts.finalize_metrics(m_total, l_total, denom), **opt_metrics}
+        self.state, metrics = self._apply_folded(self.state, folded)
         merged = build_batch(
             groups,
             advantage=self.cfg.algo.advantage,
@@ -696,7 +673,7 @@ class Trainer:
     def _record(self, batch, groups, version, metrics, timings) -> dict[str, Any]:
         infos = [r.info for g in groups for r in g.rollouts]
         lengths = np.array([r.num_tokens for g in groups for r in g.rollouts], np.float32)
-        staleness = token_staleness(batch, version)
+        staleness = token_staleness(groups, version)
         n_tok = float(batch.loss_mask.sum())
         host_stats = self.host.stats()
         record = {

@@ -1,0 +1,116 @@
+"""Where the proximal policy comes from: a table of prox rules, chosen when the step is built.
+
+Decoupled PPO (Hilton et al., arXiv 2110.00641; AReaL, arXiv 2505.24298) anchors its trust
+region at a proximal policy π_prox, separate from the behaviour policy π_behav that sampled
+the data. The loss (:func:`a3po_jax.core.losses.decoupled_ppo_loss`) does not know where
+``prox_logp`` came from; one of these rules produces it:
+
+* ``recompute``: log π_prox = the step's starting weights' log-probs, from an extra no-grad
+  forward pass (decoupled PPO as published). With one optimizer step per batch the starting
+  weights ARE the current ones, so the pass can be skipped: old = sg(current)
+  (:func:`old_is_current`, Periodic Asynchrony's unified pass, arXiv 2511.18871).
+* ``a3po``: A-3PO's interpolation between behav and sg(current) by staleness, no pass
+  (:func:`a3po_jax.core.losses.a3po_prox_logp`, arXiv 2512.06547).
+* ``behav``: prox = behav, i.e. plain PPO against the behaviour policy (naive async PPO).
+
+Every rule has one signature, ``rule(logp, behav_logp, staleness, old_logp) -> prox_logp``
+(``[B, T]`` each; ``old_logp`` is the recompute pass's output or None), so the step calls
+whichever was chosen without comparing strings inside the differentiated function.
+
+Core layer: imports only from ``a3po_jax.core``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+
+import jax
+
+from a3po_jax.core import losses
+
+ProxFn = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+ZERO_STALENESS: tuple[str, ...] = ("current", "behav")
+
+
+def old_is_current(logp: jax.Array) -> jax.Array:
+    """The old (proximal) policy's log-probs when it equals the current one: ``sg(logp)``.
+
+    Exact when the step's starting weights are the weights being differentiated (one
+    optimizer step per batch): a separate no-grad pass would return the same numbers. The
+    gradient is stopped because the proximal anchor is data, never differentiated
+    (design §3): through it, r = exp(logp - prox) would be the constant 1.
+    """
+    return jax.lax.stop_gradient(logp)
+
+
+def _recomputed(logp, behav_logp, staleness, old_logp):
+    """prox = the recompute pass over the step's starting weights."""
+    del logp, behav_logp, staleness
+    if old_logp is None:
+        raise ValueError("prox rule 'recompute' needs the recompute pass's old_logp, got None")
+    return jax.lax.stop_gradient(old_logp)
+
+
+def _current(logp, behav_logp, staleness, old_logp):
+    """prox = sg(current): recompute's value without the pass (one step per batch)."""
+    del behav_logp, staleness, old_logp
+    return old_is_current(logp)
+
+
+def _a3po(logp, behav_logp, staleness, old_logp, *, zero_staleness: str = "current"):
+    """prox = A-3PO's staleness interpolation between behav and sg(current)."""
+    del old_logp
+    return losses.a3po_prox_logp(logp, behav_logp, staleness, zero_staleness=zero_staleness)
+
+
+def _behav(logp, behav_logp, staleness, old_logp):
+    """prox = behav: PPO against the behaviour policy, w_t = 1."""
+    del logp, staleness, old_logp
+    return jax.lax.stop_gradient(behav_logp)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxRule:
+    """A way to obtain log π_prox, and whether it needs a no-grad pass of the old weights."""
+
+    fn: ProxFn  # (logp, behav_logp, staleness, old_logp) -> prox_logp, all [B, T]
+    needs_old_pass: bool  # True: the step runs the starting weights once more, no gradient
+
+
+PROX_RULES: Mapping[str, ProxRule] = {
+    "recompute": ProxRule(_recomputed, needs_old_pass=True),
+    "a3po": ProxRule(_a3po, needs_old_pass=False),
+    "behav": ProxRule(_behav, needs_old_pass=False),
+}
+
+
+def make_prox_rule(
+    name: str, *, zero_staleness: str = "current", one_pass_old: bool = False
+) -> ProxRule:
+    """The rule called ``name`` from :data:`PROX_RULES`, with its hyperparameters bound.
+
+    Args:
+      name: ``"recompute"``, ``"a3po"`` or ``"behav"``.
+      zero_staleness: A-3PO at d = 0: ``"current"`` (the paper) or ``"behav"`` (AReaL).
+      one_pass_old: with ``"recompute"``, take old = sg(current) instead of running the pass
+        (exact only with one optimizer step per batch; the config checks that).
+
+    Raises:
+      ValueError: naming the unknown value and the allowed ones.
+    """
+    if name not in PROX_RULES:
+        raise ValueError(f"unknown prox rule {name!r}; allowed: {', '.join(PROX_RULES)}")
+    if zero_staleness not in ZERO_STALENESS:
+        raise ValueError(
+            f"unknown zero_staleness {zero_staleness!r}; allowed: {', '.join(ZERO_STALENESS)}"
+        )
+    if one_pass_old and name != "recompute":
+        raise ValueError(f"one_pass_old applies to prox rule 'recompute' only, got {name!r}")
+    if one_pass_old:
+        return ProxRule(_current, needs_old_pass=False)
+    rule = PROX_RULES[name]
+    if name == "a3po":
+        return ProxRule(functools.partial(_a3po, zero_staleness=zero_staleness), False)
+    return rule
