@@ -475,3 +475,119 @@ def test_online_dpo_pair_mask_and_global_denominator():
         for s in (slice(0, 2), slice(2, 4))
     ]
     np.testing.assert_allclose(sum(halves), full, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# Unreduced pieces: (numerator, count) pairs and per-token / per-pair values
+# ----------------------------------------------------------------------------------------
+
+
+@JIT_VARIANTS
+def test_aggregate_sum_golden(maybe_jit):
+    # Row 0: values 1, 2, 3 (3 valid); row 1: 4 and 6 valid, the 5 masked; row 2 padding.
+    values = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    parts = {m: maybe_jit(lambda v, k, m=m: L.aggregate_sum(v, k, mode=m)) for m in L.AGGREGATIONS}
+    # token_mean: (1+2+3+4+6, 5 tokens); a mean of row means would give (2 + 5) / 2 = 3.5.
+    np.testing.assert_allclose(parts["token_mean"](values, mask), (16.0, 5.0))
+    # seq_mean_token_mean: (2 + 5, 2 rows with a token); counting the padded row gives /3.
+    np.testing.assert_allclose(parts["seq_mean_token_mean"](values, mask), (7.0, 2.0), rtol=1e-6)
+    # Dr.GRPO: (6/3 + 10/3, 2 rows): every row divided by T = 3, not by its own length.
+    np.testing.assert_allclose(
+        parts["seq_mean_token_sum_norm"](values, mask), (16.0 / 3.0, 2.0), rtol=1e-6
+    )
+    for mode in L.AGGREGATIONS:
+        num, count = parts[mode](values, mask)
+        np.testing.assert_allclose(num / count, L.aggregate(values, mask, mode=mode), rtol=1e-6)
+
+
+def test_aggregate_sum_parts_add_across_micro_batches():
+    vals = jax.random.normal(jax.random.key(5), (6, 5))
+    mask = (jax.random.uniform(jax.random.key(6), (6, 5)) > 0.3).astype(jnp.float32)
+    mask = mask.at[3].set(0.0)
+    for mode in L.AGGREGATIONS:
+        pieces = [L.aggregate_sum(vals[i : i + 2], mask[i : i + 2], mode=mode) for i in (0, 2, 4)]
+        num, count = (sum(p[j] for p in pieces) for j in (0, 1))
+        np.testing.assert_allclose(num / count, L.aggregate(vals, mask, mode=mode), rtol=1e-6)
+
+
+def test_per_token_ppo_reduces_to_the_reduced_loss():
+    key = jax.random.split(jax.random.key(7), 4)
+    logp = -jax.random.uniform(key[0], (3, 4), minval=0.5, maxval=3.0)
+    prox = logp + 0.3 * jax.random.normal(key[1], (3, 4))
+    behav = prox + 0.3 * jax.random.normal(key[2], (3, 4))
+    adv = jax.random.normal(key[3], (3, 4))
+    mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], jnp.float32)
+    kw = dict(clip_eps=0.2, dual_clip=3.0, behav_weight_cap=1.2)
+    per_token, diag = L.decoupled_ppo_per_token(logp, prox, behav, adv, mask, **kw)
+    loss, metrics = L.decoupled_ppo_loss(logp, prox, behav, adv, mask, **kw)
+    np.testing.assert_allclose(jnp.sum(per_token) / jnp.sum(mask), loss, rtol=1e-6)
+    assert float(jnp.sum(jnp.abs(per_token) * (1 - mask))) == 0.0  # padding contributes 0
+    n = jnp.sum(mask)
+    np.testing.assert_allclose(jnp.sum(diag["clipped"] * mask) / n, metrics["loss/clipfrac"])
+    np.testing.assert_allclose(jnp.sum(diag["capped"] * mask) / n, metrics["is/capped_frac"])
+    w = np.asarray(diag["is_weight"])[np.asarray(mask) > 0]
+    np.testing.assert_allclose(w.max(), metrics["is/weight_max"], rtol=1e-6)
+    np.testing.assert_allclose(w.min(), metrics["is/weight_min"], rtol=1e-6)
+
+
+def test_per_pair_dpo_reduces_to_the_reduced_loss():
+    chosen, rejected = jnp.array([-3.0, -2.0, -5.0]), jnp.array([-4.0, -2.5, -1.0])
+    ref_c, ref_r = jnp.array([-3.5, -2.0, -4.0]), jnp.array([-3.5, -3.0, -1.5])
+    pairs = jnp.array([1.0, 1.0, 0.0])
+    per_pair, diag = L.online_dpo_per_pair(chosen, rejected, ref_c, ref_r, beta=0.5)
+    loss, metrics = L.online_dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.5, mask=pairs)
+    np.testing.assert_allclose(jnp.sum(per_pair * pairs) / 2.0, loss, rtol=1e-6)
+    # h = (logp⁺ - ref⁺) - (logp⁻ - ref⁻): pair 0: 0.5 - (-0.5) = 1; pair 1: 0 - 0.5 = -0.5.
+    np.testing.assert_allclose(diag["margin"][:2], [0.5, -0.25], rtol=1e-6)
+    np.testing.assert_allclose(metrics["dpo/accuracy"], 0.5)
+
+
+def test_kl_estimators_table_is_kl_penalty():
+    logp, ref = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -2.0]])
+    # x = ref - logp = (-0.5, 0): k1 = (0.5, 0), k2 = (0.125, 0), k3 = (e^-0.5 - 0.5, 0).
+    want = {"k1": [0.5, 0.0], "k2": [0.125, 0.0], "k3": [math.exp(-0.5) - 0.5, 0.0]}
+    for kind, estimate in L.KL_ESTIMATORS.items():
+        np.testing.assert_allclose(L.kl_penalty(logp, ref, kind)[0], want[kind], rtol=1e-6)
+        np.testing.assert_allclose(estimate(ref - logp)[0], want[kind], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# Advantage table and KL-in-reward (a3po_jax.core.advantages)
+# ----------------------------------------------------------------------------------------
+
+
+def test_advantage_table_and_kl_shaped_rewards_golden():
+    from a3po_jax.core import advantages
+
+    rewards = jnp.array([1.0, 0.0, 1.0, 1.0])  # one group of 4, mean 0.75, std √3 / 4
+    np.testing.assert_allclose(
+        advantages.ESTIMATORS["drgrpo"](rewards, 4), [0.25, -0.75, 0.25, 0.25], rtol=1e-6
+    )
+    # RLOO: R_i - mean of the other three: 1 - 2/3, 0 - 1, ...
+    np.testing.assert_allclose(
+        advantages.ESTIMATORS["rloo"](rewards, 4), [1 / 3, -1.0, 1 / 3, 1 / 3], rtol=1e-6
+    )
+    with pytest.raises(ValueError, match="'gae'.*grpo, drgrpo, rloo"):
+        advantages.estimator("gae")
+    # KL in the reward, k1 = logp - ref summed over completion tokens only: row 0 has
+    # 0.5 + 0.5 (its third token is masked; counting it would add 2), row 1 has 0.
+    logp = jnp.array([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    ref = jnp.array([[-1.5, -1.5, -3.0], [-2.0, -2.0, -2.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    shaped = advantages.kl_shaped_rewards(
+        jnp.array([1.0, 1.0]), logp, ref, mask, kl_coef=0.1, kl_kind="k1"
+    )
+    np.testing.assert_allclose(shaped, [1.0 - 0.1 * 1.0, 1.0], rtol=1e-6)
+    r, adv = advantages.kl_in_reward_advantages(
+        jnp.array([1.0, 1.0]),
+        logp,
+        ref,
+        mask,
+        group_size=2,
+        estimate=advantages.ESTIMATORS["drgrpo"],
+        kl_coef=0.1,
+        kl_kind="k1",
+    )
+    # One group of 2 with rewards 0.9, 1.0: Dr.GRPO advantages -0.05, +0.05 on valid tokens.
+    np.testing.assert_allclose(adv, [[-0.05, -0.05, 0.0], [0.05, 0.05, 0.05]], atol=1e-6)

@@ -8,11 +8,14 @@ hyperparameters. Policy losses return ``(loss, metrics)`` so they drop straight 
 
 Shape letters: B batch (sequences), T time (tokens), V vocab, N groups, G group size.
 
-Reduction happens once, at the top: every loss takes an optional ``denominator`` so that a
-caller splitting a batch into micro-batches can pass the *global* count (valid tokens or
-sequences of the whole batch) and simply add the micro-batch losses. Metrics are reduced
-over the arrays given; ``loss/num_tokens`` says how many valid tokens they cover so a caller
-can weight them.
+Reduction happens once, at the top. The per-token (per-pair) pieces come unreduced:
+``decoupled_ppo_per_token`` and ``online_dpo_per_pair`` return the loss and diagnostics per
+token (pair), and ``aggregate_sum`` turns per-token values into a ``(numerator, count)`` pair
+that adds across micro-batches; the train step sums those and divides once. The
+reduced losses (``decoupled_ppo_loss``, ``online_dpo_loss``) are these pieces plus one
+reduction; their optional ``denominator`` takes the *global* count when a caller adds
+micro-batch losses itself. Choices are tables (``AGGREGATORS``, ``KL_ESTIMATORS``), so a
+caller can resolve a name once and call the function.
 """
 
 from __future__ import annotations
