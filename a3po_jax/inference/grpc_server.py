@@ -5,9 +5,9 @@ The command line that starts one is `a3po_jax.cli.serve`:
     python -m a3po_jax.cli.serve --model tiny --port 50051 \\
         --host 127.0.0.1 --token-file ~/.a3po_host_token
 
-`--model` is `tiny` (random `ModelConfig.tiny()` params from `--init-seed`), `smollm2`
-(`a3po_jax.model.assets.load_smollm2()`), or a Hugging Face checkpoint directory (config.json +
-*.safetensors, e.g. one written by `checkpoint_io.save_hf_checkpoint`). The trainer connects with
+`--model` names a model as the trainer's `model.name` does (`a3po_jax.model.loader.load_model`:
+`tiny` with params from `--init-seed`, `smollm2`, a Hugging Face checkpoint directory or a
+`.gguf` file), so the two build the same config for the same name. The trainer connects with
 `GrpcInferenceClient(address, token)`, which offers the `InferenceHost` methods.
 
 Security: binds 127.0.0.1 unless told otherwise, and every call but Health needs the
@@ -212,26 +212,17 @@ def resolve_token(token_file: str | None) -> tuple[str, Path | None]:
     return token, path
 
 
-def load_model(spec: str, *, init_seed: int = 0) -> tuple[Any, Any]:
-    """(config, params) for `--model`: "tiny", "smollm2" or a Hugging Face checkpoint dir."""
-    import jax
+def load_model(
+    spec: str,
+    *,
+    init_seed: int = 0,
+    param_dtype: str = "float32",
+    compute_dtype: str = "float32",
+) -> tuple[Any, Any]:
+    """(config, params) for `--model`, built by the one model loader
+    (`a3po_jax.model.loader.load_model`): "tiny", "smollm2", a Hugging Face checkpoint
+    directory or a .gguf file, in the given dtypes; `init_seed` seeds "tiny"."""
+    from a3po_jax.model.loader import load_model as load
 
-    from a3po_jax import model as model_lib
-
-    if spec == "tiny":
-        config = model_lib.ModelConfig.tiny()
-        return config, model_lib.init_params(config, jax.random.key(init_seed))
-    if spec == "smollm2":
-        from a3po_jax.model import assets
-
-        config, params, _ = assets.load_smollm2()
-        return config, params
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"--model must be 'tiny', 'smollm2' or a Hugging Face checkpoint directory "
-            f"(config.json + *.safetensors); got {spec!r}"
-        )
-    from a3po_jax.model import checkpoint_io
-
-    return checkpoint_io.load_hf_checkpoint(path)
+    loaded = load(spec, param_dtype=param_dtype, compute_dtype=compute_dtype, seed=init_seed)
+    return loaded.config, loaded.params

@@ -25,7 +25,6 @@ Nothing here enters jit; everything jitted lives in ``train_step.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -40,12 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from a3po_jax import model
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import TrainBatch, build_batch
 from a3po_jax.core.types import RolloutGroup, token_staleness
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
+from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
 from a3po_jax.rollout.queue import (
     QueueClosed,
@@ -71,51 +70,20 @@ CONSOLE_KEYS = (
 )
 
 
-@dataclasses.dataclass
-class Policy:
-    """A model to train: its architecture, parameters and tokenizer."""
-
-    config: model.ModelConfig
-    params: Any
-    tokenizer: Any
+# A model to train: its architecture, parameters and tokenizer (the loader's type).
+Policy = LoadedModel
 
 
 def load_policy(section) -> Policy:
-    """Load the policy named by a :class:`a3po_jax.training.config.ModelSection`.
-
-    ``tiny`` is a random 2-layer model with a character tokenizer (tests, smoke runs);
-    ``smollm2`` is SmolLM2-135M-Instruct from the offline cache; anything else is a path to
-    a Hugging Face checkpoint directory or a ``.gguf`` file.
-    """
-    dtype = section.param_dtype
-    if section.name == "tiny":
-        from a3po_jax.model.char_tokenizer import char_tokenizer
-
-        cfg = model.ModelConfig.tiny(
-            param_dtype=dtype,
-            compute_dtype=section.compute_dtype,
-            remat=section.remat,
-            max_seq_len=1024,
-        )
-        params = model.init_params(cfg, jax.random.key(section.seed))
-        return Policy(cfg, params, char_tokenizer())
-    from a3po_jax.model import assets, checkpoint_io
-
-    kwargs = dict(param_dtype=dtype, compute_dtype=section.compute_dtype, remat=section.remat)
-    if section.name == "smollm2":
-        folder = assets.prepare_smollm2()
-    else:
-        folder = Path(section.name)
-        if not folder.exists():
-            raise FileNotFoundError(
-                f"model.name={section.name!r}: not 'tiny', 'smollm2' or an existing checkpoint "
-                "directory / .gguf file"
-            )
-    if folder.suffix == ".gguf":
-        cfg, params = checkpoint_io.load_gguf(folder, **kwargs)
-    else:
-        cfg, params = checkpoint_io.load_hf_checkpoint(folder, **kwargs)
-    return Policy(cfg, params, checkpoint_io.load_tokenizer(folder))
+    """The policy a :class:`a3po_jax.training.config.ModelSection` names, built by the one
+    model loader (:func:`a3po_jax.model.loader.load_model`, which lists the names)."""
+    return load_model(
+        section.name,
+        param_dtype=section.param_dtype,
+        compute_dtype=section.compute_dtype,
+        remat=section.remat,
+        seed=section.seed,
+    )
 
 
 def request_seed(run_seed: int, group_id: int) -> int:
