@@ -25,7 +25,13 @@ log = logging.getLogger(__name__)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | PATH")
+    parser.add_argument(
+        "--model", default="tiny", help="tiny | smollm2 | HF checkpoint dir | .gguf file"
+    )
+    parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="matmul dtype"
+    )
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--token-file", default=None)
@@ -42,7 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
     token, token_path = grpc_server.resolve_token(args.token_file)
-    config, params = grpc_server.load_model(args.model, init_seed=args.init_seed)
+    config, params = grpc_server.load_model(
+        args.model,
+        init_seed=args.init_seed,
+        param_dtype=args.param_dtype,
+        compute_dtype=args.compute_dtype,
+    )
     host = InferenceHost(
         config,
         params,
