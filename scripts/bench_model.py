@@ -1,5 +1,8 @@
 """Forward, forward+backward and KV-cache decode throughput of the decoder, and its memory.
 
+Decode is timed twice: `apply` over the stacked layers, and `apply_decode` over the per-layer
+weights (`decode_params`), which is what the inference engine runs.
+
     python scripts/bench_model.py --config tiny --batch 8 --seq 128
     python scripts/bench_model.py --config smollm2 --batch 4 --seq 256 --dtype bfloat16
     python scripts/bench_model.py --config qwen2.5-1.5b --batch 8 --seq 1024 --remat   # GPU/TPU
@@ -19,7 +22,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.model import ModelConfig, apply, init_kv_cache, init_params
+from a3po_jax.model import (
+    ModelConfig,
+    apply,
+    apply_decode,
+    decode_params,
+    init_kv_cache,
+    init_params,
+)
 from a3po_jax.model.assets import smollm2_config
 
 PRESETS = {
@@ -137,36 +147,52 @@ def main(argv=None) -> dict:
     if args.decode_steps:
         capacity = t + args.decode_steps
 
-        def decode(p, cache):
-            def step(carry, _):
-                tok, cache = carry
-                logits, cache = apply(p, tok, cache.lengths[:, None], config=config, kv_cache=cache)
-                return (jnp.argmax(logits, -1).astype(jnp.int32), cache), None
+        def decoder(forward):
+            def decode(p, cache):
+                def step(carry, _):
+                    tok, cache = carry
+                    logits, cache = forward(p, tok, cache.lengths[:, None], cache)
+                    return (jnp.argmax(logits, -1).astype(jnp.int32), cache), None
 
-            first = jnp.zeros((b, 1), jnp.int32)
-            (tok, cache), _ = jax.lax.scan(step, (first, cache), None, length=args.decode_steps)
-            return tok, cache
+                first = jnp.zeros((b, 1), jnp.int32)
+                (tok, cache), _ = jax.lax.scan(step, (first, cache), None, length=args.decode_steps)
+                return tok, cache
 
+            return decode
+
+        # "decode": `apply` over the stacked layers; "decode_per_layer": `apply_decode` over
+        # `decode_params`, the inference engine's decode step.
+        paths = {
+            "decode": (
+                lambda p, tok, pos, cache: apply(p, tok, pos, config=config, kv_cache=cache),
+                params,
+            ),
+            "decode_per_layer": (
+                lambda p, tok, pos, cache: apply_decode(p, tok, pos, config=config, kv_cache=cache),
+                decode_params(params, config),
+            ),
+        }
         # A cache already holding `seq` tokens, so each step attends a realistic context.
         cache = init_kv_cache(config, b, capacity)._replace(lengths=jnp.full((b,), t, jnp.int32))
-        start = time.perf_counter()
-        compiled = jax.jit(decode).lower(params, cache).compile()
-        compile_s = time.perf_counter() - start
-        seconds = _time(compiled, params, cache, repeats=args.repeats)
-        results["decode"] = {
-            "compile_s": round(compile_s, 2),
-            "step_s": seconds / args.decode_steps,
-            "tokens_per_s": b * args.decode_steps / seconds,
-            "kv_cache_bytes": int(cache.k.nbytes + cache.v.nbytes),
-            "memory": _memory(compiled),
-        }
+        for name, (forward, weights) in paths.items():
+            start = time.perf_counter()
+            compiled = jax.jit(decoder(forward)).lower(weights, cache).compile()
+            compile_s = time.perf_counter() - start
+            seconds = _time(compiled, weights, cache, repeats=args.repeats)
+            results[name] = {
+                "compile_s": round(compile_s, 2),
+                "step_s": seconds / args.decode_steps,
+                "tokens_per_s": b * args.decode_steps / seconds,
+                "kv_cache_bytes": int(cache.k.nbytes + cache.v.nbytes),
+                "memory": _memory(compiled),
+            }
 
     print(
         f"{args.config}: {config.n_params / 1e6:.1f} M params ({_mib(param_bytes)} {args.dtype}), "
         f"batch {b} x seq {t}, remat={args.remat}, on {results['backend']} "
         f"({results['device']})"
     )
-    for name in ("forward", "forward_backward", "decode"):
+    for name in ("forward", "forward_backward", "decode", "decode_per_layer"):
         if name not in results:
             continue
         r = results[name]
