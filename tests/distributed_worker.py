@@ -86,14 +86,15 @@ def train(steps: int, mesh_sizes: tuple[int, int, int]) -> tuple[dict, list[floa
     from a3po_jax.core import train_step as ts
     from a3po_jax.core.batching import build_batch
     from a3po_jax.parallel.sharding import make_mesh
+    from a3po_jax.training import step_builder
     from a3po_jax.training.config import OptimSection
 
     rows = 16  # make_config: 4 groups of 4
     # A learning rate that moves the weights by ~1e-3 per step, far above the tolerance the
     # test compares them with.
     cfg = dataclasses.replace(make_config(prox="a3po"), optim=OptimSection(learning_rate=1e-3))
-    settings = ts.StepSettings.from_config(cfg)
-    optimizer = ts.make_optimizer(cfg)
+    algo = step_builder.algorithm(cfg)
+    optimizer = step_builder.optimizer(cfg)
     mesh = make_mesh(*mesh_sizes)
     params = model.init_params(CFG, jax.random.key(0))
     state = ts.place_train_state(params, optimizer, mesh)
@@ -101,7 +102,7 @@ def train(steps: int, mesh_sizes: tuple[int, int, int]) -> tuple[dict, list[floa
         state,
         mesh,
         rows,
-        settings=settings,
+        algo=algo,
         model_config=CFG,
         optimizer=optimizer,
         grad_clip=cfg.optim.grad_clip,
@@ -137,7 +138,7 @@ def main() -> int:
 
     import jax
 
-    from a3po_jax.model import tree_path_str
+    from a3po_jax.model import flatten_params
 
     assert (jax.process_count(), jax.process_index()) == (
         setup.num_processes,
@@ -153,7 +154,7 @@ def main() -> int:
     mesh_sizes = tuple(int(s) for s in args.mesh.split(","))
     params, losses = train(args.steps, mesh_sizes)
     if distributed.is_coordinator():
-        flat = {tree_path_str(p): np.asarray(x) for p, x in jax.tree.flatten_with_path(params)[0]}
+        flat = {name: np.asarray(x) for name, x in flatten_params(params).items()}
         np.savez(
             args.out,
             **flat,
