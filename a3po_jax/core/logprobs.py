@@ -1,5 +1,7 @@
 """Target log-probs and entropies of ``softmax(h W / T)`` without ``[B, T, V]`` logits (core).
 
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
 The plain path (``model.apply`` logits, then ``losses.token_logprobs`` / ``losses.entropy``)
 holds float32 logits of shape [B, T, V], their softmax and, under ``jax.grad``, their
 cotangent: 0.8 GB each for 4096 tokens of SmolLM2's 49152-token vocabulary. Here the tokens
