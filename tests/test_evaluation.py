@@ -200,6 +200,7 @@ def tiny_run(tmp_path):
     config.json and one checkpoint (the random init: the params do not matter here)."""
     import json
 
+    from a3po_jax.model.loader import load_model
     from a3po_jax.training.checkpointing import CheckpointManager
     from a3po_jax.training.config import (
         ModelSection,
@@ -207,7 +208,6 @@ def tiny_run(tmp_path):
         TaskSection,
         TrainConfig,
     )
-    from a3po_jax.training.trainer import load_policy
 
     run = tmp_path / "run"
     cfg = TrainConfig(
@@ -219,7 +219,7 @@ def tiny_run(tmp_path):
     )
     run.mkdir()
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    policy = load_policy(cfg.model)
+    policy = load_model(cfg.model.name, seed=cfg.model.seed)
     with CheckpointManager(run / "checkpoints", async_save=False) as manager:
         manager.save(
             1, params=policy.params, opt_state={"count": np.zeros(())}, extra={}, force=True
@@ -287,3 +287,6 @@ def test_cli_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
 
     assert cli.main(["--run-dir", str(tmp_path)]) == 2
     assert "no config.json (not a run directory)" in capsys.readouterr().err
+    run = tiny_run(tmp_path)
+    assert cli.main(["--run-dir", str(run), "--task", "no_such_task"]) == 2
+    assert "unknown task 'no_such_task'" in capsys.readouterr().err

@@ -117,12 +117,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Heavy imports once the arguments are known to be good.
     from a3po_jax.inference.host import InferenceHost
-    from a3po_jax.training.trainer import load_policy
+    from a3po_jax.model.loader import load_model
 
+    # Read-only check first: the checkpoint manager would create checkpoints/ in the run.
+    if run_cfg is not None and not (pathlib.Path(args.run_dir) / "checkpoints").is_dir():
+        return _fail(f"--run-dir {args.run_dir}: no checkpoints/ (nothing to evaluate)")
+    section = run_cfg.model if run_cfg is not None else ModelSection(name=args.model or "smollm2")
+    try:  # the one model loader, as the trainer and the gRPC server build models
+        policy = load_model(
+            section.name,
+            param_dtype=section.param_dtype,
+            compute_dtype=section.compute_dtype,
+            seed=section.seed,
+        )
+    except FileNotFoundError as err:
+        return _fail(str(err))
     if run_cfg is not None:
         from a3po_jax.training.checkpointing import CheckpointManager
 
-        policy = load_policy(run_cfg.model)
         manager = CheckpointManager(pathlib.Path(args.run_dir) / "checkpoints", async_save=False)
         try:
             policy.params = manager.restore_params(args.step, params_template=policy.params)
@@ -131,8 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         step = args.step if args.step is not None else manager.latest_step()
         manager.close()
         print(f"evaluating {args.run_dir} at step {step}", file=sys.stderr)
-    else:
-        policy = load_policy(ModelSection(name=args.model or "smollm2"))
     print(
         f"task={spec.task} options={spec.task_options} split={spec.split} "
         f"prompts={num_prompts} max_new_tokens={spec.max_new_tokens} (from {origin}"
