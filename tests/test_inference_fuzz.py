@@ -6,7 +6,7 @@ import random
 
 import grpc
 import pytest
-from test_trainer_grpc import start_server, stop
+from inference_reference import start_grpc_server, stop_grpc_server
 
 from a3po_jax.inference import inference_pb2 as pb
 from a3po_jax.inference.grpc_client import GrpcInferenceClient
@@ -40,7 +40,11 @@ def mutations(rng: random.Random, n: int):
 
 
 def test_server_survives_random_and_truncated_messages(tmp_path):
-    proc, address, token = start_server(tmp_path, "in_flight")
+    token_file = tmp_path / "token"
+    proc, address = start_grpc_server(
+        token_file, "--num-slots", "8", "--prefill-buckets", "64", "--max-cache-len", "96"
+    )
+    token = token_file.read_text().strip()
     rng = random.Random(0)
     statuses = set()
     try:
@@ -77,4 +81,4 @@ def test_server_survives_random_and_truncated_messages(tmp_path):
         assert results[0].finish_reason in ("stop", "length") and len(results[0].tokens) >= 1
         client.close()
     finally:
-        stop(proc)
+        stop_grpc_server(proc)
