@@ -464,6 +464,9 @@ def decoder_layer(
       (x [B, T, D], the written (cache_k, cache_v) or None).
     """
     c = config
+    chex.assert_shape(x, (None, None, c.d_model))
+    chex.assert_shape(positions, x.shape[:2])
+    chex.assert_shape(mask, (*x.shape[:2], None))
     cdt = jnp.dtype(c.compute_dtype)
     attn = w["attn"]
     q, key, value = _project_qkv(attn, rms_norm(x, w["input_norm"]["scale"], c.rms_eps), c)
