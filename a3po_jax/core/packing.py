@@ -356,7 +356,7 @@ def packed_token_logprobs(
     hidden = packed_hidden(params, packed, model_config=model_config)  # [N, L, D]
     row = jnp.arange(b) // g  # [B] packed row of each sample
     h = hidden[row[:, None], pred_pos]  # [B, C, D]
-    # Same float32 head as model.Decoder; temperature as in forward_logprobs.
+    # Same float32 head as model.apply; temperature as in forward_logprobs.
     logits = jnp.einsum("bcd,dv->bcv", h, model.lm_head_kernel(params, model_config)) / temperature
     logp_c = losses.token_logprobs(logits, packed["completion_targets"])  # [B, C]
     ent_c = losses.entropy(logits)  # [B, C]
