@@ -27,8 +27,9 @@ def hf_dir(tmp_path_factory):
 
 
 def _three_paths(name):
-    """(trainer and evaluation CLI, gRPC server, loader) for one name: `cli.evaluate` and
-    `a3po-train` both go through `load_policy`."""
+    """(trainer, gRPC server, loader) for one name: `a3po-train` goes through `load_policy`,
+    `cli.serve` through `grpc_server.load_model`, and `cli.evaluate` calls `load_model` with
+    the run's model section directly."""
     policy = load_policy(ModelSection(name=str(name), seed=3, **NUMERICS))
     server_config, server_params = grpc_server.load_model(str(name), init_seed=3, **NUMERICS)
     loaded = load_model(str(name), seed=3, **NUMERICS)
