@@ -7,13 +7,16 @@ import numpy as np
 import pytest
 
 from a3po_jax.core.types import Rollout, RolloutGroup, token_staleness
-from a3po_jax.rollout.queue import (
+from a3po_jax.rollout.admission import (
     AdmissionError,
-    QueueClosed,
-    RolloutQueue,
-    RolloutTimeout,
     StalenessController,
+    minibatch_versions,
+    staleness_bound_in_versions,
+    staleness_counts,
+    staleness_metrics,
+    trained_staleness,
 )
+from a3po_jax.rollout.queue import QueueClosed, RolloutQueue, RolloutTimeout
 
 # Long enough that a correct implementation never hits it on a loaded 2-core machine; the
 # threaded tests use it only as a guard against hanging forever.
@@ -147,6 +150,7 @@ def test_release_gives_back_capacity_and_restore_drops_in_flight():
     assert state == {
         "batch_groups": 2,
         "max_staleness": 1,
+        "versions_per_batch": 1,
         "admitted": 5,
         "released": 1,
         "trainer_version": 0,
@@ -484,3 +488,142 @@ def test_async_pipeline_never_trains_on_tokens_staler_than_eta():
     assert staleness.min() >= 0 and staleness.max() <= eta
     assert staleness.max() == eta  # the pipeline really overlapped: some tokens were stale
     queue.check_invariant()
+
+
+# --- several minibatches: staleness counted in optimizer versions (issue 16 item 2) ----------
+
+
+def test_staleness_bound_per_mode_in_versions():
+    # k = 1: the familiar 0 / 1 / η.
+    assert [staleness_bound_in_versions(m, 3, 1) for m in ("sync", "one_step_off", "async")] == [
+        0,
+        1,
+        3,
+    ]
+    # k = 2: the last minibatch trains 1 version after the first, so sync's bound is 1 and
+    # one_step_off's 3 (generated at v0 - 2, trained up to v0 + 1).
+    assert staleness_bound_in_versions("sync", 0, 2) == 1
+    assert staleness_bound_in_versions("periodic", 0, 2) == 1
+    assert staleness_bound_in_versions("one_step_off", 0, 2) == 3
+    assert staleness_bound_in_versions("async", 3, 2) == 3
+    # async η < k - 1 cannot hold for the last minibatch: refused, naming both fields.
+    with pytest.raises(ValueError, match=r"system.max_staleness=1 with algo.num_minibatches=3"):
+        staleness_bound_in_versions("async", 1, 3)
+
+
+@pytest.mark.parametrize(
+    "eta, k, capacities",
+    [
+        # B = 2. Budget floor((η + v + 1)/k)·B; v advances by k per batch.
+        # sync with k = 2 (η = 1): exactly one batch per batch trained: 2 at v = 0, 2 more at
+        # v = 2. The per-batch rule (η + v + 1)·B would give 4 at v = 0 and 4 more at v = 2.
+        (1, 2, [2, 2, 2]),
+        # k = 2, η = 3 (one batch of overlap, like one_step_off): 4 at v = 0, then 2 per batch.
+        (3, 2, [4, 2, 2]),
+        # k = 3, η = 2 (sync): one batch per 3 versions.
+        (2, 3, [2, 2, 2]),
+    ],
+)
+def test_admission_rule_counts_versions(eta, k, capacities):
+    controller = StalenessController(batch_groups=2, max_staleness=eta, versions_per_batch=k)
+    for batch, capacity in enumerate(capacities):
+        version = batch * k
+        assert controller.capacity(version) == capacity
+        for _ in range(capacity):
+            controller.admit(version)
+        # Versions inside the batch (the minibatches' own) add nothing.
+        assert not controller.can_admit(version + k - 1)
+    assert controller.max_in_flight == capacities[0]
+    with pytest.raises(ValueError, match="versions_per_batch - 1 = 2"):
+        StalenessController(batch_groups=2, max_staleness=1, versions_per_batch=3)
+
+
+def test_minibatch_versions_and_trained_staleness_golden():
+    # 4 rows, k = 2: rows 0-1 train at v0 = 5, rows 2-3 at 6.
+    np.testing.assert_array_equal(minibatch_versions(4, 5, 2), [5, 5, 6, 6])
+    versions = np.array([[5, 5, 0], [4, 5, 5], [5, 5, 0], [4, 4, 6]])
+    mask = np.array([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    d = trained_staleness(versions, mask, 5, 2)
+    # Row-major; measured against the row's own minibatch version. Against the step's
+    # starting version (5) the last row would read [1, 1, -1]: a negative staleness.
+    np.testing.assert_array_equal(d, [0, 0, 1, 0, 0, 1, 1, 2, 2, 0])
+    assert staleness_counts(d) == [5, 3, 2]
+    m = staleness_metrics(d)
+    assert m["staleness/counts"] == [5, 3, 2]
+    assert m["staleness/max"] == m["staleness/max_observed"] == 2.0
+    assert m["staleness/mean"] == pytest.approx(7 / 10)
+    with pytest.raises(ValueError, match="negative staleness"):
+        staleness_counts(np.array([0, -1]))
+
+
+def run_pipeline(*, mode, eta_cfg, k, batch, group_size, steps, host_lag):
+    """Producer thread + a trainer loop that advances k versions per batch, as the trainer
+    does; the host serves the weights ``host_lag`` batches behind (0: drain, pushed before
+    the next admission). Returns (staleness of every trained token, queue counters)."""
+    eta = staleness_bound_in_versions(mode, eta_cfg, k)
+    controller = StalenessController(batch_groups=batch, max_staleness=eta, versions_per_batch=k)
+    queue = RolloutQueue(
+        group_size=group_size,
+        capacity_groups=controller.max_in_flight,
+        max_staleness=eta,
+        versions_per_batch=k,
+        on_drop=lambda gid, reason: controller.release(),
+    )
+    pushed = [0]
+    errors = []
+
+    def producer():
+        try:
+            while True:
+                group_id, admitted = controller.wait_admit()
+                for i in range(group_size):
+                    v = max(admitted, pushed[0] - host_lag * k)
+                    queue.put(make_rollout(group_id, i, (v, v, v), admitted_at_version=admitted))
+        except QueueClosed:
+            pass
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    staleness = []
+    for step in range(steps):
+        version = step * k
+        groups = queue.get_batch(batch, trainer_version=version, timeout=JOIN_S)
+        # Rows in batch order, as the batch builder lays them out (all samples 3 tokens).
+        versions = np.stack([r.versions for g in groups for r in g.rollouts])
+        staleness.append(trained_staleness(versions, np.ones_like(versions), version, k))
+        pushed[0] = version + k
+        controller.notify_version(version + k)
+    controller.close("done")
+    queue.close("done")
+    thread.join(JOIN_S)
+    assert not errors and not thread.is_alive()
+    queue.check_invariant()
+    return np.concatenate(staleness), queue.counters()
+
+
+def test_sync_with_two_minibatches_drops_nothing_and_produces_what_it_trains():
+    # Before staleness was counted in versions, the budget grew by B per version (2B per
+    # batch) while the queue dropped groups whose version lagged the step's by more than
+    # η = 0: groups were over-generated and dropped as stale, more every step.
+    staleness, counters = run_pipeline(
+        mode="sync", eta_cfg=0, k=2, batch=2, group_size=2, steps=6, host_lag=0
+    )
+    assert counters["dropped_total"] == 0
+    assert counters["consumed_groups"] == 12
+    # At most the batch admitted after the last step is still in flight.
+    assert counters["produced_groups"] <= counters["consumed_groups"] + 2
+    # Minibatch 0 trains at d = 0, minibatch 1 at d = 1 = k - 1: every token obeys the bound.
+    assert staleness_counts(staleness) == [staleness.size // 2, staleness.size // 2]
+
+
+@pytest.mark.parametrize("mode, eta_cfg, k", [("one_step_off", 0, 2), ("async", 5, 3)])
+def test_every_token_of_every_minibatch_obeys_the_bound(mode, eta_cfg, k):
+    eta = staleness_bound_in_versions(mode, eta_cfg, k)
+    staleness, counters = run_pipeline(
+        mode=mode, eta_cfg=eta_cfg, k=k, batch=3, group_size=2, steps=8, host_lag=1
+    )
+    assert staleness.min() >= 0 and staleness.max() <= eta
+    assert staleness.max() >= k  # the pipeline really overlapped batches
+    assert counters["dropped_total"] == 0

@@ -1,29 +1,26 @@
-"""Host-side rollout queue and staleness admission (design §2, §5).
+"""Host-side queue of whole rollout groups (rollout layer, host side; design §2, §5).
 
-Everything here is plain Python + numpy and never enters jit. Two pieces:
+Plain Python + numpy; never enters jit. :class:`RolloutQueue` assembles samples into groups,
+holds at most ``capacity_groups`` groups (producers block beyond that: backpressure, never
+unbounded growth), and hands the trainer whole groups, first completed first out, dropping
+any group with a token that would train staler than η (in optimizer versions, at the last
+minibatch of the batch). Admission (when a producer may start a group) is
+:mod:`a3po_jax.rollout.admission`.
 
-* :class:`StalenessController` decides when the producer may admit a new prompt (a *group*
-  of G samples), by AReaL's capacity rule: with a consumer batch of B groups and max
-  staleness η, at most ``(η + v + 1)·B`` groups may have been admitted in total while the
-  trainer is at version ``v``.
-* :class:`RolloutQueue` assembles samples into groups, holds at most ``capacity_groups``
-  groups (producers block beyond that: backpressure, never unbounded growth), and hands the
-  trainer whole groups, first completed first out, dropping any group with a token staler
-  than η.
+Wiring (one producer thread, the trainer in the main thread; k = versions per batch)::
 
-Wiring (one producer thread, the trainer in the main thread)::
-
-    controller = StalenessController(batch_groups=B, max_staleness=eta)
-    queue = RolloutQueue(group_size=G, capacity_groups=(eta + 1) * B, max_staleness=eta,
+    controller = StalenessController(batch_groups=B, max_staleness=eta, versions_per_batch=k)
+    queue = RolloutQueue(group_size=G, capacity_groups=controller.max_in_flight,
+                         max_staleness=eta, versions_per_batch=k,
                          on_drop=lambda group_id, reason: controller.release())
     # producer:  group_id, v_admit = controller.wait_admit()
     #            ... generate G samples; queue.put(Rollout(..., admitted_at_version=v_admit))
     # trainer:   groups = queue.get_batch(B, trainer_version=v, timeout=600.0)
-    #            ... train ...; controller.notify_version(v + 1)
+    #            ... train (k optimizer steps) ...; controller.notify_version(v + k)
 
-The controller bounds the groups in flight to ``(η + 1)·B`` once the consumer takes B per
-step, so with ``capacity_groups ≥ (η + 1)·B`` a producer never blocks on the queue; the
-queue's own bound is the safety net for producers without a controller.
+The controller bounds the groups in flight to ``controller.max_in_flight`` once the consumer
+takes B per batch, so with that capacity a producer never blocks on the queue; the queue's
+own bound is the safety net for producers without a controller.
 """
 
 from __future__ import annotations
@@ -33,8 +30,11 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from a3po_jax.core.types import Rollout, RolloutGroup, oldest_version
+
+T = TypeVar("T")
 
 
 class RolloutTimeout(TimeoutError):
@@ -46,178 +46,30 @@ class QueueClosed(RuntimeError):
     """The queue or controller was closed while a caller waited on it (or before)."""
 
 
-class AdmissionError(RuntimeError):
-    """``StalenessController.admit`` was called with no capacity left."""
+def wait_until(
+    cond: threading.Condition,
+    ready: Callable[[], T | None],
+    *,
+    timeout: float | None,
+    timeout_message: Callable[[], str],
+) -> T:
+    """The one wait loop of the queue and the controller: with ``cond`` held, calls
+    ``ready()`` until it returns something other than None, and returns that.
 
-
-class StalenessController:
-    """AReaL's capacity rule (design §2): with consumer batch size B (in groups) and max
-    staleness η, at most ``(η + v + 1)·B`` groups may have been admitted in total while the
-    trainer is at version v.
-
-    Why this bounds staleness: if the trainer takes B groups per step in admission order,
-    the k-th admitted group (0-based) is trained at version ``⌊k/B⌋``; admitted at version
-    ``v_a`` it has ``k < (η + v_a + 1)·B``, so it is trained at most η versions later.
-    Groups that will never be consumed (dropped as stale or aborted, lost in a restart) are
-    given back with :meth:`release` so they do not eat the budget, as AReaL does for
-    rejected rollouts. η = 0 admits B groups per version: synchronous training.
-
-    Group ids are the admission count (0, 1, 2, …), so they stay unique across a resume.
-    Thread-safe; ``notify_version``/``wait_admit`` let a producer thread block until the
-    trainer's next step instead of polling.
+    ``ready`` runs under the lock each time the condition is notified; it may raise (e.g.
+    ``QueueClosed``) to end the wait. After ``timeout`` seconds (None: never) raises
+    :class:`RolloutTimeout` with ``timeout_message()``, computed under the lock so it can
+    show the counters at that moment.
     """
-
-    def __init__(self, *, batch_groups: int, max_staleness: int):
-        if not isinstance(batch_groups, int) or batch_groups < 1:
-            raise ValueError(f"batch_groups must be an int >= 1, got {batch_groups!r}")
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
-        self.batch_groups = batch_groups
-        self.max_staleness = max_staleness
-        self._admitted = 0  # total admissions ever; also the next group id
-        self._released = 0  # admissions given back (dropped or lost groups)
-        self._trainer_version = 0  # last version passed to notify_version
-        self._closed_reason: str | None = None
-        self._cond = threading.Condition()
-
-    # -- the rule ---------------------------------------------------------------------------
-
-    def budget(self, trainer_version: int) -> int:
-        """``(η + v + 1)·B``: how many admissions (net of releases) version v allows."""
-        if trainer_version < 0:
-            raise ValueError(f"trainer_version must be >= 0, got {trainer_version}")
-        return (self.max_staleness + trainer_version + 1) * self.batch_groups
-
-    def capacity(self, trainer_version: int) -> int:
-        """How many more groups may be admitted now."""
-        with self._cond:
-            return max(0, self.budget(trainer_version) - (self._admitted - self._released))
-
-    def can_admit(self, trainer_version: int) -> bool:
-        return self.capacity(trainer_version) > 0
-
-    def admit(self, trainer_version: int) -> int:
-        """Counts one admission and returns its group id; raises ``AdmissionError`` when
-        the budget of ``trainer_version`` is spent."""
-        with self._cond:
-            if self._closed_reason is not None:
-                raise QueueClosed(f"StalenessController closed: {self._closed_reason}")
-            counted = self._admitted - self._released
-            if counted >= self.budget(trainer_version):
-                raise AdmissionError(
-                    f"no admission capacity at trainer version {trainer_version}: "
-                    f"{counted} groups counted (admitted {self._admitted}, released "
-                    f"{self._released}) >= (max_staleness {self.max_staleness} + version "
-                    f"{trainer_version} + 1) * batch_groups {self.batch_groups}"
-                )
-            group_id = self._admitted
-            self._admitted += 1
-            return group_id
-
-    def release(self, num_groups: int = 1) -> None:
-        """Gives back admissions of groups that will never be consumed."""
-        with self._cond:
-            if num_groups < 0 or self._released + num_groups > self._admitted:
-                raise ValueError(
-                    f"cannot release {num_groups} groups: admitted {self._admitted}, "
-                    f"already released {self._released}"
-                )
-            self._released += num_groups
-            self._cond.notify_all()
-
-    @property
-    def admitted(self) -> int:
-        with self._cond:
-            return self._admitted
-
-    @property
-    def released(self) -> int:
-        with self._cond:
-            return self._released
-
-    # -- blocking producer side -------------------------------------------------------------
-
-    def notify_version(self, trainer_version: int) -> None:
-        """The trainer reached ``trainer_version``; wakes producers in ``wait_admit``."""
-        with self._cond:
-            if trainer_version < self._trainer_version:
-                raise ValueError(
-                    f"trainer version went back from {self._trainer_version} to {trainer_version}"
-                )
-            self._trainer_version = trainer_version
-            self._cond.notify_all()
-
-    def wait_admit(self, timeout: float | None = None) -> tuple[int, int]:
-        """Blocks until the last notified version has capacity, then admits.
-
-        Returns:
-          ``(group_id, trainer_version)``, the version being the one admitted at (to stamp
-          ``Rollout.admitted_at_version``).
-        Raises:
-          RolloutTimeout after ``timeout`` seconds; QueueClosed once :meth:`close` is called.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._closed_reason is not None:
-                    raise QueueClosed(f"StalenessController closed: {self._closed_reason}")
-                version = self._trainer_version
-                if self._admitted - self._released < self.budget(version):
-                    group_id = self._admitted
-                    self._admitted += 1
-                    return group_id, version
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise RolloutTimeout(
-                        f"no admission capacity within {timeout}s at trainer version "
-                        f"{version}: {self._admitted - self._released} groups counted, "
-                        f"budget {self.budget(version)}"
-                    )
-                self._cond.wait(remaining)
-
-    def close(self, reason: str = "closed") -> None:
-        """Wakes producers blocked in ``wait_admit`` with ``QueueClosed``."""
-        with self._cond:
-            if self._closed_reason is None:
-                self._closed_reason = reason
-            self._cond.notify_all()
-
-    # -- checkpointing ----------------------------------------------------------------------
-
-    def state(self) -> dict:
-        """JSON-able counters for a checkpoint."""
-        with self._cond:
-            return {
-                "batch_groups": self.batch_groups,
-                "max_staleness": self.max_staleness,
-                "admitted": self._admitted,
-                "released": self._released,
-                "trainer_version": self._trainer_version,
-            }
-
-    def restore(self, state: dict, *, consumed_groups: int | None = None) -> None:
-        """Restores the counters of :meth:`state`.
-
-        Groups in flight at checkpoint time are not saved, so they never arrive after a
-        resume. Pass ``consumed_groups`` (the queue's ``consumed_groups`` counter from the
-        same checkpoint) to give their admissions back: afterwards exactly the consumed
-        groups count against the budget. Group ids keep counting from ``admitted``.
-        """
-        admitted = int(state["admitted"])
-        released = int(state["released"])
-        if consumed_groups is not None:
-            if not 0 <= consumed_groups <= admitted:
-                raise ValueError(
-                    f"consumed_groups must be in [0, admitted={admitted}], got {consumed_groups}"
-                )
-            released = admitted - consumed_groups
-        if not 0 <= released <= admitted:
-            raise ValueError(f"invalid controller state {state!r}")
-        with self._cond:
-            self._admitted = admitted
-            self._released = released
-            self._trainer_version = int(state.get("trainer_version", 0))
-            self._cond.notify_all()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        result = ready()
+        if result is not None:
+            return result
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise RolloutTimeout(timeout_message())
+        cond.wait(remaining)
 
 
 @dataclasses.dataclass
@@ -234,9 +86,11 @@ class RolloutQueue:
       samples arrived. A sample that would open a new group waits while
       ``capacity_groups`` groups (incomplete + complete) are held; samples of groups
       already held are always accepted, so a full queue can still complete its groups.
-    * ``get_batch`` returns whole groups in completion order. A group with any token of
-      staleness ``trainer_version - v > max_staleness`` is dropped (reason ``"stale"``),
-      never returned; so is a still-incomplete group that is already too stale. If not
+    * ``get_batch`` returns whole groups in completion order. The batch is trained in
+      ``versions_per_batch`` (k) optimizer steps, the last at ``trainer_version + k - 1``; a
+      group with any token of staleness ``trainer_version + k - 1 - v > max_staleness``
+      (it could land in the last minibatch) is dropped (reason ``"stale"``), never
+      returned; so is a still-incomplete group that is already too stale. If not
       enough groups arrive within ``timeout`` it raises :class:`RolloutTimeout` (with the
       counters in the message) and keeps what it has: the trainer notices a dead producer
       instead of training on a short batch.
@@ -257,6 +111,7 @@ class RolloutQueue:
         group_size: int,
         capacity_groups: int,
         max_staleness: int | None,
+        versions_per_batch: int = 1,
         drop_aborted: bool = True,
         on_drop: Callable[[int, str], None] | None = None,
     ):
@@ -266,9 +121,12 @@ class RolloutQueue:
             raise ValueError(f"capacity_groups must be an int >= 1, got {capacity_groups!r}")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+        if not isinstance(versions_per_batch, int) or versions_per_batch < 1:
+            raise ValueError(f"versions_per_batch must be an int >= 1, got {versions_per_batch!r}")
         self.group_size = group_size
         self.capacity_groups = capacity_groups
         self.max_staleness = max_staleness
+        self.versions_per_batch = versions_per_batch
         self.drop_aborted = drop_aborted
         self._on_drop = on_drop
         self._cond = threading.Condition()
@@ -306,29 +164,35 @@ class RolloutQueue:
                 f"sample_index {rollout.sample_index} of group {group_id} is outside "
                 f"[0, group_size={self.group_size})"
             )
-        deadline = None if timeout is None else time.monotonic() + timeout
         drops: list[tuple[int, str]] = []
+
+        def room() -> str | None:
+            self._raise_if_closed()
+            if group_id in self._expect_discard:
+                return "discard"
+            if group_id in self._ready:
+                raise ValueError(
+                    f"group {group_id} is already complete ({self.group_size} "
+                    f"samples); got sample_index {rollout.sample_index} again"
+                )
+            if group_id in self._pending or self._held_groups() < self.capacity_groups:
+                return "add"
+            return None
+
         try:
             with self._cond:
-                while True:
-                    self._raise_if_closed()
-                    if group_id in self._expect_discard:
-                        self._discard_late_sample(group_id)
-                        return
-                    if group_id in self._ready:
-                        raise ValueError(
-                            f"group {group_id} is already complete ({self.group_size} "
-                            f"samples); got sample_index {rollout.sample_index} again"
-                        )
-                    if group_id in self._pending or self._held_groups() < self.capacity_groups:
-                        break
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise RolloutTimeout(
-                            f"put of group {group_id} found no room within {timeout}s: "
-                            f"{self._counters_text()}"
-                        )
-                    self._cond.wait(remaining)
+                outcome = wait_until(
+                    self._cond,
+                    room,
+                    timeout=timeout,
+                    timeout_message=lambda: (
+                        f"put of group {group_id} found no room within {timeout}s: "
+                        f"{self._counters_text()}"
+                    ),
+                )
+                if outcome == "discard":
+                    self._discard_late_sample(group_id)
+                    return
                 self._add_sample(rollout, drops)
                 self._cond.notify_all()
         finally:
@@ -391,11 +255,13 @@ class RolloutQueue:
 
         Args:
           num_groups: groups to return, in [1, capacity_groups].
-          trainer_version: the version the returned groups will be trained at; staleness is
-            measured against it.
+          trainer_version: the version the step starts from (its first minibatch's); the
+            last minibatch trains at ``trainer_version + versions_per_batch - 1``, and
+            staleness is measured against that.
           timeout: seconds to wait for enough groups; None waits forever.
         Returns:
-          ``num_groups`` groups, none with a token staler than ``max_staleness``.
+          ``num_groups`` groups, none with a token that would train staler than
+          ``max_staleness`` in any minibatch.
         Raises:
           RolloutTimeout if not enough groups arrived in time (nothing is taken).
           QueueClosed once :meth:`close` was called.
@@ -408,27 +274,31 @@ class RolloutQueue:
                 f"num_groups must be in [1, capacity_groups={self.capacity_groups}], "
                 f"got {num_groups}"
             )
-        deadline = None if timeout is None else time.monotonic() + timeout
         drops: list[tuple[int, str]] = []
+
+        def batch() -> list[RolloutGroup] | None:
+            self._raise_if_closed()
+            self._drop_stale_locked(trainer_version, drops)
+            if len(self._ready) < num_groups:
+                return None
+            taken = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
+            self._consumed_groups += num_groups
+            self._consumed_samples += num_groups * self.group_size
+            self._cond.notify_all()  # room for blocked producers
+            return taken
+
         try:
             with self._cond:
-                while True:
-                    self._raise_if_closed()
-                    self._drop_stale_locked(trainer_version, drops)
-                    if len(self._ready) >= num_groups:
-                        batch = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
-                        self._consumed_groups += num_groups
-                        self._consumed_samples += num_groups * self.group_size
-                        self._cond.notify_all()  # room for blocked producers
-                        return batch
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise RolloutTimeout(
-                            f"get_batch({num_groups}) at trainer version {trainer_version} "
-                            f"timed out after {timeout}s (producer dead or too slow?): "
-                            f"{self._counters_text()}"
-                        )
-                    self._cond.wait(remaining)
+                return wait_until(
+                    self._cond,
+                    batch,
+                    timeout=timeout,
+                    timeout_message=lambda: (
+                        f"get_batch({num_groups}) at trainer version {trainer_version} timed "
+                        f"out after {timeout}s (producer dead or too slow?): "
+                        f"{self._counters_text()}"
+                    ),
+                )
         finally:
             self._run_drop_callbacks(drops)
 
@@ -439,11 +309,13 @@ class RolloutQueue:
             return
         # Staleness only grows with the trainer version, so a group stale now stays stale:
         # drop incomplete ones too, to free their room early.
+        # A group may land in the batch's last minibatch, trained k - 1 versions on.
+        last_version = trainer_version + self.versions_per_batch - 1
         oldest = {gid: g.min_version for gid, g in self._ready.items()}
         for group_id, group in self._pending.items():
             oldest[group_id] = oldest_version(list(group.samples.values()), default=trainer_version)
         for group_id, min_version in oldest.items():
-            if trainer_version - min_version > self.max_staleness:
+            if last_version - min_version > self.max_staleness:
                 self._drop_locked(group_id, "stale", drops)
 
     @staticmethod

@@ -2,6 +2,10 @@
 
 Training layer (host-side shell).
 
+:func:`save_train_state` / :func:`restore_train_state` checkpoint the trainer's state (params,
+optimizer state, version) with the run's host-side state (prompt order, queue and admission
+counters) in ``extra``; :class:`CheckpointManager` is the storage underneath.
+
 A checkpoint step holds three items::
 
     <directory>/<step>/params     # the parameter pytree (any dtypes, e.g. bfloat16)
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -211,6 +216,50 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def save_train_state(
+    manager: CheckpointManager,
+    step: int,
+    state: Any,
+    *,
+    extra: Mapping[str, Any],
+    force: bool = False,
+) -> bool:
+    """Saves a trainer's ``state`` (a ``TrainState``: params, opt_state, step = version) at
+    training step ``step``, with ``extra`` (JSON) plus ``version`` and ``step``.
+
+    Returns False when the manager's interval skips the step.
+    """
+    extra = {**extra, "version": int(state.step), "step": int(step)}
+    return manager.save(
+        step, params=state.params, opt_state=state.opt_state, extra=extra, force=force
+    )
+
+
+def restore_train_state(manager: CheckpointManager, template: Any) -> tuple[Any, dict, int]:
+    """Restores the newest complete step saved by :func:`save_train_state`.
+
+    Args:
+      manager: where the run's checkpoints are.
+      template: the trainer's current ``TrainState``; gives the structure, and the shardings
+        the jitted step was built for, which the restored state is placed back onto.
+    Returns:
+      ``(state, extra, step)``.
+    Raises:
+      FileNotFoundError when there is no complete checkpoint.
+    """
+    step = manager.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no complete checkpoint in {manager.directory}")
+    params, opt_state, extra = manager.restore(
+        step, params_template=template.params, opt_state_template=template.opt_state
+    )
+    restored = template._replace(
+        params=params, opt_state=opt_state, step=jnp.int32(extra["version"])
+    )
+    state = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, template))
+    return state, extra, step
 
 
 def is_committed_step(step_dir: Path) -> bool:

@@ -1,4 +1,10 @@
-"""Where training metrics go: a JSONL file, TensorBoard, and the console.
+"""What a training step records, and where training metrics go: a JSONL file, TensorBoard,
+and the console.
+
+* :func:`step_record` builds one step's record: the step's own metrics, rewards, response
+  lengths, every ``staleness/*`` metric (from one definition,
+  :func:`a3po_jax.rollout.admission.trained_staleness`), throughput and the queue's and
+  hosts' counters.
 
 Training layer (host-side shell).
 
@@ -15,7 +21,8 @@ Training layer (host-side shell).
 Array-valued metrics (e.g. ``staleness/tokens``, the per-token staleness) are samples of a
 distribution: TensorBoard gets a histogram, the JSONL a summary
 ``{"count", "min", "max", "mean", "values"|"edges", "counts"}`` (integer arrays of small
-range get one bin per value, so a staleness histogram reads off exactly).
+range get one bin per value). Lists of numbers are written as JSON lists as they are, e.g.
+``staleness/counts``: counts[d] = trained tokens at staleness d in that step.
 
 Only process 0 of a multi-host run should create a logger.
 """
@@ -34,6 +41,9 @@ from typing import IO, Any
 
 import numpy as np
 
+from a3po_jax.core.types import RolloutGroup
+from a3po_jax.rollout.admission import staleness_metrics, trained_staleness
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -45,9 +55,14 @@ _FLOAT_BINS = 16
 
 def to_json_value(name: str, value: Any) -> Any:
     """Converts one metric to a JSON-able value: scalars (Python, numpy, 0-d JAX arrays)
-    to Python numbers, arrays to a histogram summary, strings and None unchanged."""
+    to Python numbers, arrays to a histogram summary, lists of numbers to a JSON list,
+    strings and None unchanged."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, list):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise TypeError(f"metric {name!r} is a list; only lists of numbers are logged")
+        return list(value)
     if isinstance(value, np.generic) or hasattr(value, "__array__"):
         array = np.asarray(value)
         if array.ndim == 0:
@@ -385,3 +400,69 @@ class Timer:
         self.elapsed = time.perf_counter() - self._start
         if self.metrics is not None:
             self.metrics[self.key] = self.metrics.get(self.key, 0.0) + self.elapsed
+
+
+# -- one training step's record ---------------------------------------------------------------
+
+
+def step_record(
+    *,
+    groups: Sequence[RolloutGroup],
+    batch: Any,
+    start_version: int,
+    num_minibatches: int,
+    step_metrics: Mapping[str, Any],
+    timings: Mapping[str, float],
+    version: int,
+    host_stats: Mapping[str, Any],
+    counters: Mapping[str, Mapping[str, Any]],
+    skipped_total: int,
+) -> dict[str, Any]:
+    """The record of one training step, as logged to ``metrics.jsonl``.
+
+    Args:
+      groups: the groups the step trained on.
+      batch: their padded ``TrainBatch`` ([R, T] ``versions``, ``loss_mask``; ``rewards``
+        after any KL-in-reward shaping).
+      start_version: the version the step started from; with ``num_minibatches`` = k,
+        row r trained at ``start_version + ⌊r·k/R⌋``.
+      step_metrics: the jitted step's scalars (host values).
+      timings: ``time/*_s`` of the step (needs ``time/train_s``).
+      version: the version after the step.
+      host_stats: the inference host's ``stats()``.
+      counters: tables of counters by prefix (``{"queue": ..., "hosts": ...}``); a nested
+        dict becomes ``prefix/key/reason`` entries.
+      skipped_total: non-finite steps skipped so far.
+    """
+    rollouts = [r for g in groups for r in g.rollouts]
+    lengths = np.array([r.num_tokens for r in rollouts], np.float32)
+    staleness = trained_staleness(batch.versions, batch.loss_mask, start_version, num_minibatches)
+    n_tok = float(np.asarray(batch.loss_mask).sum())
+    record = {
+        **{k: float(v) for k, v in step_metrics.items()},
+        **timings,
+        "version": int(version),
+        "reward/mean": float(np.mean(batch.rewards)),
+        "reward/correct": float(np.mean([float(r.info.get("correct", 0.0)) for r in rollouts])),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/finished_frac": float(np.mean([r.finish_reason == "stop" for r in rollouts])),
+        # After the step's own metrics: every staleness/* number comes from one definition
+        # (the step reports its loss-side view of the same tokens).
+        **staleness_metrics(staleness),
+        "throughput/train_tokens_per_s": n_tok / max(timings["time/train_s"], 1e-9),
+        "throughput/host_tokens_per_s": float(host_stats.get("tokens_per_s", 0.0)),
+        "host/version": int(host_stats.get("version", -1)),
+        # In-flight swaps' KV-cache recompute (totals; per swap = seconds / recomputes).
+        "host/kv_recomputes": int(host_stats.get("kv_recomputes", 0)),
+        "host/kv_recompute_s": float(host_stats.get("kv_recompute_s", 0.0)),
+        "step/skipped_total": skipped_total,
+    }
+    for prefix, table in counters.items():
+        for key, value in table.items():
+            if isinstance(value, dict):
+                for reason, count in value.items():
+                    record[f"{prefix}/{key}/{reason}"] = count
+            else:
+                record[f"{prefix}/{key}"] = value
+    return record

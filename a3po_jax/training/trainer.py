@@ -1,24 +1,27 @@
 """The asynchronous trainer loop: the host-side shell around the jitted train step.
 
-Three threads share one process (design §5):
+Training layer (host-side shell).
 
-* **producer** — admits prompts under the staleness budget (``StalenessController``),
-  renders them with the chat template and submits one request of G samples per prompt to
-  the inference host;
-* **collector** — polls finished samples from the host, scores them with the task's
-  verifier into rewards and files them in the ``RolloutQueue``;
-* **trainer** (the caller's thread) — takes B whole groups, builds the padded batch, runs
-  the jitted step, pushes the new weights with their version, logs and checkpoints.
+The loop only (Tunix's ``rl_learner`` / AReaL's split): each step takes B whole groups
+from the rollout workers, builds the batch, runs the jitted step, pushes the new weights
+with their version, logs and checkpoints. The pieces around it live in their own modules:
 
-The training mode only changes three knobs (design §4): the staleness budget η (0 for
-``sync``/``periodic``, 1 for ``one_step_off``, configured for ``async``), the host's update
+* producer and collector threads: :mod:`a3po_jax.rollout.workers`;
+* staleness admission and the staleness of trained tokens (in optimizer versions):
+  :mod:`a3po_jax.rollout.admission`;
+* checkpoint save/resume: :mod:`a3po_jax.training.checkpointing`;
+* the per-step record: :func:`a3po_jax.training.metrics.step_record`;
+* the loop of the other processes of a multi-process run: :mod:`a3po_jax.training.follower`.
+
+The training mode only changes three knobs (design §4): the staleness bound η (in optimizer
+versions, :func:`a3po_jax.rollout.admission.staleness_bound_in_versions`), the host's update
 policy (``drain`` except for ``async``), and, for ``periodic``, that groups are folded into
 the gradient one by one as they finish and one optimizer step is taken per iteration.
 
-With several processes (``a3po_jax.parallel.distributed.initialize``), process 0 alone runs the
-threads, the inference host, logging and checkpoint metadata; every step it broadcasts the
-batch, all processes run the jitted step over one global mesh, and the weights are gathered
-to process 0 for the push. The other processes run :meth:`Trainer._follow`.
+With several processes (``a3po_jax.parallel.distributed.initialize``), process 0 alone runs
+the rollout workers, the inference host, logging and checkpoint metadata; every step it
+broadcasts the batch, all processes run the jitted step over one global mesh, and the
+weights are gathered to process 0 for the push.
 
 Nothing here enters jit; everything jitted lives in ``train_step.py``.
 """
@@ -26,10 +29,8 @@ Nothing here enters jit; everything jitted lives in ``train_step.py``.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,22 +42,25 @@ import numpy as np
 
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import TrainBatch, build_batch
-from a3po_jax.core.types import RolloutGroup, token_staleness
+from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
-from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
+from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
-from a3po_jax.rollout.queue import (
-    QueueClosed,
-    RolloutQueue,
-    RolloutTimeout,
-    StalenessController,
-)
-from a3po_jax.tasks import PromptIterator, RewardConfig, make_task, render_prompt, shaped_reward
+from a3po_jax.rollout.admission import staleness_bound_in_versions
+from a3po_jax.rollout.queue import RolloutQueue
+from a3po_jax.rollout.workers import RolloutWorkers
+from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training import step_builder
-from a3po_jax.training.checkpointing import CheckpointManager, install_sigterm_handler
-from a3po_jax.training.config import TrainConfig
-from a3po_jax.training.metrics import MetricsLogger, ProgressBar
+from a3po_jax.training.checkpointing import (
+    CheckpointManager,
+    install_sigterm_handler,
+    restore_train_state,
+    save_train_state,
+)
+from a3po_jax.training.config import ConfigError, TrainConfig
+from a3po_jax.training.follower import follow_leader
+from a3po_jax.training.metrics import MetricsLogger, ProgressBar, step_record
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +88,6 @@ def load_policy(section) -> Policy:
         remat=section.remat,
         seed=section.seed,
     )
-
-
-def request_seed(run_seed: int, group_id: int) -> int:
-    """Sampling seed of a group: a pure function of (run seed, group id), so a resumed run
-    draws the same samples as an uninterrupted one."""
-    digest = hashlib.sha256(f"{run_seed}:{group_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class Trainer:
@@ -143,7 +140,14 @@ class Trainer:
                 f"with the sharded params); this job has {jax.process_count()} processes"
             )
         self.mode = cfg.system.mode
-        self.eta = cfg.system.effective_staleness
+        self.num_minibatches = cfg.algo.num_minibatches
+        try:
+            # Staleness in optimizer versions: k minibatches per batch, k versions per step.
+            self.eta = staleness_bound_in_versions(
+                cfg.system.mode, cfg.system.max_staleness, self.num_minibatches
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         self.group_size = cfg.rollout.group_size
         self.batch_groups = cfg.rollout.groups_per_step
         self.run_dir = Path(cfg.run_dir)
@@ -154,8 +158,8 @@ class Trainer:
         prompts = self.task.prompts(cfg.task.split)
         if not prompts:
             raise ValueError(f"task {cfg.task.name!r} has no prompts in split {cfg.task.split!r}")
-        self.prompt_iter = PromptIterator(prompts, batch_size=1, seed=cfg.seed)
-        self.reward_cfg = RewardConfig(
+        prompt_iter = PromptIterator(prompts, batch_size=1, seed=cfg.seed)
+        reward_cfg = RewardConfig(
             format_reward=cfg.task.format_reward, no_eos_penalty=cfg.task.no_eos_penalty
         )
         eos = policy.tokenizer.eos_token_id
@@ -165,16 +169,6 @@ class Trainer:
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
             stop_tokens=() if eos is None else (int(eos),),
-        )
-
-        self.controller = StalenessController(
-            batch_groups=self.batch_groups, max_staleness=self.eta
-        )
-        self.queue = RolloutQueue(
-            group_size=self.group_size,
-            capacity_groups=(self.eta + 1) * self.batch_groups,
-            max_staleness=self.eta,
-            on_drop=lambda group_id, reason: self.controller.release(),
         )
 
         # Training state on the trainer's mesh. Built before the inference host starts, so a
@@ -212,12 +206,19 @@ class Trainer:
                     f"{want!r}, but the host runs {got!r} (start it with --update-policy {want})"
                 )
 
-        # Producer bookkeeping: group id -> (prompt, admitted version, iterator state before).
-        self._inflight: dict[int, tuple[Any, int, dict]] = {}
-        self._inflight_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread_error: BaseException | None = None
-        self._threads: list[threading.Thread] = []
+        self.workers = RolloutWorkers(
+            host=host,
+            task=self.task,
+            tokenizer=policy.tokenizer,
+            prompts=prompt_iter,
+            sampling=self.sampling,
+            reward_config=reward_cfg,
+            group_size=self.group_size,
+            batch_groups=self.batch_groups,
+            max_staleness=self.eta,
+            versions_per_batch=self.num_minibatches,
+            seed=cfg.seed,
+        )
         self._nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self._sigterm = install_sigterm_handler()
@@ -268,90 +269,10 @@ class Trainer:
                 functools.partial(ts.kl_in_reward, group_size=self.group_size, **common)
             )
 
-    # ------------------------------------------------------------------ threads
-
-    def _producer(self) -> None:
-        while not self._stop.is_set():
-            try:
-                group_id, version = self.controller.wait_admit(timeout=0.5)
-            except RolloutTimeout:
-                continue
-            except QueueClosed:
-                return
-            before = self.prompt_iter.state()
-            (prompt,) = self.prompt_iter.next_batch()
-            tokens = render_prompt(self.policy.tokenizer, prompt)
-            with self._inflight_lock:
-                self._inflight[group_id] = (prompt, version, before)
-            self.host.submit(
-                GenerateRequest(
-                    request_id=f"g{group_id}",
-                    prompt_tokens=tuple(int(t) for t in tokens),
-                    num_samples=self.group_size,
-                    sampling=self.sampling,
-                    seed=request_seed(self.cfg.seed, group_id),
-                )
-            )
-
-    def _collector(self) -> None:
-        tokenizer = self.policy.tokenizer
-        while not self._stop.is_set():
-            for res in self.host.poll(timeout=0.2):
-                group_id = int(res.request_id[1:])
-                with self._inflight_lock:
-                    entry = self._inflight.get(group_id)
-                if entry is None:
-                    continue  # a group dropped earlier (e.g. after an error)
-                prompt, version, _ = entry
-                if res.finish_reason == "error":
-                    log.warning("group %d failed on the host: %s", group_id, res.error)
-                    lost = res.error_kind is ErrorKind.LOST
-                    self.queue.drop_group(group_id, "host_lost" if lost else "host_error")
-                    self._forget(group_id)
-                    continue
-                text = tokenizer.decode(res.tokens, skip_special_tokens=True)
-                reward, info = shaped_reward(
-                    self.task,
-                    prompt,
-                    text,
-                    finished=res.finish_reason == "stop",
-                    num_tokens=len(res.tokens),
-                    config=self.reward_cfg,
-                )
-                info = {**info, "num_tokens": len(res.tokens)}
-                self.queue.put(
-                    res.to_rollout(
-                        prompt_id=prompt.prompt_id,
-                        group_id=group_id,
-                        reward=float(reward),
-                        info=info,
-                        admitted_at_version=version,
-                    )
-                )
-
-    def _forget(self, group_id: int) -> None:
-        with self._inflight_lock:
-            self._inflight.pop(group_id, None)
-
-    def _guarded(self, fn) -> None:
-        try:
-            fn()
-        except QueueClosed:
-            pass
-        except BaseException as err:  # surfaced in the trainer thread
-            log.exception("%s thread failed", fn.__name__)
-            self._thread_error = err
-            self._stop.set()
-            self.queue.close(f"{fn.__name__} thread failed: {err!r}")
-            self.controller.close(f"{fn.__name__} thread failed: {err!r}")
-
-    def _start_threads(self) -> None:
-        for fn in (self._producer, self._collector):
-            thread = threading.Thread(
-                target=self._guarded, args=(fn,), name=f"a3po-{fn.__name__[1:]}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
+    @property
+    def queue(self) -> RolloutQueue:
+        """The rollout queue (counters, invariant checks)."""
+        return self.workers.queue
 
     # ------------------------------------------------------------------ batches
 
@@ -448,49 +369,16 @@ class Trainer:
     def _checkpoint(self, step: int, *, force: bool = False) -> None:
         if self.checkpoints is None:
             return
-        with self._inflight_lock:
-            # Prompts admitted but not trained on are lost with the process: resume the
-            # prompt order from the oldest of them (they are drawn again, new group ids).
-            pending = [entry[2] for gid, entry in self._inflight.items()]
-        resume_iter = (
-            min(pending, key=lambda s: (s["epoch"], s["index"]))
-            if pending
-            else (self.prompt_iter.state())
-        )
-        extra = {
-            "version": int(self.state.step),
-            "step": step,
-            "prompt_iterator": resume_iter,
-            "controller": self.controller.state(),
-            "queue": self.queue.state(),
-            "skipped_steps": self.skipped_steps,
-        }
-        self.checkpoints.save(
-            step,
-            params=self.state.params,
-            opt_state=self.state.opt_state,
-            extra=extra,
-            force=force,
-        )
+        extra = {**self.workers.state(), "skipped_steps": self.skipped_steps}
+        save_train_state(self.checkpoints, step, self.state, extra=extra, force=force)
 
     def _resume(self) -> int:
         """Restore the newest complete checkpoint; returns the step to continue from."""
         if self.checkpoints is None or self.checkpoints.latest_step() is None:
             log.info("no checkpoint in %s: starting fresh", self.run_dir / "checkpoints")
             return 0
-        step = self.checkpoints.latest_step()
-        params, opt_state, extra = self.checkpoints.restore(
-            step, params_template=self.state.params, opt_state_template=self.state.opt_state
-        )
-        restored = ts.TrainState(params, opt_state, jnp.int32(extra["version"]))
-        # Back onto the mesh with the layout the jitted step was built for.
-        self.state = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, self.state))
-        self.prompt_iter.restore(extra["prompt_iterator"])
-        self.queue.restore(extra["queue"])
-        self.controller.restore(
-            extra["controller"], consumed_groups=int(extra["queue"]["consumed_groups"])
-        )
-        self.controller.notify_version(int(extra["version"]))
+        self.state, extra, step = restore_train_state(self.checkpoints, self.state)
+        self.workers.restore(extra, version=int(extra["version"]))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         # The host must serve the resumed weights before it generates anything.
         self._push_weights()
@@ -524,7 +412,7 @@ class Trainer:
             return self._follow(start)
         logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
         progress = ProgressBar(self.cfg.steps, initial=start) if self.console else None
-        self._start_threads()
+        self.workers.start()
         record: dict[str, Any] = {}
         try:
             for step in range(start, self.cfg.steps):
@@ -544,7 +432,7 @@ class Trainer:
                     break
                 is_last = step + 1 == self.cfg.steps
                 self._checkpoint(step + 1, force=is_last)
-                self.controller.notify_version(int(self.state.step))
+                self.workers.notify_version(int(self.state.step))
         finally:
             if progress is not None:
                 progress.close()
@@ -559,21 +447,22 @@ class Trainer:
         return distributed.sync_stop(self._sigterm.is_set())
 
     def _follow(self, start: int) -> dict[str, Any]:
-        """The loop of every process but 0: receive the batch, run the step, take part in
-        the weight gather and the checkpoints, stop when any process stops. Process 0's
-        :meth:`run` makes the same collective calls in the same order. If process 0 dies,
-        the JAX coordination service (which it hosts) ends this process too."""
+        """Every process but 0: :func:`a3po_jax.training.follower.follow_leader`."""
+
+        def train_step() -> bool:
+            self.state, metrics = self._train_step(
+                self.state, self._step_input(None), self.ref_params
+            )
+            return bool(jax.device_get(metrics["step/skipped"]))
+
         try:
-            for step in range(start, self.cfg.steps):
-                self.state, metrics = self._train_step(
-                    self.state, self._step_input(None), self.ref_params
-                )
-                if not bool(jax.device_get(metrics["step/skipped"])):
-                    self._push_weights()
-                if self._stop_requested():
-                    self._checkpoint(step + 1, force=True)
-                    break
-                self._checkpoint(step + 1, force=step + 1 == self.cfg.steps)
+            follow_leader(
+                range(start, self.cfg.steps),
+                train_step=train_step,
+                push_weights=self._push_weights,
+                stop_requested=self._stop_requested,
+                checkpoint=self._checkpoint,
+            )
         finally:
             self.close()
         return {}
@@ -582,8 +471,7 @@ class Trainer:
         timings: dict[str, float] = {}
         version = int(self.state.step)
         t_step = time.perf_counter()
-        if self._thread_error is not None:
-            raise RuntimeError("a rollout thread failed") from self._thread_error
+        self.workers.raise_if_failed()
         if self.mode == "periodic":
             t0 = time.perf_counter()
             groups, batch, metrics = self._train_periodic(version, timings)
@@ -591,23 +479,17 @@ class Trainer:
             timings["time/train_s"] = time.perf_counter() - t0 - timings["time/wait_rollouts_s"]
         else:
             t0 = time.perf_counter()
-            try:
-                groups = self.queue.get_batch(
-                    self.batch_groups,
-                    trainer_version=version,
-                    timeout=self.cfg.system.rollout_timeout_s,
-                )
-            except QueueClosed:
-                if self._thread_error is not None:
-                    raise RuntimeError("a rollout thread failed") from self._thread_error
-                raise
+            groups = self.workers.get_batch(
+                self.batch_groups,
+                trainer_version=version,
+                timeout=self.cfg.system.rollout_timeout_s,
+            )
             timings["time/wait_rollouts_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             batch, metrics = self._train_on(groups, version)
             metrics = jax.device_get(metrics)  # blocks until the step is done
             timings["time/train_s"] = time.perf_counter() - t0
-        for g in groups:
-            self._forget(g.group_id)
+        self.workers.consumed(groups)
 
         skipped = bool(metrics["step/skipped"])
         if skipped:
@@ -624,7 +506,7 @@ class Trainer:
         self.skipped_steps += 1
         self._nonfinite_in_a_row += 1
         # The batch is thrown away: give its admissions back so the producer can refill.
-        self.controller.release(len(set(batch.group_ids.tolist())))
+        self.workers.discard(len(set(batch.group_ids.tolist())))
         log.warning(
             "non-finite loss/gradient (loss %s, grad norm %s): update skipped; prompts %s",
             metrics.get("loss/total"),
@@ -639,50 +521,22 @@ class Trainer:
             )
 
     def _record(self, batch, groups, version, metrics, timings) -> dict[str, Any]:
-        infos = [r.info for g in groups for r in g.rollouts]
-        lengths = np.array([r.num_tokens for g in groups for r in g.rollouts], np.float32)
-        staleness = token_staleness(groups, version)
-        n_tok = float(batch.loss_mask.sum())
-        host_stats = self.host.stats()
-        record = {
-            **{k: float(v) for k, v in metrics.items()},
-            **timings,
-            "version": int(self.state.step),
-            "reward/mean": float(np.mean(batch.rewards)),
-            "reward/correct": float(np.mean([float(i.get("correct", 0.0)) for i in infos])),
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/finished_frac": float(
-                np.mean([r.finish_reason == "stop" for g in groups for r in g.rollouts])
-            ),
-            "staleness/tokens": staleness,
-            "staleness/max_observed": float(staleness.max()) if staleness.size else 0.0,
-            "throughput/train_tokens_per_s": n_tok / max(timings["time/train_s"], 1e-9),
-            "throughput/host_tokens_per_s": float(host_stats.get("tokens_per_s", 0.0)),
-            "host/version": int(host_stats.get("version", -1)),
-            # In-flight swaps' KV-cache recompute (totals; per swap = seconds / recomputes).
-            "host/kv_recomputes": int(host_stats.get("kv_recomputes", 0)),
-            "host/kv_recompute_s": float(host_stats.get("kv_recompute_s", 0.0)),
-            "step/skipped_total": self.skipped_steps,
-        }
-        counters = {"queue": self.queue.counters(), "hosts": self.host.counters()}
-        for prefix, table in counters.items():
-            for key, value in table.items():
-                if isinstance(value, dict):
-                    for reason, count in value.items():
-                        record[f"{prefix}/{key}/{reason}"] = count
-                else:
-                    record[f"{prefix}/{key}"] = value
-        return record
+        return step_record(
+            groups=groups,
+            batch=batch,
+            start_version=version,
+            num_minibatches=self.num_minibatches,
+            step_metrics=metrics,
+            timings=timings,
+            version=int(self.state.step),
+            host_stats=self.host.stats(),
+            counters={"queue": self.queue.counters(), "hosts": self.host.counters()},
+            skipped_total=self.skipped_steps,
+        )
 
     def close(self) -> None:
         """Stop the threads, and the embedded host if this trainer started it."""
-        self._stop.set()
-        self.controller.close("trainer finished")
-        self.queue.close("trainer finished")
-        for thread in self._threads:
-            thread.join(timeout=10)
-        self._threads.clear()
+        self.workers.close("trainer finished")
         if self.checkpoints is not None:
             self.checkpoints.wait_until_finished()
         if self._own_host:
