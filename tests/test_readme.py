@@ -16,6 +16,7 @@ Keep exemptions few (the test allows at most `MAX_EXEMPT`); today there are none
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -148,3 +149,32 @@ def test_the_readme_python_m_modules_exist():
     assert modules, "no `python -m a3po_jax...` command found"
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     assert not missing, f"the README runs modules that do not exist: {missing}"
+
+
+# --- the design notes name what exists -------------------------------------------------------
+
+
+def test_the_design_notes_name_only_what_exists():
+    """Every `a3po_jax.x.y` name and every module path in docs/design.md resolves, so the
+    notes cannot silently drift from the code they describe."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    unresolved = []
+    for dotted in sorted(set(re.findall(r"`(a3po_jax(?:\.\w+)+)`", text))):
+        parts = dotted.split(".")
+        obj = None
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr, None)
+            break
+        if obj is None:
+            unresolved.append(dotted)
+    paths = set(re.findall(r"(?<![\w/])((?:a3po_jax/)?[a-z_]+/[a-z_0-9]+\.py)", text))
+    for path in sorted(paths):
+        full = path if path.startswith("a3po_jax/") else f"a3po_jax/{path}"
+        if not (ROOT / full).exists() and not (ROOT / path).exists():
+            unresolved.append(path)
+    assert not unresolved, f"docs/design.md names what does not exist: {unresolved}"
