@@ -179,3 +179,27 @@ def test_eval_every_scores_the_steps_weights(tmp_path):
 
     with pytest.raises(ValueError, match="eval_prompts"):
         dataclasses.replace(cfg, eval_prompts=0)
+
+
+def test_sync_with_two_minibatches_counts_staleness_in_optimizer_versions(tmp_path):
+    """Issue 16 item 2: with algo.num_minibatches = 2 the version advances by 2 per step.
+    Admission used to assume one version per batch: sync over-generated and dropped groups
+    as stale, and staleness/max (last minibatch) disagreed with the histogram (measured
+    from the step's starting version)."""
+    records = run(make_cfg(tmp_path, "k2", mode="sync", steps=3, prox="a3po", num_minibatches=2))
+    assert [r["version"] for r in records] == [2, 4, 6]
+    for r in records:
+        counts = r["staleness/counts"]  # counts[d] = trained tokens at staleness d
+        # 2 groups of 4 rows: group 0 is minibatch 0 (d = 0), group 1 is minibatch 1, trained
+        # one version later (d = 1 = k - 1, sync's bound in versions); nothing staler.
+        assert len(counts) == 2 and min(counts) > 0
+        assert sum(counts) == r["staleness/tokens"]["count"]
+        assert r["staleness/tokens"]["counts"] == counts
+        # The step's own metrics (every minibatch) agree with the histogram.
+        assert r["staleness/max"] == r["staleness/max_observed"] == 1
+        assert r["staleness/mean"] == pytest.approx(counts[1] / sum(counts), rel=1e-6)
+    last = records[-1]
+    assert last["queue/dropped_total"] == 0
+    assert last["queue/consumed_groups"] == 6
+    # Produces what it trains: at most the batch admitted after the last step is extra.
+    assert last["queue/produced_groups"] <= 6 + 2

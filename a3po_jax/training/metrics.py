@@ -439,6 +439,10 @@ def step_record(
     staleness = trained_staleness(batch.versions, batch.loss_mask, start_version, num_minibatches)
     n_tok = float(np.asarray(batch.loss_mask).sum())
     record = {
+        # Host-side staleness first: where the step reports staleness/max and /mean itself
+        # (the loss computes them from the same d = v0 + i - v_b per minibatch i), its values
+        # are kept; the tests check that both agree with the histogram.
+        **staleness_metrics(staleness),
         **{k: float(v) for k, v in step_metrics.items()},
         **timings,
         "version": int(version),
@@ -447,9 +451,6 @@ def step_record(
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/finished_frac": float(np.mean([r.finish_reason == "stop" for r in rollouts])),
-        # After the step's own metrics: every staleness/* number comes from one definition
-        # (the step reports its loss-side view of the same tokens).
-        **staleness_metrics(staleness),
         "throughput/train_tokens_per_s": n_tok / max(timings["time/train_s"], 1e-9),
         "throughput/host_tokens_per_s": float(host_stats.get("tokens_per_s", 0.0)),
         "host/version": int(host_stats.get("version", -1)),
