@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from a3po_jax.analysis.sweeps import completed_steps, is_complete, load_sweep, resolve
+from a3po_jax.cli.train import LOG_LEVELS
 from a3po_jax.training.config import ConfigError
 
 DEFAULT_CACHE = "~/.cache/a3po_jax/jax_compilation_cache"
@@ -58,7 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_CACHE,
         help="JAX persistent compilation cache dir ('' = off); default %(default)s",
     )
-    parser.add_argument("--log-level", default="WARNING", help="passed to a3po-train")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="passed to a3po-train",
+    )
     parser.add_argument(
         "--subprocess",
         action="store_true",
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         # The same read-only test a3po-train refuses a fresh run with.
         resume = cfg.checkpoint_every > 0 and train.latest_checkpoint_step(run_dir) > 0
         argv_run = [args.experiment, *overrides]
-        if args.log_level.upper() != "WARNING":
+        if args.log_level != "WARNING":
             argv_run += ["--log-level", args.log_level]
         if resume:
             argv_run.append("--resume")
