@@ -96,23 +96,33 @@ def test_train_step_runs_and_bumps_version():
     assert any(not np.allclose(a, b) for a, b in zip(leaves_old, leaves_new, strict=True))
 
 
-@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
-def test_micro_batched_grads_equal_full_batch(aggregation):
-    cfg = make_config(prox="a3po", aggregation=aggregation)
-    algo = algorithm(cfg)
+MICRO_BATCH_CASES = {
+    **{agg: dict(prox="a3po", aggregation=agg) for agg in losses.AGGREGATIONS},
+    "recompute-kl-loss": dict(prox="recompute", kl_coef=0.1, kl_kind="k3"),
+    "dpo": dict(loss="dpo"),
+}
+
+
+@pytest.mark.parametrize("case", list(MICRO_BATCH_CASES))
+def test_micro_batched_grads_equal_full_batch(case):
+    # Every loss term returns (sum, count) pairs and Stats, so 4 micro-batches reduce to the
+    # full batch's loss, gradient and every metric; averaging per micro-batch would not.
+    algo_kwargs = MICRO_BATCH_CASES[case]
+    group_size = 2 if algo_kwargs.get("loss") == "dpo" else 4
+    settings = dataclasses.replace(step_builder.step_settings(make_config()), **algo_kwargs)
+    algo = ts.build_algorithm(settings)
     params = model.init_params(CFG, jax.random.key(1))
-    batch = as_jnp(build_batch(make_groups(versions_from=2), advantage="grpo", length_bucket=16))
+    ref_params = model.init_params(CFG, jax.random.key(2))
+    groups = make_groups(num_groups=16 // group_size, group_size=group_size, versions_from=2)
+    b = build_batch(groups, advantage="grpo", length_bucket=16, dpo_pairs=group_size == 2)
+    batch = as_jnp(b)
     version = jnp.int32(3)
 
     def accumulate(m):
+        mbs = ts.split_micro_batches(batch, m)
+        old, ref = ts.auxiliary_logprobs(params, ref_params, mbs, algo=algo, model_config=CFG)
         return ts.accumulate_grads(
-            params,
-            ts.split_micro_batches(batch, m),
-            version=version,
-            old_logp=None,
-            ref_logp=None,
-            algo=algo,
-            model_config=CFG,
+            params, mbs, version=version, old_logp=old, ref_logp=ref, algo=algo, model_config=CFG
         )
 
     one, four = accumulate(1), accumulate(4)
