@@ -194,7 +194,6 @@ class Trainer:
         # Evaluation gets a host of its own (built at the first evaluation): the rollout host
         # is busy with training groups, and its results go to the collector.
         self._eval_host = None
-        self._eval_num_prompts = 0  # eval_prompts capped at the test split's size
         if self.leader and not self._own_host:
             # A remote host's update policy is fixed when it starts: refuse a mismatch now
             # rather than train on samples that span versions in a mode that forbids it.
@@ -562,35 +561,57 @@ class Trainer:
         ).start()
 
     def _evaluate(self, version: int) -> dict[str, float]:
-        """Greedy pass@1 of the current params on the first ``eval_prompts`` prompts of the
-        task's test split, on an embedded evaluation host (built once, weights pushed at
-        every evaluation). Returns ``eval/*`` metrics for this step's record."""
-        from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
-
+        """``eval/*`` metrics of the current params (:func:`evaluation_metrics`) on an
+        embedded evaluation host of its own, built once, weights pushed at every evaluation:
+        the rollout host is busy with training groups, and its results go to the collector."""
         t0 = time.perf_counter()
         if self._eval_host is None:
             self._eval_host = self._embedded_host(self.state.params, version, "drain")
-            self._eval_num_prompts = min(self.cfg.eval_prompts, len(self.task.prompts("test")))
         else:
             self._eval_host.update_weights(self.state.params, version)
-        result = evaluate(
+        metrics = evaluation_metrics(
+            self._eval_host,
             self.task,
-            "test",
-            host_generate_fn(self._eval_host, stop_tokens=self.sampling.stop_tokens),
             self.policy.tokenizer,
-            num_prompts=self._eval_num_prompts,
+            num_prompts=self.cfg.eval_prompts,
             max_new_tokens=self.cfg.rollout.max_new_tokens,
+            stop_tokens=self.sampling.stop_tokens,
             seed=version,
         )
-        return {
-            "eval/accuracy": result.accuracy,
-            "eval/stderr": result.stderr,
-            "eval/num_prompts": float(result.n),
-            "eval/finished_frac": result.finished_fraction,
-            "eval/completion_tokens": result.mean_completion_tokens,
-            "eval/version": float(self._eval_host.version),
-            "time/eval_s": time.perf_counter() - t0,
-        }
+        return {**metrics, "time/eval_s": time.perf_counter() - t0}
+
+
+def evaluation_metrics(
+    host: Host,
+    task: Any,
+    tokenizer: Any,
+    *,
+    num_prompts: int,
+    max_new_tokens: int,
+    stop_tokens: tuple[int, ...],
+    seed: int,
+) -> dict[str, float]:
+    """Greedy pass@1 of the weights ``host`` serves on the first ``num_prompts`` prompts
+    (capped at the split's size) of the task's test split, as ``eval/*`` metrics."""
+    from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
+
+    result = evaluate(
+        task,
+        "test",
+        host_generate_fn(host, stop_tokens=stop_tokens),
+        tokenizer,
+        num_prompts=min(num_prompts, len(task.prompts("test"))),
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    return {
+        "eval/accuracy": result.accuracy,
+        "eval/stderr": result.stderr,
+        "eval/num_prompts": float(result.n),
+        "eval/finished_frac": result.finished_fraction,
+        "eval/completion_tokens": result.mean_completion_tokens,
+        "eval/version": float(host.stats()["version"]),
+    }
 
 
 def _to_device(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
