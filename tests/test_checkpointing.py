@@ -234,3 +234,26 @@ def test_restore_params_only(tmp_path):
     np.testing.assert_array_equal(restored["w"], params["w"])
     assert restored["b"].dtype == jnp.bfloat16
     manager.close()
+
+
+def test_train_state_round_trip_with_version_and_extra(tmp_path):
+    from a3po_jax.core.train_step import TrainState
+    from a3po_jax.training.checkpointing import restore_train_state, save_train_state
+
+    params, opt_state, optimizer = make_state(0)
+    state = TrainState(params, opt_state, jnp.int32(6))
+    with CheckpointManager(tmp_path, async_save=False) as manager:
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            restore_train_state(manager, state)
+        extra = {"queue": {"consumed_groups": 4}, "skipped_steps": 1}
+        assert save_train_state(manager, 3, state, extra=extra)
+        # A fresh state of the same structure is the template: version 0, other params.
+        other, other_opt, _ = make_state(1)
+        template = TrainState(other, other_opt, jnp.int32(0))
+        restored, got_extra, step = restore_train_state(manager, template)
+    assert step == 3
+    # The version (optimizer steps, 2 per step with two minibatches) is saved, not the step.
+    assert int(restored.step) == 6 and got_extra["version"] == 6 and got_extra["step"] == 3
+    assert got_extra["queue"] == {"consumed_groups": 4} and got_extra["skipped_steps"] == 1
+    assert_trees_identical(restored.params, params)
+    assert_trees_identical(restored.opt_state, opt_state)

@@ -17,6 +17,8 @@ from a3po_jax.training.metrics import (
     Timer,
     histogram_summary,
     read_metrics,
+    step_record,
+    to_json_value,
 )
 
 
@@ -236,3 +238,62 @@ def test_timer_waits_for_the_value_given():
     assert result["out"] is pending and pending.blocked_at is not None
     # The wait counts toward the phase: it happened inside the timed region.
     assert metrics["time/train_s"] >= 0.05
+
+
+def test_lists_of_numbers_are_logged_as_json_lists(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as logger:
+        logger.log(1, {"staleness/counts": [3, 0, 2]})
+    assert read_metrics(tmp_path)[0]["staleness/counts"] == [3, 0, 2]
+    with pytest.raises(TypeError, match="only lists of numbers"):
+        to_json_value("bad", ["a"])
+
+
+def test_step_record_staleness_counts_each_minibatch_at_its_own_version():
+    from types import SimpleNamespace
+
+    from a3po_jax.core.types import Rollout, RolloutGroup
+
+    def rollout(group_id, i, versions):
+        n = len(versions)
+        return Rollout(
+            prompt_id=f"p{group_id}",
+            group_id=group_id,
+            sample_index=i,
+            prompt_tokens=np.arange(2, dtype=np.int32),
+            completion_tokens=np.arange(n, dtype=np.int32),
+            behav_logprobs=np.zeros(n, np.float32),
+            versions=np.asarray(versions, np.int32),
+            finish_reason="stop",
+            reward=float(i),
+            info={"correct": float(i)},
+        )
+
+    # Two groups of 2 rows, trained from version 4 with k = 2: group 0 at 4, group 1 at 5.
+    groups = [
+        RolloutGroup("p0", 0, [rollout(0, 0, [4, 4]), rollout(0, 1, [3, 4])], 3),
+        RolloutGroup("p1", 1, [rollout(1, 0, [4, 4]), rollout(1, 1, [4, 4])], 4),
+    ]
+    versions = np.array([[4, 4], [3, 4], [4, 4], [4, 4]])
+    batch = SimpleNamespace(
+        versions=versions, loss_mask=np.ones_like(versions), rewards=np.array([0.0, 1, 0, 1])
+    )
+    record = step_record(
+        groups=groups,
+        batch=batch,
+        start_version=4,
+        num_minibatches=2,
+        step_metrics={"loss/total": 0.5},
+        timings={"time/train_s": 2.0},
+        version=6,
+        host_stats={"version": 6, "tokens_per_s": 10.0},
+        counters={"queue": {"dropped_groups": {"stale": 0}, "consumed_groups": 2}},
+        skipped_total=0,
+    )
+    # Group 0: d = 0, 0, 1, 0; group 1 (minibatch 1, version 5): d = 1 on all 4 tokens.
+    # Measured from the start version alone, group 1 would read all 0: counts [7, 1].
+    assert record["staleness/counts"] == [3, 5]
+    assert record["staleness/max"] == record["staleness/max_observed"] == 1.0
+    assert record["staleness/mean"] == pytest.approx(5 / 8)
+    assert record["version"] == 6 and record["reward/correct"] == 0.5
+    assert record["throughput/train_tokens_per_s"] == 4.0
+    assert record["queue/dropped_groups/stale"] == 0 and record["queue/consumed_groups"] == 2
