@@ -9,6 +9,7 @@ import pytest
 from a3po_jax.tasks.toy import LetterTask  # reward: fraction of 'a's; other tests import it here
 from a3po_jax.training.config import (
     AlgoSection,
+    ConfigError,
     ModelSection,
     RolloutSection,
     SystemSection,
@@ -203,3 +204,12 @@ def test_sync_with_two_minibatches_counts_staleness_in_optimizer_versions(tmp_pa
     assert last["queue/consumed_groups"] == 6
     # Produces what it trains: at most the batch admitted after the last step is extra.
     assert last["queue/produced_groups"] <= 6 + 2
+
+
+def test_async_bound_below_the_minibatches_is_refused_before_anything_is_written(tmp_path):
+    # η counts optimizer versions: the last of 2 minibatches trains 1 version after the
+    # first, so async with max_staleness = 0 cannot hold for it and is refused.
+    cfg = make_cfg(tmp_path, "refused", mode="async", eta=0, num_minibatches=2)
+    with pytest.raises(ConfigError, match=r"system.max_staleness=0 with algo.num_minibatches=2"):
+        Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
+    assert not (tmp_path / "refused").exists()
