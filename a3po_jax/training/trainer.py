@@ -96,8 +96,8 @@ class Trainer:
     Args:
       cfg: the run's configuration (validated).
       policy: model config, initial params and tokenizer.
-      host: an object with the inference-host interface (``submit``, ``poll``,
-        ``update_weights``, ``stats``, ``close``); if None an embedded in-process host is
+      host: an inference host (:class:`a3po_jax.inference.protocol.Host`: the in-process
+        host, a gRPC client or a pool of them); if None an embedded in-process host is
         started (closed by :meth:`close`).
       task: an object with the ``a3po_jax.tasks.Task`` protocol (``prompts``, ``score``,
         ``format_ok``, ``extract_answer``); default ``make_task(cfg.task.name, ...)``.
