@@ -213,3 +213,15 @@ def test_async_bound_below_the_minibatches_is_refused_before_anything_is_written
     with pytest.raises(ConfigError, match=r"system.max_staleness=0 with algo.num_minibatches=2"):
         Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     assert not (tmp_path / "refused").exists()
+
+
+def test_async_with_two_minibatches_keeps_every_token_within_eta_versions(tmp_path):
+    # η = 3 versions with k = 2: up to one batch of overlap, and in-flight weight updates.
+    records = run(make_cfg(tmp_path, "ak2", mode="async", eta=3, steps=4, num_minibatches=2))
+    assert [r["version"] for r in records] == [2, 4, 6, 8]
+    for r in records:
+        counts = r["staleness/counts"]
+        assert 1 <= len(counts) <= 4  # counts[d] for d = 0 .. max, max <= η = 3
+        assert r["staleness/max"] == r["staleness/max_observed"] == len(counts) - 1
+        # Minibatch 1 always trains at least 1 version after every token was drawn.
+        assert sum(counts[1:]) > 0
