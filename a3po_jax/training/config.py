@@ -1,5 +1,7 @@
 """Typed, frozen run configuration, validated at construction.
 
+Training layer (host-side shell).
+
 A run is one :class:`TrainConfig` made of small sections. An experiment is a Python file
 with a ``config()`` function returning one (see ``experiments/``); the CLI applies
 ``section.field=value`` overrides on top and validates the result before anything starts.
