@@ -1,6 +1,7 @@
 """The in-process inference host against the model run without a cache (see
 `inference_reference.py`)."""
 
+import collections
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from inference_reference import CFG, collect, recompute_greedy, recompute_logprobs, scaled_params
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import HostClosedError, InferenceHost
+from a3po_jax.inference import HostClosedError, InferenceHost, engine_core
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 
 BUCKETS = (8, 16)
@@ -412,6 +413,98 @@ def test_closed_host_rejects_and_fails_pending(params):
         h.submit(GenerateRequest("late", PROMPTS["short"]))
 
 
+def test_waiting_prompts_share_one_prefill_and_one_insert(params, monkeypatch):
+    # Three requests of one bucket (two prompts of the RL case, G = 2 samples each, and one
+    # single sample) admitted together: one prefill call of 3 rows (padded to 4), one
+    # insert call for the 5 samples, one read of their first tokens. The old host ran one
+    # prefill per request and one insert (and one blocking read) per sample.
+    h = _host(params, num_slots=8)
+    calls = collections.Counter()
+    for name in ("prefill", "prefill_batch", "insert", "insert_batch"):
+        real = getattr(h._core, name)
+        monkeypatch.setattr(
+            h._core, name, lambda *a, _n=name, _r=real, **k: calls.update([_n]) or _r(*a, **k)
+        )
+    reads = []
+    real_unpack = engine_core.unpack_outputs
+    monkeypatch.setattr(
+        engine_core, "unpack_outputs", lambda p: reads.append(p.shape) or real_unpack(p)
+    )
+    prompts = {"g-a": PROMPTS["short"], "g-b": (9, 4, 7, 7, 2), "one": PROMPTS["bucket"]}
+    for rid, prompt in prompts.items():
+        n = 1 if rid == "one" else 2
+        h.submit(GenerateRequest(rid, prompt, n, greedy(6)))
+    assert h.serve_once()  # admits all five, then one decode step
+    assert calls == {"prefill_batch": 1, "insert_batch": 1}, calls
+    assert reads == [(2, 8), (2, 8)]  # the five first tokens, then the step's tokens
+    results = drive(h, 5)
+    h.close()
+    assert calls == {"prefill_batch": 1, "insert_batch": 1}, calls
+    for rid, prompt in prompts.items():
+        ref = recompute_greedy(params, prompt, 6)
+        for i in range(1 if rid == "one" else 2):
+            np.testing.assert_array_equal(results[(rid, i)].tokens, ref)
+            np.testing.assert_allclose(
+                results[(rid, i)].logprobs, recompute_logprobs(params, prompt, ref, 0.0), atol=1e-4
+            )
+
+
+def test_pipelined_loop_dispatches_the_next_step_before_reading_one(params, monkeypatch):
+    # The serving thread's loop: step n + 1 is dispatched before step n's tokens are read
+    # (one [2, N] read per step), so host work overlaps the device. Samples that stop at
+    # step n (a stop token, seen one step late) or end by length must come out exactly as
+    # the unpipelined loop gives them.
+    h = _host(params)
+    h._state = h._core.init_decode_state()  # what start() does; the loop runs here instead
+    events, alive = [], []
+    real_step = h._core.generate_packed
+
+    def step(*a, **k):
+        state, packed = real_step(*a, **k)
+        events.append(("dispatch", id(packed)))
+        alive.append(packed)  # ids stay unique while the test runs
+        return state, packed
+
+    monkeypatch.setattr(h._core, "generate_packed", step)
+    real_unpack = engine_core.unpack_outputs
+    monkeypatch.setattr(
+        engine_core, "unpack_outputs", lambda p: events.append(("read", id(p))) or real_unpack(p)
+    )
+    ref = recompute_greedy(params, PROMPTS["short"], 12)
+    i = next(i for i in range(2, 12) if ref[i] not in ref[:i])
+    requests = [
+        GenerateRequest("stop", PROMPTS["short"], sampling=greedy(12, stop=(ref[i],))),
+        GenerateRequest("len", PROMPTS["long"], 2, greedy(9)),
+        GenerateRequest("one", PROMPTS["bucket"], sampling=greedy(1)),
+    ]
+    for r in requests:
+        h.submit(r)
+    out = {}
+    for _ in range(100):
+        h._iteration(pipelined=True)
+        out.update({(r.request_id, r.sample_index): r for r in h.poll(timeout=0)})
+        if len(out) == 4:
+            break
+    h.close()
+    steps = [key for kind, key in events if kind == "dispatch"]
+    at = {event: n for n, event in enumerate(events)}
+    # "len" needs 8 steps; "stop" needs i, and its stop token is seen one step late.
+    assert len(steps) == max(8, i + 1)
+    for k in range(len(steps) - 1):  # step k + 1 is dispatched before step k is read
+        assert at[("dispatch", steps[k + 1])] < at[("read", steps[k])], events
+    # One read per step, and one for the first tokens of the four samples.
+    assert sum(kind == "read" for kind, _ in events) == len(steps) + 1
+    assert out[("stop", 0)].finish_reason == "stop"
+    np.testing.assert_array_equal(out[("stop", 0)].tokens, ref[: i + 1])
+    for j in range(2):
+        r = out[("len", j)]
+        np.testing.assert_array_equal(r.tokens, recompute_greedy(params, PROMPTS["long"], 9))
+        np.testing.assert_array_equal(r.versions, np.zeros(9))
+    np.testing.assert_array_equal(
+        out[("one", 0)].tokens, recompute_greedy(params, PROMPTS["bucket"], 1)
+    )
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_through_host():
     from model_reference import greedy_generate
@@ -434,14 +527,15 @@ def test_smollm2_greedy_through_host():
 
 def test_compiles_a_handful_of_shapes(params):
     # Prompts of every length 1..16 and mixed sampling settings: one decode step per
-    # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16).
+    # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16)
+    # and number of rows prefilled together (1, 2 or 4: powers of two up to the slots).
     # A fresh capacity (40) so that compilations from other tests do not hide new ones.
     from a3po_jax.inference import engine_core
 
     jits = {
-        "prefill": engine_core._prefill_jit,
-        "insert": engine_core._insert_jit,
-        "generate": engine_core._generate_jit,
+        "prefill": engine_core._prefill_batch_jit,
+        "insert": engine_core._insert_batch_jit,
+        "generate": engine_core._generate_packed_jit,
     }
     before = {k: f._cache_size() for k, f in jits.items()}
     settings = [
@@ -457,4 +551,6 @@ def test_compiles_a_handful_of_shapes(params):
     grown = {k: f._cache_size() - before[k] for k, f in jits.items()}
     assert h._core.decode_windows == (8, 16, 32, 40)
     assert 2 <= grown["generate"] <= 4, grown  # windows grow with the samples
-    assert grown["insert"] <= 2 and grown["prefill"] <= 2, grown
+    assert h._core.prefill_rows == (1, 2, 4)
+    most = len(BUCKETS) * len(h._core.prefill_rows)
+    assert grown["insert"] <= most and grown["prefill"] <= most, grown

@@ -36,6 +36,7 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from a3po_jax import model as model_lib
@@ -230,6 +231,137 @@ def insert(
     return state, token[0], logprob[0]
 
 
+@struct.dataclass
+class PrefixBatch:
+    """R prefilled prompts of one bucket length, made by one `prefill_batch` call."""
+
+    cache: model_lib.KVCache  # k, v [L, R, Tb, Hkv, K]; lengths [R] = true prompt lengths
+    last_logits: jax.Array  # [R, V] float32 logits after each row's last prompt token
+
+
+def prefill_batch(
+    params: Params,
+    tokens: jax.Array,
+    true_lengths: jax.Array,
+    *,
+    config: model_lib.ModelConfig,
+    cache_dtype=None,
+) -> PrefixBatch:
+    """`prefill` for R right-padded prompts of one bucket length in one call.
+
+    Only each row's last real position goes through the lm_head (an [R, D] x [D, V]
+    product), not all R * Tb positions: the logits of the other positions are never read.
+    Rows are independent; padding rows (any `true_length` >= 1) cost compute only.
+
+    Args:
+      params: model parameters.
+      tokens: `[R, Tb]` int32 prompts, right-padded to the bucket length Tb.
+      true_lengths: `[R]` int32 real tokens per row (1 <= true_length <= Tb).
+      config: the model's config (static).
+      cache_dtype: KV cache dtype (default: the model's choice).
+
+    Returns:
+      `PrefixBatch` with the caches (`lengths == true_lengths`) and each row's logits that
+      predict its first new token.
+    """
+    chex.assert_rank(tokens, 2)
+    R, Tb = tokens.shape
+    chex.assert_shape(true_lengths, (R,))
+    t = jnp.arange(Tb, dtype=jnp.int32)[None, :]  # [1, T]
+    segment_ids = (t < true_lengths[:, None]).astype(jnp.int32)  # [R, T]; 0 marks padding
+    cache = model_lib.init_kv_cache(config, R, Tb, dtype=cache_dtype)
+    hidden, cache = model_lib.hidden_states(
+        params,
+        tokens.astype(jnp.int32),
+        jnp.broadcast_to(t, (R, Tb)),
+        config=config,
+        segment_ids=segment_ids,
+        kv_cache=cache,
+    )  # [R, T, D] float32 (after the final norm)
+    last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
+    logits = jnp.einsum("rd,dv->rv", last, model_lib.lm_head_kernel(params, config))
+    return PrefixBatch(cache=cache, last_logits=logits.astype(jnp.float32))
+
+
+def pack_outputs(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
+    """tokens `[N]` int32 and logprobs `[N]` float32 as one `[2, N]` int32 array (the
+    log-probs' bits), so the host copies a step's results out in one transfer."""
+    return jnp.stack([tokens.astype(jnp.int32), jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
+
+
+def unpack_outputs(packed) -> tuple:
+    """`pack_outputs`' inverse on the host: (tokens [N] int32, logprobs [N] float32)."""
+    packed = np.asarray(packed)
+    return packed[0], packed[1].view(np.float32)
+
+
+def insert_batch(
+    prefixes: PrefixBatch,
+    state: DecodeState,
+    rows: jax.Array,
+    slots: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed_hi: jax.Array,
+    seed_lo: jax.Array,
+    sample_index: jax.Array,
+) -> tuple[DecodeState, jax.Array]:
+    """`insert` for up to N samples at once: entry m starts prefix row `rows[m]` in slot
+    `slots[m]` and draws its first token. Several entries may share a row (the G samples of
+    one prompt share one prefill); an entry with `slots[m] >= N` is padding and changes
+    nothing (the entry count is always N, so one program serves any number of inserts).
+
+    Args:
+      prefixes: from `prefill_batch`, R rows of length Tb <= S.
+      state: the decode state (donated by the jitted wrapper).
+      rows: `[N]` int32 prefix row of each entry.
+      slots: `[N]` int32 distinct target slots (padding entries: N).
+      temperature, top_k, top_p, seed_hi, seed_lo, sample_index: `[N]`, see `DecodeState`.
+
+    Returns:
+      (new state, `pack_outputs(first tokens, their behaviour log-probs)` `[2, N]`, entry
+      m's in column `slots[m]`; other columns are zero).
+    """
+    N = state.num_slots
+    Tb = prefixes.cache.k.shape[2]
+    if Tb > state.capacity:
+        raise ValueError(f"prefix length {Tb} exceeds the cache capacity {state.capacity}")
+    chex.assert_shape([rows, slots, temperature, top_k, top_p], (N,))
+    chex.assert_shape([seed_hi, seed_lo, sample_index], (N,))
+    step0 = jnp.zeros((N,), jnp.int32)
+    keys = sampling.sample_keys(seed_hi, seed_lo, sample_index, step0)
+    tokens, logprobs = sampling.sample_tokens(
+        prefixes.last_logits[rows], keys, temperature, top_k, top_p
+    )  # [N], [N]
+
+    def write(dst, src):  # dst [L, N, S, Hkv, K], src [L, R, Tb, Hkv, K]
+        # Positions past each prompt keep stale values, which attention never reads.
+        return dst.at[:, slots, :Tb].set(src[:, rows].astype(dst.dtype), mode="drop")
+
+    set_at = lambda arr, value: arr.at[slots].set(value.astype(arr.dtype), mode="drop")
+    cache = state.cache._replace(
+        k=write(state.cache.k, prefixes.cache.k),
+        v=write(state.cache.v, prefixes.cache.v),
+        lengths=set_at(state.cache.lengths, prefixes.cache.lengths[rows]),
+    )
+    state = state.replace(
+        cache=cache,
+        tokens=set_at(state.tokens, tokens),
+        active=set_at(state.active, jnp.ones((N,), jnp.bool_)),
+        temperature=set_at(state.temperature, temperature),
+        top_k=set_at(state.top_k, top_k),
+        top_p=set_at(state.top_p, top_p),
+        seed_hi=set_at(state.seed_hi, seed_hi),
+        seed_lo=set_at(state.seed_lo, seed_lo),
+        sample_index=set_at(state.sample_index, sample_index),
+        step=set_at(state.step, jnp.ones((N,), jnp.int32)),
+    )
+    # Entry m's outputs go to column slots[m], so the host reads them by slot.
+    by_slot = lambda x: jnp.zeros_like(x).at[slots].set(x, mode="drop")
+    return state, pack_outputs(by_slot(tokens), by_slot(logprobs))
+
+
 def generate(
     params: model_lib.DecodeParams,
     state: DecodeState,
@@ -277,6 +409,19 @@ def generate(
         step=state.step + state.active.astype(jnp.int32),
     )
     return state, tokens, logprobs
+
+
+def generate_packed(
+    params: model_lib.DecodeParams,
+    state: DecodeState,
+    *,
+    config: model_lib.ModelConfig,
+    window: int | None = None,
+) -> tuple[DecodeState, jax.Array]:
+    """`generate` with its outputs as one `[2, N]` array (`pack_outputs`): what the host
+    dispatches, one device -> host copy per step."""
+    state, tokens, logprobs = generate(params, state, config=config, window=window)
+    return state, pack_outputs(tokens, logprobs)
 
 
 def recompute_cache(
@@ -351,6 +496,11 @@ _prefill_jit = jax.jit(prefill, static_argnames=("config", "cache_dtype"))
 _insert_jit = jax.jit(insert, donate_argnums=(1,))
 _generate_jit = jax.jit(generate, static_argnames=("config", "window"), donate_argnums=(1,))
 _release_jit = jax.jit(release, donate_argnums=(0,))
+_prefill_batch_jit = jax.jit(prefill_batch, static_argnames=("config", "cache_dtype"))
+_insert_batch_jit = jax.jit(insert_batch, donate_argnums=(1,))
+_generate_packed_jit = jax.jit(
+    generate_packed, static_argnames=("config", "window"), donate_argnums=(1,)
+)
 _recompute_jit = jax.jit(recompute_cache, static_argnames=("config",), donate_argnums=(1,))
 
 
@@ -405,6 +555,17 @@ class EngineCore:
             windows.append(w)
             w *= 2
         self.decode_windows = (*windows, self.capacity)
+        # Prompts prefilled together are padded to a power of two of rows (up to the slot
+        # count): one prefill program per (rows, bucket), not per number of prompts.
+        rows, r = [], 1
+        while r < self.num_slots:
+            rows.append(r)
+            r *= 2
+        self.prefill_rows = (*rows, self.num_slots)
+        self._prefill_batch = functools.partial(
+            _prefill_batch_jit, config=config, cache_dtype=cache_dtype
+        )
+        self._generate_packed = functools.partial(_generate_packed_jit, config=config)
         # (leaves of the params last split, their split). The leaves are held so that their
         # ids cannot be reused by new arrays while the entry lives.
         self._split: tuple[list[jax.Array], model_lib.DecodeParams] | None = None
@@ -454,6 +615,62 @@ class EngineCore:
             raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
         return _insert_jit(prefix, state, jnp.int32(slot), **slot_sampling.as_arrays())
 
+    def prefill_batch(self, params: Params, prompts) -> PrefixBatch:
+        """Prefills several prompts (sequences of ints) of one bucket in one call; the rows
+        are padded to the next of `prefill_rows` (padding rows repeat the first prompt).
+        Row r of the result is `prompts[r]`."""
+        R = len(prompts)
+        if not 1 <= R <= self.num_slots:
+            raise ValueError(f"prefill_batch takes 1..{self.num_slots} prompts, got {R}")
+        Tb = self.bucket_for(max(len(p) for p in prompts))
+        Rb = next(r for r in self.prefill_rows if R <= r)
+        tokens = np.zeros((Rb, Tb), np.int32)
+        lengths = np.full((Rb,), len(prompts[0]), np.int32)
+        for r in range(Rb):
+            prompt = prompts[r] if r < R else prompts[0]
+            tokens[r, : len(prompt)] = prompt
+            lengths[r] = len(prompt)
+        return self._prefill_batch(params, tokens, lengths)
+
+    def insert_batch(
+        self,
+        prefixes: PrefixBatch,
+        state: DecodeState,
+        entries: list[tuple[int, int, SlotSampling]],
+    ) -> tuple[DecodeState, jax.Array]:
+        """Starts samples `entries = [(prefix row, slot, sampling), ...]` (at most one per
+        slot) in one call; returns the state and the packed `[2, N]` first tokens and
+        log-probs (`unpack_outputs`), each entry's in its slot's column."""
+        N = self.num_slots
+        if len({slot for _, slot, _ in entries}) != len(entries) or len(entries) > N:
+            raise ValueError(f"entries need distinct slots, at most {N}, got {entries}")
+        cols = {
+            "rows": np.zeros((N,), np.int32),
+            "slots": np.full((N,), N, np.int32),  # N = padding, dropped
+            "temperature": np.zeros((N,), np.float32),
+            "top_k": np.zeros((N,), np.int32),
+            "top_p": np.ones((N,), np.float32),
+            "seed_hi": np.zeros((N,), np.uint32),
+            "seed_lo": np.zeros((N,), np.uint32),
+            "sample_index": np.zeros((N,), np.int32),
+        }
+        for m, (row, slot, s) in enumerate(entries):
+            if not 0 <= slot < N:
+                raise ValueError(f"slot must be in [0, {N}), got {slot}")
+            hi, lo = sampling.split_seed(s.seed)
+            for name, value in (
+                ("rows", row),
+                ("slots", slot),
+                ("temperature", s.temperature),
+                ("top_k", s.top_k),
+                ("top_p", s.top_p),
+                ("seed_hi", hi),
+                ("seed_lo", lo),
+                ("sample_index", s.sample_index),
+            ):
+                cols[name][m] = value
+        return _insert_batch_jit(prefixes, state, **cols)
+
     def decode_params(self, params: Params) -> model_lib.DecodeParams:
         """`params` split per layer for the decode step; the split is cached, so calling this
         with the params of every step costs a tree flatten, and the copy happens once per
@@ -483,11 +700,17 @@ class EngineCore:
     def generate(self, params: Params, state: DecodeState, window: int | None = None):
         """One decode step (`generate`) with `params` (split or not) for all slots,
         attending to the first `window` cache slots (one of `decode_windows`; None = all)."""
+        return self._generate(self.decode_params(params), state, window=self._window(window))
+
+    def generate_packed(self, params: Params, state: DecodeState, window: int | None = None):
+        """`generate` returning (state, packed `[2, N]` tokens and log-probs): one array to
+        copy out per step (`unpack_outputs`)."""
+        return self._generate_packed(self.decode_params(params), state, window=self._window(window))
+
+    def _window(self, window: int | None) -> int | None:
         if window is not None and window not in self.decode_windows:
             raise ValueError(f"window must be one of {self.decode_windows}, got {window}")
-        if window == self.capacity:
-            window = None  # one program for "the whole cache"
-        return self._generate(self.decode_params(params), state, window=window)
+        return None if window == self.capacity else window  # one program for the whole cache
 
     def release(self, state: DecodeState, finished) -> DecodeState:
         return _release_jit(state, jnp.asarray(finished, jnp.bool_))

@@ -57,6 +57,7 @@ import numpy as np
 
 from a3po_jax import model as model_lib
 from a3po_jax.inference import engine_core, weight_sync
+from a3po_jax.inference.engine_core import SlotSampling
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,
@@ -83,8 +84,10 @@ class _SampleRun:
     sample_index: int
     submitted_at: float
     started_at: float
-    prefill_s: float
-    length: int  # tokens in the slot's KV cache
+    # Tokens in the slot's KV cache once every step dispatched so far has run (the serving
+    # loop dispatches a step before it reads the previous one's tokens).
+    length: int
+    prefill_s: float = 0.0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -100,19 +103,39 @@ class _SampleRun:
             return "stop"
         if len(self.tokens) >= sampling.max_new_tokens:
             return "length"
-        # The last token is fed at position `length`; a full cache cannot take it.
-        if self.length >= capacity:
+        # The last token is fed at the cache length (prompt + tokens but the last); a full
+        # cache cannot take it.
+        if len(self.request.prompt_tokens) + len(self.tokens) - 1 >= capacity:
             return "length"
         return None
+
+    def needs_step(self, capacity: int) -> bool:
+        """Whether a step dispatched now may produce a token this sample keeps: not when the
+        tokens already dispatched reach max_new_tokens or fill the cache (a stop token is
+        only seen when the tokens are read, one step later)."""
+        dispatched = self.length - len(self.request.prompt_tokens) + 1  # insert + steps
+        return dispatched < self.request.sampling.max_new_tokens and self.length < capacity
 
 
 @dataclasses.dataclass
 class _PrefixEntry:
-    """A prefilled prompt kept until every sample of its request has a slot."""
+    """A prefilled prompt (row `row` of a batched prefill) kept until every sample of its
+    request has a slot."""
 
-    prefix: engine_core.Prefix
+    prefixes: engine_core.PrefixBatch
+    row: int
     version: int
-    prefill_s: float
+    dispatched_at: float
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A dispatched step or batch of inserts whose outputs have not been read yet."""
+
+    packed: jax.Array  # [2, N] tokens and log-prob bits (engine_core.pack_outputs)
+    runs: list[_SampleRun | None]  # the run each slot's output belongs to (None: unused)
+    version: int
+    dispatched_at: float
 
 
 class InferenceHost:
@@ -204,6 +227,7 @@ class InferenceHost:
         self._slots: list[_SampleRun | None] = [None] * num_slots
         self._state: engine_core.DecodeState | None = None
         self._thread: threading.Thread | None = None
+        self._pending: _Pending | None = None  # the dispatched step not read yet
 
         # Counters for `counters` (written under the lock).
         self._requests = 0
@@ -268,7 +292,7 @@ class InferenceHost:
             self._check_alive()
         if self._state is None:
             self._state = self._core.init_decode_state()
-        return self._iteration()
+        return self._iteration(pipelined=False)
 
     def warmup(self) -> None:
         """Compiles prefill and insert for every bucket, and the decode step, now."""
@@ -460,7 +484,7 @@ class InferenceHost:
                     closing = self._closing
                 if closing:
                     break
-                if not self._iteration():
+                if not self._iteration(pipelined=True):
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
             self._fail_everything("host closed")
@@ -470,15 +494,44 @@ class InferenceHost:
                 self._dead = f"{type(e).__name__}: {e}"
             self._fail_everything(f"inference host died: {type(e).__name__}: {e}")
 
-    def _iteration(self) -> bool:
-        """One pass of the serving loop; True if a decode step ran."""
+    def _iteration(self, pipelined: bool = False) -> bool:
+        """One pass of the serving loop; True if a decode step was dispatched.
+
+        Pipelined (the serving thread), step n + 1 is dispatched before step n's tokens are
+        read: JAX dispatches asynchronously, so the host's work on step n (reading its one
+        [2, N] output, stop checks, results) overlaps step n + 1 on the device. A sample
+        that stopped at step n computes one more token in step n + 1, which is dropped (the
+        batch shape is fixed, so the slot costs nothing extra). Not pipelined
+        (`serve_once`), each step's tokens are read before the call returns.
+        """
         self._take_inbox()
         self._maybe_swap_weights()
-        self._admit()
-        if any(s is not None for s in self._slots):
-            self._step()
-            return True
-        return False
+        inserted = self._admit()
+        step = self._dispatch_step()
+        previous, self._pending = self._pending, None
+        finished = np.zeros((self.num_slots,), bool)
+        if previous is not None:
+            self._collect(previous, finished, is_step=True)
+        if inserted is not None:
+            self._collect(inserted, finished, is_step=False)
+        if step is not None:
+            if pipelined:
+                self._pending = step
+            else:
+                self._collect(step, finished, is_step=True)
+        if finished.any():
+            self._state = self._core.release(self._state, finished)
+        return step is not None
+
+    def _flush(self) -> None:
+        """Reads the pending step, so every run's tokens are up to date (before a swap)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        finished = np.zeros((self.num_slots,), bool)
+        self._collect(pending, finished, is_step=True)
+        if finished.any():
+            self._state = self._core.release(self._state, finished)
 
     def _take_inbox(self) -> None:
         while True:
@@ -498,11 +551,15 @@ class InferenceHost:
             # Under the lock every request submitted before the update is in the inbox or
             # already waiting: take them so "drain" sees them all.
             self._take_inbox()
+            # (A run whose last step is pending still holds its slot: "drain" waits for it.)
             if self.update_policy == "drain" and (
                 any(s is not None for s in self._slots) or self._drain_waiting()
             ):
                 return
             self._staged = None
+        # The pending step ran on the old weights: read it (its tokens carry the old
+        # version) so that the recompute sees every running sample's tokens.
+        self._flush()
         self._params, self._decode_params, self._version = staged
         self._weight_updates += 1
         # Prefixes were computed with the old weights; a sample started from one would
@@ -537,93 +594,119 @@ class InferenceHost:
         (Call with the lock held.) Submit order is kept, so the oldest waiting one decides."""
         return bool(self._waiting) and self._waiting[0][3] < self._staged_seq
 
-    def _admit(self) -> None:
-        finished = np.zeros((self.num_slots,), bool)
-        for slot in range(self.num_slots):
-            if self._slots[slot] is not None:
-                continue
-            if not self._waiting:
-                break
+    def _admit(self) -> _Pending | None:
+        """Starts waiting samples in the free slots: the prompts that need a prefill are
+        prefilled together (one call per bucket), and every sample starts in one insert
+        call per prefill batch; a request's G samples share its prefill row. Nothing is
+        read back here (the first tokens are read with the step dispatched after)."""
+        free = [slot for slot, run in enumerate(self._slots) if run is None]
+        chosen: list[tuple[int, GenerateRequest, int, float]] = []
+        while free and self._waiting:
             if self.update_policy == "drain":
                 with self._lock:
                     if self._staged is not None and not self._drain_waiting():
                         break  # drain: later requests start once the staged weights serve
             request, sample_index, submitted_at, _ = self._waiting.popleft()
-            try:
-                run = self._start_sample(slot, request, sample_index, submitted_at)
-            except Exception as e:  # noqa: BLE001 - one bad request must not stop the host
-                log.error("sample failed to start:\n%s", traceback.format_exc())
-                self._fail_request(request, sample_index, f"{type(e).__name__}: {e}")
-                if self._state is None or _is_deleted(self._state):
-                    self._state = self._core.init_decode_state()
-                    self._fail_running(
-                        ErrorKind.SAMPLE_FAILED, "decode state was lost after an error"
-                    )
-                continue
-            reason = run.finish_reason(self._core.capacity)
-            if reason is None:
+            chosen.append((free.pop(0), request, sample_index, submitted_at))
+        if not chosen:
+            return None
+        try:
+            return self._start_samples(chosen)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not stop the host
+            log.error("samples failed to start:\n%s", traceback.format_exc())
+            for slot, request, sample_index, _ in chosen:
+                self._slots[slot] = None
+                if request.request_id in self._in_flight:
+                    self._fail_request(request, sample_index, f"{type(e).__name__}: {e}")
+            if self._state is None or _is_deleted(self._state):
+                self._state = self._core.init_decode_state()
+                self._pending = None
+                self._fail_running(ErrorKind.SAMPLE_FAILED, "decode state was lost after an error")
+            return None
+
+    def _start_samples(self, chosen: list[tuple[int, GenerateRequest, int, float]]) -> _Pending:
+        now = time.monotonic()
+        # One prefill per bucket for the requests not prefilled yet, in submit order.
+        to_prefill: dict[int, dict[str, GenerateRequest]] = {}
+        for _, request, _, _ in chosen:
+            if request.request_id not in self._prefixes:
+                bucket = self._core.bucket_for(len(request.prompt_tokens))
+                to_prefill.setdefault(bucket, {})[request.request_id] = request
+        for requests in to_prefill.values():
+            group = list(requests.values())
+            prefixes = self._core.prefill_batch(self._params, [r.prompt_tokens for r in group])
+            for row, request in enumerate(group):
+                self._prefixes[request.request_id] = _PrefixEntry(prefixes, row, self._version, now)
+        # One insert per prefill batch (usually one), every sample of it at once.
+        by_batch: dict[int, list[tuple[int, _PrefixEntry, SlotSampling]]] = {}
+        runs: list[_SampleRun | None] = [None] * self.num_slots
+        for slot, request, sample_index, submitted_at in chosen:
+            entry = self._prefixes[request.request_id]
+            if sample_index == request.num_samples - 1:
+                self._prefixes.pop(request.request_id, None)
+            s = request.sampling
+            slot_sampling = SlotSampling(
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                seed=self._request_seed(request),
+                sample_index=sample_index,
+            )
+            by_batch.setdefault(id(entry.prefixes), []).append((slot, entry, slot_sampling))
+            run = _SampleRun(
+                request=request,
+                sample_index=sample_index,
+                submitted_at=submitted_at,
+                started_at=now,
+                length=len(request.prompt_tokens),
+                prefill_s=now - entry.dispatched_at,
+            )
+            runs[slot] = run
+        packed = []
+        for items in by_batch.values():
+            prefixes = items[0][1].prefixes
+            entries = [(entry.row, slot, ss) for slot, entry, ss in items]
+            self._state, out = self._core.insert_batch(prefixes, self._state, entries)
+            packed.append(out)
+        for slot, run in enumerate(runs):
+            if run is not None:
                 self._slots[slot] = run
-            else:
-                finished[slot] = True
-                self._emit(self._result(run, reason))
-        if finished.any():
-            self._state = self._core.release(self._state, finished)
+        # Each slot's column comes from the one insert that wrote it (the others hold 0).
+        out = packed[0] if len(packed) == 1 else sum(packed[1:], packed[0])
+        version = self._version
+        return _Pending(out, runs, version, now)
 
-    def _start_sample(
-        self, slot: int, request: GenerateRequest, sample_index: int, submitted_at: float
-    ) -> _SampleRun:
-        entry = self._prefixes.get(request.request_id)
-        if entry is None:
-            t0 = time.monotonic()
-            prefix = self._core.prefill(self._params, request.prompt_tokens)
-            jax.block_until_ready(prefix)
-            entry = _PrefixEntry(prefix, self._version, time.monotonic() - t0)
-            self._prefixes[request.request_id] = entry
-        if sample_index == request.num_samples - 1:
-            self._prefixes.pop(request.request_id, None)
-        s = request.sampling
-        slot_sampling = engine_core.SlotSampling(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            seed=self._request_seed(request),
-            sample_index=sample_index,
-        )
-        started_at = time.monotonic()
-        self._state, token, logprob = self._core.insert(
-            entry.prefix, self._state, slot, slot_sampling
-        )
-        run = _SampleRun(
-            request=request,
-            sample_index=sample_index,
-            submitted_at=submitted_at,
-            started_at=started_at,
-            prefill_s=entry.prefill_s,
-            length=len(request.prompt_tokens),
-        )
-        run.add(int(token), float(logprob), entry.version)
-        self._tokens_generated += 1
-        return run
-
-    def _step(self) -> None:
-        t0 = time.monotonic()
+    def _dispatch_step(self) -> _Pending | None:
+        """Dispatches one decode step for the runs that need one (does not wait for it)."""
+        runs = [
+            run if run is not None and run.needs_step(self._core.capacity) else None
+            for run in self._slots
+        ]
+        stepping = [run for run in runs if run is not None]
+        if not stepping:
+            return None
         # Attend only as far as the longest running sample needs (its fed token goes at
         # `length`): a step costs what its samples use, not the whole cache capacity.
-        longest = max(run.length for run in self._slots if run is not None)
-        window = self._core.window_for(longest)
-        self._state, tokens, logprobs = self._core.generate(
-            self._decode_params, self._state, window
-        )
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)  # waits for the step
-        self._last_step_s = time.monotonic() - t0
-        self._steps += 1
-        finished = np.zeros((self.num_slots,), bool)
+        window = self._core.window_for(max(run.length for run in stepping))
+        t0 = time.monotonic()
+        self._state, packed = self._core.generate_packed(self._decode_params, self._state, window)
+        for run in stepping:
+            run.length += 1  # the fed token is in the cache once the step has run
+        return _Pending(packed, runs, self._version, t0)
+
+    def _collect(self, pending: _Pending, finished: np.ndarray, *, is_step: bool) -> None:
+        """Reads a dispatched step's (or insert's) tokens in one transfer and hands on the
+        samples that finished; their slots are marked in `finished` (released by the
+        caller). Outputs of a slot whose run has finished meanwhile are dropped."""
+        tokens, logprobs = engine_core.unpack_outputs(pending.packed)  # waits for it
+        now = time.monotonic()
         produced = 0
-        for slot, run in enumerate(self._slots):
-            if run is None:
+        for slot, run in enumerate(pending.runs):
+            if run is None or self._slots[slot] is not run:
                 continue
-            run.length += 1  # the fed token is now in the cache
-            run.add(int(tokens[slot]), float(logprobs[slot]), self._version)
+            if not run.tokens:
+                run.prefill_s = now - run.started_at + run.prefill_s
+            run.add(int(tokens[slot]), float(logprobs[slot]), pending.version)
             produced += 1
             reason = run.finish_reason(self._core.capacity)
             if reason is not None:
@@ -631,12 +714,13 @@ class InferenceHost:
                 self._slots[slot] = None
                 self._emit(self._result(run, reason))
         self._tokens_generated += produced
-        with self._lock:
-            self._recent.append((time.monotonic(), produced))
-            while self._recent and time.monotonic() - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
-                self._recent.popleft()
-        if finished.any():
-            self._state = self._core.release(self._state, finished)
+        if is_step:
+            self._last_step_s = now - pending.dispatched_at
+            self._steps += 1
+            with self._lock:
+                self._recent.append((now, produced))
+                while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
+                    self._recent.popleft()
 
     def _result(
         self,
@@ -684,6 +768,7 @@ class InferenceHost:
 
     def _fail_everything(self, message: str) -> None:
         """Fails every running and waiting sample: the host is closing or dead."""
+        self._pending = None
         self._take_inbox()
         self._fail_running(ErrorKind.HOST_CLOSED, message)
         while self._waiting:
