@@ -1,0 +1,66 @@
+"""Structural checks of the compiled training path that keep it at matmul speed on a CPU.
+
+Timings are too noisy for a test (and the CI machine is shared), so these tests read the
+compiled HLO instead: they pin the layouts that made the backward pass several times slower
+than it needed to be (issue 15), and each would fail on the code before its fix.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from a3po_jax import model
+
+# Odd sizes, so an activation's axes can be told apart by their lengths in the HLO text.
+B, T = 3, 20
+CONFIG = model.ModelConfig.tiny(d_model=48, ffn_dim=112, n_heads=4, n_kv_heads=2, head_dim=12)
+
+
+def _compiled_layer_stack_grad(config):
+    params = model.init_params(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+    def objective(layers, embed):
+        p = dict(params, layers=layers, embed=embed)
+        hidden, _ = model.hidden_states(p, tokens, positions, config=config)
+        return jnp.sum(hidden**2)
+
+    grad = jax.jit(jax.grad(objective, argnums=(0, 1)))
+    return grad.lower(params["layers"], params["embed"]).compile().as_text()
+
+
+def _transposes(hlo: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(result shape, dimensions) of every transpose in compiled HLO text."""
+    found = []
+    for shape, dims in re.findall(
+        r"= f32\[([0-9,]*)\]\{[0-9,]*\} transpose\([^)]*\), dimensions=\{([0-9,]*)\}", hlo
+    ):
+        found.append(
+            (tuple(int(s) for s in shape.split(",") if s), tuple(int(d) for d in dims.split(",")))
+        )
+    return found
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_layer_stack_gradient_transposes_no_activation_to_feature_major(remat):
+    """The weight gradients dW = xᵀ·g contract over the B·T tokens. Written as 3-D einsums
+    ("btd,df->btf"), XLA:CPU copied every cotangent g [B, T, F] into [F, B, T] before the
+    dot, a strided copy as slow as the matmul itself (the layer-stack grad was 5.5x its
+    forward). As 2-D [B·T, I] x [I, O] matmuls no activation is transposed except inside
+    attention, whose per-row transposes keep B first."""
+    config = dataclasses.replace(CONFIG, remat=remat)
+    transposes = _transposes(_compiled_layer_stack_grad(config))
+    tokens = B * T
+    moved = [
+        (shape, dims)
+        for shape, dims in transposes
+        if int(np.prod(shape)) % tokens == 0
+        and int(np.prod(shape)) >= tokens * min(config.head_dim, config.d_model)
+        and dims[0] != 0
+    ]
+    assert not moved, f"activations transposed with the batch axis moved: {moved}"
