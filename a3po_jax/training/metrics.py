@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import resource
 import sys
 import threading
 import time
@@ -405,6 +406,22 @@ class Timer:
 # -- one training step's record ---------------------------------------------------------------
 
 
+def peak_memory() -> dict[str, float]:
+    """``mem/peak_rss_gb``: this process's peak resident memory so far (GiB, ``getrusage``;
+    on a CPU that includes every array), and ``mem/device_peak_gb`` (the largest
+    ``memory_stats()["peak_bytes_in_use"]`` of the local devices) where the backend reports
+    it (GPU, TPU; not the CPU)."""
+    import jax  # the shell imports jax lazily (see Timer)
+
+    # ru_maxrss is in KiB on Linux.
+    out = {"mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    if peaks:
+        out["mem/device_peak_gb"] = max(peaks) / 2**30
+    return out
+
+
 def step_record(
     *,
     groups: Sequence[RolloutGroup],
@@ -458,6 +475,7 @@ def step_record(
         "host/kv_recomputes": int(host_stats.get("kv_recomputes", 0)),
         "host/kv_recompute_s": float(host_stats.get("kv_recompute_s", 0.0)),
         "step/skipped_total": skipped_total,
+        **peak_memory(),
     }
     for prefix, table in counters.items():
         for key, value in table.items():
