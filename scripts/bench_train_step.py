@@ -1,13 +1,45 @@
-"""Benchmark: time of one training step with prox = recompute vs a3po vs behav, side by side.
+"""Benchmark: one training step, the whole story in one run (issue 15).
 
-Same rollouts, same model, same jitted step; the only difference is where the proximal
-log-prob comes from. ``recompute`` adds one no-grad forward pass over the batch (decoupled
-PPO); ``a3po`` interpolates it (no pass); ``behav`` is naive PPO (no pass). Design §6 puts
-the ideal ratio a3po / recompute at ≈ 3/4 (fwd+bwd ≈ 3 forward-equivalents, +1 for the pass).
+Prints a short table and one JSON line with:
+
+* the machine: CPU model and ISA flags (avx512f / avx2 / neon, from /proc/cpuinfo), or the
+  accelerator's name; and its matmul peak measured in this run (a jitted 2048^3 matmul in
+  ``--dtype``, GFLOP/s);
+* the policy log-prob pass (``train_step.forward_logprobs``): its forward, its
+  forward+backward (``jax.value_and_grad`` of the masked sum of the log-probs with respect
+  to every parameter) and their ratio (issue 15's target: <= 3.0);
+* one training step with prox = recompute (decoupled PPO: one more no-grad forward pass),
+  a3po (the proximal log-prob interpolated, no pass) and behav (plain PPO): seconds each and
+  a3po / recompute (target <= 0.78; design §6's ideal, fwd+bwd = 3 forward-equivalents plus
+  1 for the pass, is 0.75);
+* achieved FLOP/s of each step and its fraction of the measured peak (target for the
+  a3po step: >= 55 %);
+* peak memory: this process's peak RSS (``getrusage``; on a CPU every array lives there),
+  ``memory_stats()["peak_bytes_in_use"]`` on an accelerator, and XLA's temporaries of each
+  compiled program (``memory_analysis()``).
+
+FLOPs are counted analytically, as the matmuls the compiled program executes on the padded
+[B, T] batch (padding included, masked attention scores included):
+
+    forward F = B·T · (2·P_mm + 4·T·H·K·L)
+    P_mm = L · (D·H·K + 2·D·N·K + H·K·D + 3·D·F) + D·V    (layer matmuls + the lm_head)
+    4·T·H·K per layer and token = QKᵀ and PV over all T keys
+
+The embedding lookup, norms, softmax and optimizer are not counted. A backward pass costs
+twice its forward, so fwd+bwd = 3F; the a3po and behav steps are 3F and the recompute step
+4F (its extra no-grad pass).
+
+Timing: every program is compiled and run once first; then all of them run round-robin
+``--repeats`` times and each keeps its fastest run, so the ratios compare runs made under
+the same machine load (a shared CPU's load varies from minute to minute).
 
     python scripts/bench_train_step.py                       # small random model, CPU-sized
-    python scripts/bench_train_step.py --config smollm2 --batch 16 --seq 256
-    python scripts/bench_train_step.py --config smollm2 --batch 64 --seq 512   # a GPU
+    python scripts/bench_train_step.py --config smollm2 --batch 8 --prompt-len 40 \\
+        --response-len 32                                    # issue 15's CPU shapes: (8, 128)
+    python scripts/bench_train_step.py --config smollm2 --batch 32 --group-size 4 \\
+        --prompt-len 40 --response-len 32                    # (32, 128)
+    python scripts/bench_train_step.py --config smollm2 --batch 64 --prompt-len 256 \\
+        --response-len 256 --dtype bfloat16                  # a GPU
 
 Speed does not depend on weight values, so models are randomly initialised with the real
 architecture's shapes.
@@ -21,10 +53,10 @@ import functools
 import json
 import platform
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
@@ -32,30 +64,80 @@ from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
+from a3po_jax.training.metrics import peak_memory
+
+PROX_MODES = ("recompute", "a3po", "behav")
+MATMUL_N = 2048
 
 
-def time_fn(fn, args, repeats):
-    out = fn(*args)
-    jax.block_until_ready(out)  # compile + warm-up
-    times = []
+def machine() -> dict[str, str]:
+    """The accelerator's name, or the CPU model and the ISA flags that set its matmul speed."""
+    device = jax.devices()[0]
+    if jax.default_backend() != "cpu":
+        return {"backend": jax.default_backend(), "device": device.device_kind}
+    model_name, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key == "model name":
+                model_name = value.strip()
+            elif key in ("flags", "features"):  # x86 / ARM
+                flags |= set(value.split())
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma") if f in flags]
+    if flags & {"asimd", "neon"}:
+        isa.append("neon")
+    return {"backend": "cpu", "device": model_name, "isa": " ".join(isa) or "none listed"}
+
+
+def forward_flops(cfg: model.ModelConfig, b: int, t: int) -> float:
+    """F: matmul FLOPs of one forward pass over a [b, t] batch (see the module docstring)."""
+    d, h, n, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    layer_mm = d * h * k + 2 * d * n * k + h * k * d + 3 * d * f
+    p_mm = cfg.n_layers * layer_mm + d * cfg.vocab_size
+    attention = 4 * t * h * k * cfg.n_layers
+    return float(b * t * (2 * p_mm + attention))
+
+
+def _temporaries(compiled) -> int | None:
+    """XLA's temporary bytes of a compiled program (activations, workspace), if reported."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # not every backend implements it
+        return None
+
+
+def time_round_robin(programs: dict, repeats: int) -> dict[str, float]:
+    """Fastest of `repeats` runs of each (fn, args), the programs interleaved."""
+    best = {}
+    for name, (fn, args) in programs.items():
+        jax.block_until_ready(fn(*args))  # warm-up (compiled already)
+        best[name] = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for name, (fn, args) in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
-def main():
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="small", choices=sorted(CONFIGS))
-    p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=96)
-    p.add_argument("--response-len", type=int, default=160)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (B)")
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt; divides B")
+    p.add_argument("--prompt-len", type=int, default=96, help="prompt tokens")
+    p.add_argument(
+        "--response-len",
+        type=int,
+        default=160,
+        help="completion tokens; T = prompt + response - 1 rounded up to a multiple of 64",
+    )
     p.add_argument("--micro-batch", type=int, default=0, help="0 = whole batch at once")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each program")
+    args = p.parse_args(argv)
 
     mcfg = dataclasses.replace(
         CONFIGS[args.config], param_dtype=args.dtype, compute_dtype=args.dtype
@@ -70,22 +152,32 @@ def main():
     )
     batch = build_batch(groups, advantage="grpo", length_bucket=64)
     arrays = {k: jnp.asarray(v) for k, v in batch.arrays().items()}
+    b, t = batch.shape
     n_tok = int(batch.loss_mask.sum())
     params = model.init_params(mcfg, jax.random.key(0))
+    info = machine()
     print(
-        f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), host "
-        f"{platform.processor() or platform.machine()}; model {args.config} "
-        f"({mcfg.n_params / 1e6:.1f}M params, {args.dtype}); batch {batch.shape} "
-        f"({n_tok} completion tokens); micro-batch {args.micro_batch or batch.shape[0]}"
+        f"device: {info['device']} ({info['backend']}"
+        + (f"; {info['isa']}" if "isa" in info else "")
+        + f"); model {args.config} ({mcfg.n_params / 1e6:.1f}M params, {args.dtype}); "
+        f"batch {b}x{t} ({n_tok} completion tokens); micro-batch {args.micro_batch or b}",
+        flush=True,
     )
 
-    forward = jax.jit(
-        lambda prm, b: ts.forward_logprobs(prm, b, model_config=mcfg, temperature=1.0)[0]
+    # The programs, all compiled before anything is timed.
+    mm_dtype = jnp.dtype(args.dtype)
+    mm_args = tuple(
+        jax.random.normal(jax.random.key(i), (MATMUL_N, MATMUL_N), mm_dtype) for i in (1, 2)
     )
-    t_fwd = time_fn(forward, (params, arrays), args.repeats)
+    programs = {"matmul": (jax.jit(jnp.matmul), mm_args)}
 
-    results = {"forward_only": t_fwd}
-    for prox in ("recompute", "a3po", "behav"):
+    def policy_logp(prm, batch_arrays):
+        logp, _ = ts.forward_logprobs(prm, batch_arrays, model_config=mcfg, temperature=1.0)
+        return jnp.sum(logp * batch_arrays["loss_mask"])
+
+    programs["forward"] = (jax.jit(policy_logp), (params, arrays))
+    programs["forward_backward"] = (jax.jit(jax.value_and_grad(policy_logp)), (params, arrays))
+    for prox in PROX_MODES:
         cfg = TrainConfig(
             rollout=RolloutSection(
                 group_size=args.group_size, groups_per_step=args.batch // args.group_size
@@ -105,29 +197,64 @@ def main():
                 grad_clip=1.0,
             )
         )
-        state = ts.init_train_state(params, opt)
-        # No donation here: the same state is reused for every repeat.
-        results[prox] = time_fn(step, (state, arrays, None), args.repeats)
+        # No donation: the same state is reused for every repeat.
+        programs[prox] = (step, (ts.init_train_state(params, opt), arrays, None))
 
-    print(f"{'what':<24}{'time/step':>12}{'tokens/s':>12}{'vs recompute':>14}")
-    for name, t in results.items():
-        print(f"{name:<24}{t * 1e3:>10.1f}ms{n_tok / t:>12.0f}{t / results['recompute']:>14.3f}")
-    ratio = results["a3po"] / results["recompute"]
-    ideal = (results["recompute"] - t_fwd) / results["recompute"]
-    print(
-        f"a3po / recompute = {ratio:.3f} (ideal from the measured forward: {ideal:.3f}; "
-        f"design §6's 3/4 rule: 0.750; issue 6 target: <= 0.80)"
-    )
-    print(
-        json.dumps(
-            {
-                "config": args.config,
-                "batch": list(batch.shape),
-                "seconds": results,
-                "a3po_over_recompute": ratio,
-            }
+    temporaries = {}
+    for name, (fn, fn_args) in programs.items():
+        start = time.perf_counter()
+        compiled = fn.lower(*fn_args).compile()
+        temporaries[name] = _temporaries(compiled)
+        programs[name] = (compiled, fn_args)
+        print(f"compiled {name} in {time.perf_counter() - start:.1f} s", flush=True)
+    seconds = time_round_robin(programs, args.repeats)
+
+    peak = 2 * MATMUL_N**3 / seconds["matmul"]
+    fwd = forward_flops(mcfg, b, t)
+    flops = {"forward": fwd, "forward_backward": 3 * fwd, "recompute": 4 * fwd}
+    flops.update(a3po=3 * fwd, behav=3 * fwd)
+    achieved = {name: flops[name] / seconds[name] for name in flops}
+    memory = peak_memory()
+    results = {
+        **info,
+        "config": args.config,
+        "dtype": args.dtype,
+        "batch": [b, t],
+        "completion_tokens": n_tok,
+        "matmul_peak_gflops": peak / 1e9,
+        "seconds": {k: v for k, v in seconds.items() if k != "matmul"},
+        "fwd_bwd_over_fwd": seconds["forward_backward"] / seconds["forward"],
+        "a3po_over_recompute": seconds["a3po"] / seconds["recompute"],
+        "flops": flops,
+        "achieved_gflops": {k: v / 1e9 for k, v in achieved.items()},
+        "fraction_of_peak": {k: v / peak for k, v in achieved.items()},
+        "peak_rss_gb": memory["mem/peak_rss_gb"],
+        "device_peak_gb": memory.get("mem/device_peak_gb"),
+        "temporaries_gb": {k: v / 2**30 for k, v in temporaries.items() if v is not None},
+    }
+
+    print(f"matmul {MATMUL_N}^3 {args.dtype}: {peak / 1e9:.1f} GFLOP/s (this run's peak)")
+    print(f"{'program':<18}{'seconds':>10}{'GFLOP/s':>10}{'of peak':>9}{'temp GiB':>10}")
+    for name in ("forward", "forward_backward", *PROX_MODES):
+        temp = results["temporaries_gb"].get(name)
+        print(
+            f"{name:<18}{seconds[name]:>10.3f}{achieved[name] / 1e9:>10.1f}"
+            f"{achieved[name] / peak:>9.1%}{'' if temp is None else f'{temp:.2f}':>10}"
         )
+    targets = (
+        ("fwd+bwd / fwd", results["fwd_bwd_over_fwd"], "<= 3.0"),
+        ("a3po / recompute", results["a3po_over_recompute"], "<= 0.78"),
+        ("a3po step of peak", results["fraction_of_peak"]["a3po"], ">= 0.55"),
     )
+    for what, value, target in targets:
+        print(f"{what:<18}{value:>10.3f}   (issue 15 target {target})")
+    device_peak = results["device_peak_gb"]
+    print(
+        f"peak RSS {results['peak_rss_gb']:.2f} GiB"
+        + ("" if device_peak is None else f"; device peak {device_peak:.2f} GiB")
+    )
+    print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":
