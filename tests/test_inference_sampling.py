@@ -74,6 +74,33 @@ def test_sample_tokens_logprob_is_before_truncation(maybe_jit):
     np.testing.assert_allclose(logprobs[2], np.log(PROBS[int(tokens[2])]), rtol=1e-5)
 
 
+@JIT_VARIANTS
+def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit):
+    # sample_tokens reduces the logits to log Z instead of materialising the [N, V]
+    # log-softmax (one pass less over the vocabulary each decode step); the log-prob must
+    # still be jax.nn.log_softmax(logits / T)[token], greedy (T := 1) and sampled rows
+    # alike, to float32 rounding (jit fuses the divisions differently from eager: 1 ulp).
+    n, v = 6, 1000
+    logits = jax.random.normal(jax.random.key(0), (n, v)) * 4.0
+    keys = sampling.sample_keys(
+        *(jnp.full((n,), 7, d) for d in (jnp.uint32, jnp.uint32)),
+        jnp.arange(n, dtype=jnp.int32),
+        jnp.zeros((n,), jnp.int32),
+    )
+    for temperature in ([0.0] * n, [0.0, 0.7, 1.0, 0.0, 1.3, 0.9]):
+        t = jnp.asarray(temperature, jnp.float32)
+        top_k = jnp.asarray([0, 5, 0, 0, 0, 0], jnp.int32)
+        top_p = jnp.asarray([1.0, 1.0, 0.8, 1.0, 1.0, 1.0], jnp.float32)
+        tokens, logprobs = maybe_jit(sampling.sample_tokens)(logits, keys, t, top_k, top_p)
+        scale = jnp.where(t > 0, t, 1.0)[:, None]
+        expected = jax.nn.log_softmax(logits / scale, axis=-1)[jnp.arange(n), tokens]
+        np.testing.assert_allclose(logprobs, expected, rtol=3e-7, atol=0)
+        greedy = np.asarray(t) == 0
+        np.testing.assert_array_equal(
+            np.asarray(tokens)[greedy], np.argmax(np.asarray(logits), -1)[greedy]
+        )
+
+
 def test_sample_tokens_distribution():
     n = 4000
     logits = jnp.log(jnp.asarray(np.tile(PROBS, (n, 1))))
