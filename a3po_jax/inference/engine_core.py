@@ -11,6 +11,12 @@ ignored: a fixed batch shape compiles once).
     prompt ──prefill──▶ Prefix (cache [L,1,Tb,..], last logits [V]) ──insert(slot, i)──▶
     DecodeState slot (first token sampled at step 0) ──generate──▶ next token per slot ...
 
+The host's batched forms: `prefill_batch` prefills R prompts of one bucket in one call
+(only each row's last position goes through the lm_head), `insert_batch` starts up to N
+samples from its rows in one call (the G samples of a prompt share one row), and
+`generate_packed` returns a step's tokens and log-probs as one `[2, N]` array, so a step's
+results leave the device in one copy.
+
 After an in-flight weight swap, `recompute_cache` rewrites the running slots' caches under
 the new weights (one batched prefill of each slot's prompt + tokens so far), so decoding
 continues as if the new weights had computed the whole sequence.

@@ -7,9 +7,16 @@ client in `grpc_client.py` offers the same methods for a host in another process
 thread owns the engine and runs this loop:
 
     apply a staged weight update if the policy allows it now
-    admit queued samples into free slots (prefill once per request, insert per sample)
-    one decode step for all slots; stamp each new token with the serving version
-    hand finished samples to `poll`
+    admit queued samples into free slots: the waiting prompts prefilled together (one call
+      per bucket; a request's G samples share its row), every sample inserted in one call
+    dispatch decode step n + 1 for all slots (JAX runs it asynchronously)
+    read step n's tokens (one [2, N] device -> host copy) and the new samples' first
+      tokens; stamp each with the version its step ran with; hand finished samples to `poll`
+
+The host's work on step n thus overlaps step n + 1 on the device, and nothing waits per
+request. A sample that stopped at step n computes one more token in step n + 1, which is
+dropped (the batch shape is fixed, so its slot costs nothing extra); samples that end by
+length are left out of the step they no longer need.
 
 Threads, queues and clocks live here; everything jitted is in `engine_core.py`.
 
