@@ -413,6 +413,28 @@ def test_closed_host_rejects_and_fails_pending(params):
         h.submit(GenerateRequest("late", PROMPTS["short"]))
 
 
+def test_warmup_compiles_every_program_the_loop_runs(params):
+    # After warmup no admission pattern (how many prompts arrive together, which bucket)
+    # and no window compiles while serving: a compile mid-run stalls every running sample.
+    # A fresh capacity (24) so that compilations from other tests do not stand in for it.
+    jits = (
+        engine_core._prefill_batch_jit,
+        engine_core._insert_batch_jit,
+        engine_core._generate_packed_jit,
+        engine_core._release_jit,
+    )
+    h = _host(params, max_cache_len=24)
+    h.warmup()
+    before = [f._cache_size() for f in jits]
+    with h:
+        for n, burst in enumerate((1, 3, 2, 4)):
+            for i in range(burst):
+                prompt = tuple(range(1, 3 + 4 * i))  # lengths 2, 6, 10, 14: both buckets
+                h.submit(GenerateRequest(f"w{n}-{i}", prompt, sampling=greedy(7)))
+            collect(h, burst)
+    assert [f._cache_size() for f in jits] == before
+
+
 def test_waiting_prompts_share_one_prefill_and_one_insert(params, monkeypatch):
     # Three requests of one bucket (two prompts of the RL case, G = 2 samples each, and one
     # single sample) admitted together: one prefill call of 3 rows (padded to 4), one

@@ -746,3 +746,22 @@ class EngineCore:
             )
         state = self.release(state, jnp.ones((self.num_slots,), jnp.bool_))
         jax.block_until_ready((state, tokens))
+
+    def warmup_batched(
+        self, params: Params, decode_params: model_lib.DecodeParams | None = None
+    ) -> None:
+        """Compiles what `InferenceHost` runs: `prefill_batch` and `insert_batch` for every
+        (prefill rows, bucket), `generate_packed` for every window, and release, so that no
+        admission pattern compiles while serving."""
+        state = self.init_decode_state()
+        greedy = SlotSampling()
+        for bucket in self.prefill_buckets:
+            for rows in self.prefill_rows:
+                prefixes = self.prefill_batch(params, [[0] * bucket] * rows)
+                state, packed = self.insert_batch(prefixes, state, [(0, 0, greedy)])
+        for window in self.decode_windows:
+            state, packed = self.generate_packed(
+                params if decode_params is None else decode_params, state, window
+            )
+        state = self.release(state, jnp.ones((self.num_slots,), jnp.bool_))
+        jax.block_until_ready((state, packed))

@@ -302,8 +302,9 @@ class InferenceHost:
         return self._iteration(pipelined=False)
 
     def warmup(self) -> None:
-        """Compiles prefill and insert for every bucket, and the decode step, now."""
-        self._core.warmup(self._params, self._decode_params)
+        """Compiles the batched prefill and insert for every (rows, bucket) and the decode
+        step for every window, now."""
+        self._core.warmup_batched(self._params, self._decode_params)
 
     def close(self) -> None:
         """Stops the serving thread; unfinished samples come back as error results."""
