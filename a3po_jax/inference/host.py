@@ -253,6 +253,10 @@ class InferenceHost:
         self._kv_recompute_tokens = 0
         self._kv_recompute_s = 0.0
         self._last_kv_recompute_s = 0.0
+        # Seconds the serving loop spent in each of its parts (totals): where the host loses
+        # time between decode steps. "wait" is the part of "collect" blocked on the device;
+        # the rest is host work, which the pipelined loop overlaps with the next step.
+        self._loop_s: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ public interface
 
@@ -427,6 +431,7 @@ class InferenceHost:
             "kv_recompute_tokens": self._kv_recompute_tokens,
             "kv_recompute_s": self._kv_recompute_s,
             "last_kv_recompute_s": self._last_kv_recompute_s,
+            "loop_s": dict(self._loop_s),
             "live": self._thread is not None and self._thread.is_alive(),
         }
 
@@ -512,10 +517,14 @@ class InferenceHost:
         batch shape is fixed, so the slot costs nothing extra). Not pipelined
         (`serve_once`), each step's tokens are read before the call returns.
         """
+        t0 = time.perf_counter()
         self._take_inbox()
         self._maybe_swap_weights()
+        t1 = time.perf_counter()
         inserted = self._admit()
+        t2 = time.perf_counter()
         step = self._dispatch_step()
+        t3 = time.perf_counter()
         previous, self._pending = self._pending, None
         finished = np.zeros((self.num_slots,), bool)
         if previous is not None:
@@ -529,6 +538,12 @@ class InferenceHost:
                 self._collect(step, finished, is_step=True)
         if finished.any():
             self._state = self._core.release(self._state, finished)
+        t4 = time.perf_counter()
+        loop = self._loop_s
+        loop["inbox_and_swap"] += t1 - t0
+        loop["admit"] += t2 - t1
+        loop["dispatch"] += t3 - t2
+        loop["collect"] += t4 - t3  # includes "wait" (blocked on the device)
         return step is not None
 
     def _flush(self) -> None:
@@ -706,7 +721,9 @@ class InferenceHost:
         """Reads a dispatched step's (or insert's) tokens in one transfer and hands on the
         samples that finished; their slots are marked in `finished` (released by the
         caller). Outputs of a slot whose run has finished meanwhile are dropped."""
+        t0 = time.perf_counter()
         tokens, logprobs = engine_core.unpack_outputs(pending.packed)  # waits for it
+        self._loop_s["wait"] += time.perf_counter() - t0
         now = time.monotonic()
         produced = 0
         for slot, run in enumerate(pending.runs):
