@@ -20,10 +20,13 @@ caller can resolve a name once and call the function.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from a3po_jax.core.importance import SequenceCorrection
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 CAP_MODES: tuple[str, ...] = ("mask", "truncate")
@@ -335,6 +338,7 @@ def decoupled_ppo_per_token(
     dual_clip: float | None = None,
     behav_weight_cap: float | None = None,
     cap_mode: str = "mask",
+    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token decoupled PPO loss ℓ_t and per-token diagnostics, nothing reduced.
 
@@ -346,12 +350,20 @@ def decoupled_ppo_per_token(
       logp, prox_logp, behav_logp, advantages, mask: ``[B, T]`` as for
         :func:`decoupled_ppo_loss`.
       clip_eps, clip_eps_high, dual_clip, behav_weight_cap, cap_mode: as there.
+      seq_correction: sequence-level weights from
+        :func:`a3po_jax.core.importance.make_sequence_correction` (seq-TIS / seq-MIS), which
+        replace the token weight w_t by the capped sequence weight ω_b on every token of
+        sequence b; None keeps the token-level w_t. Not together with ``behav_weight_cap``.
 
     Returns:
       ``(per_token, diagnostics)``: ``per_token`` ``[B, T]`` float32 ℓ_t (0 where masked or
       dropped by the cap); ``diagnostics`` maps ``"clipped"``, ``"dual_clipped"``,
-      ``"capped"`` (0/1 per token), ``"is_weight"`` (w_t) and ``"kl_behav_k3"`` to ``[B, T]``
-      float32 arrays, meaningful where ``mask`` is 1.
+      ``"capped"`` (0/1 per token), ``"masked"`` / ``"truncated"`` (0/1: the token left the
+      loss / its weight was lowered, by either cap), ``"is_weight"`` (the weight used),
+      ``"log_is_weight"`` (log w_t = prox - behav before any cap) and ``"kl_behav_k3"`` to
+      ``[B, T]`` float32 arrays, meaningful where ``mask`` is 1; with ``seq_correction``
+      also ``"seq_log_weight"`` ``[B]`` (log W_b before the cap) and ``"seq_masked"`` /
+      ``"seq_truncated"`` ``[B]`` 0/1.
     """
     _check_rank("logp", logp, 2, "[B, T]")
     _check_same_shape(
@@ -384,15 +396,37 @@ def decoupled_ppo_per_token(
     weight = jnp.exp(log_w)
 
     keep = valid
-    if behav_weight_cap is not None:
+    none = jnp.zeros_like(valid)
+    masked = truncated = none
+    seq_diag = {}
+    if seq_correction is not None and behav_weight_cap is not None:
+        raise ValueError(
+            "behav_weight_cap (token-level) and seq_correction (sequence-level) are "
+            "alternatives: set one of them"
+        )
+    if seq_correction is not None:
+        corr = seq_correction(log_w, valid)
+        weight = corr.token_weight
+        keep = valid & corr.seq_keep[:, None]
+        masked = valid & ~corr.seq_keep[:, None]
+        truncated = valid & corr.seq_truncated[:, None]
+        capped = masked | truncated
+        seq_diag = {
+            "seq_log_weight": corr.log_seq_weight,
+            "seq_masked": (~corr.seq_keep).astype(jnp.float32),
+            "seq_truncated": corr.seq_truncated.astype(jnp.float32),
+        }
+    elif behav_weight_cap is not None:
         over = weight > behav_weight_cap
         capped = over & valid
         if cap_mode == "mask":
             keep = valid & ~over
+            masked = capped
         else:
             weight = jnp.minimum(weight, behav_weight_cap)
+            truncated = capped
     else:
-        capped = jnp.zeros_like(valid)
+        capped = none
 
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
@@ -412,8 +446,12 @@ def decoupled_ppo_per_token(
         "clipped": clip_hit.astype(f32),
         "dual_clipped": dual_hit.astype(f32),
         "capped": capped.astype(f32),
+        "masked": masked.astype(f32),
+        "truncated": truncated.astype(f32),
         "is_weight": weight,
+        "log_is_weight": log_w,
         "kl_behav_k3": jax.lax.stop_gradient(k3),
+        **seq_diag,
     }
     return per_token, diagnostics
 
@@ -434,6 +472,7 @@ def decoupled_ppo_loss(
     denominator: jax.Array | float | None = None,
     max_len: int | None = None,
     staleness: jax.Array | None = None,
+    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decoupled PPO clip loss with separate behaviour and proximal policies.
 
@@ -442,6 +481,8 @@ def decoupled_ppo_loss(
     ℓ_t = w_t · max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high))
     dual clip (A_t < 0):  ℓ_t = min(ℓ_t, -c · A_t · w_t),  c > 1
     cap: tokens with w_t > cap dropped ("mask") or w_t := cap ("truncate")
+    or, sequence-level (``seq_correction``): w_t := ω_b, the capped Π_t w_t of the token's
+    sequence (see :func:`a3po_jax.core.importance.make_sequence_correction`)
     loss = aggregate(ℓ, m)
 
     Symbols: logp = log π_θ (differentiated), prox = log π_prox (the trust-region anchor:
@@ -467,6 +508,8 @@ def decoupled_ppo_loss(
       denominator: global count for micro-batching (see ``aggregate``).
       max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
       staleness: optional ``[B, T]`` d_t, only for the ``staleness/*`` diagnostics.
+      seq_correction: sequence-level TIS / MIS instead of the token cap (see
+        :func:`decoupled_ppo_per_token`).
 
     Returns:
       ``(loss, metrics)``: scalar loss and a dict of scalar diagnostics: ``loss/clipfrac``,
@@ -487,6 +530,7 @@ def decoupled_ppo_loss(
         dual_clip=dual_clip,
         behav_weight_cap=behav_weight_cap,
         cap_mode=cap_mode,
+        seq_correction=seq_correction,
     )
     loss = aggregate(per_token, mask, mode=aggregation, denominator=denominator, max_len=max_len)
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 
 from a3po_jax import model
-from a3po_jax.core import advantages, losses, packing, prox
+from a3po_jax.core import advantages, importance, losses, packing, prox
 
 Params = Any
 Batch = dict[str, jax.Array]
@@ -81,6 +81,9 @@ class StepSettings:
     dual_clip: float = 0.0  # c > 1 enables dual clipping; 0 = off
     behav_weight_cap: float = 0.0  # cap on w = π_prox/π_behav; 0 = off
     cap_mode: str = "mask"  # one of losses.CAP_MODES
+    seq_weight_cap: float = 0.0  # C > 1 on the sequence weight (seq-TIS/MIS); 0 = off
+    seq_cap_mode: str = "truncate"  # one of importance.SEQ_CAP_MODES
+    seq_weight_form: str = "product"  # one of importance.SEQ_FORMS
     kl_coef: float = 0.0  # reference KL coefficient β; 0 = no reference
     kl_kind: str = "k3"  # one of losses.KL_KINDS
     kl_in_reward: bool = False  # charge β·KL to the rewards instead of the loss
@@ -139,7 +142,9 @@ class Stats(NamedTuple):
     """Metrics in a form that adds across micro-batches, minibatches and arriving groups.
 
     ``means`` hold ``(Σ value, count)`` and report Σ / count; ``totals`` are sums reported
-    as is; ``maxima`` / ``minima`` combine by max / min. A metric's kind is its place here,
+    as is; ``maxima`` / ``minima`` combine by max / min; ``histograms`` are ``[K]`` counts of
+    log importance weights (:func:`a3po_jax.core.importance.log_weight_histogram`) that add
+    and report their quantiles as ``<name>_p01|p50|p99``. A metric's kind is its place here,
     never its name.
     """
 
@@ -147,6 +152,7 @@ class Stats(NamedTuple):
     totals: dict[str, jax.Array] = {}
     maxima: dict[str, jax.Array] = {}
     minima: dict[str, jax.Array] = {}
+    histograms: dict[str, jax.Array] = {}
 
 
 # Identities of max / min for "no valid token in this micro-batch"; finalize reports 0.
@@ -183,6 +189,7 @@ def combine(a: Stats, b: Stats) -> Stats:
         totals=merge(a.totals, b.totals, add),
         maxima=merge(a.maxima, b.maxima, jnp.maximum),
         minima=merge(a.minima, b.minima, jnp.minimum),
+        histograms=merge(a.histograms, b.histograms, jnp.add),
     )
 
 
@@ -193,6 +200,10 @@ def finalize(stats: Stats) -> dict[str, jax.Array]:
     out.update(stats.totals)
     out.update({k: jnp.where(v == _NO_MAX, 0.0, v) for k, v in stats.maxima.items()})
     out.update({k: jnp.where(v == _NO_MIN, 0.0, v) for k, v in stats.minima.items()})
+    names, qs = tuple(importance.QUANTILES), tuple(importance.QUANTILES.values())
+    for key, counts in stats.histograms.items():
+        values = importance.histogram_quantiles(counts, qs)
+        out.update({f"{key}_{name}": values[i] for i, name in enumerate(names)})
     return out
 
 
@@ -216,7 +227,8 @@ def ppo_term(
     :func:`losses.decoupled_ppo_per_token` reduced by ``aggregate`` into a sum/count pair.
 
     ``clip`` holds ``clip_eps``, ``clip_eps_high``, ``dual_clip``, ``behav_weight_cap``,
-    ``cap_mode`` (bound at build time).
+    ``cap_mode`` and ``seq_correction`` (bound at build time). The ``mismatch/*`` metrics
+    are :func:`mismatch_stats`.
     """
     del ref_logp
     mask = mb["loss_mask"]
@@ -242,7 +254,74 @@ def ppo_term(
         },
         minima={"is/weight_min": masked_min(diag["is_weight"], mask)},
     )
-    return loss_sum, count, stats
+    return loss_sum, count, combine(stats, mismatch_stats(logp, behav, staleness, mask, diag))
+
+
+def mismatch_stats(
+    logp: jax.Array,
+    behav_logp: jax.Array,
+    staleness: jax.Array,
+    mask: jax.Array,
+    diag: dict[str, jax.Array],
+) -> Stats:
+    """The train-inference mismatch of one micro-batch, as :class:`Stats` that add.
+
+    mismatch/k3_kl_fresh       k3 estimate of KL(π_behav ‖ π_θ), x = behav - logp,
+                               k3 = e^x - 1 - x, over valid tokens with staleness d = 0
+                               only: there π_behav and π_θ are the same weights, so what
+                               remains is the mismatch of the two programs
+    mismatch/fresh_tokens      the count of those tokens (a total)
+    mismatch/iw_p01|p50|p99    quantiles of the token weight w_t = π_prox/π_behav before
+                               any cap, over every valid token of the step (a histogram,
+                               see :mod:`a3po_jax.core.importance`); iw_min / iw_max exact
+    mismatch/masked_frac       valid tokens dropped from the loss by the token or the
+                               sequence cap; truncated_frac: weight lowered to the cap
+    mismatch/seq_masked_frac   sequences (with ≥ 1 valid token) dropped / truncated by
+    mismatch/seq_truncated_frac  the sequence cap (0 with the token-level cap)
+    mismatch/seq_log_iw_min|max  log W_b = Σ_t log w_t of the sequences (log: a product
+                               over a long response overflows float32)
+
+    Args:
+      logp, behav_logp: ``[b, T]`` current and behaviour log-probs.
+      staleness: ``[b, T]`` d_t.
+      mask: ``[b, T]`` loss mask.
+      diag: :func:`losses.decoupled_ppo_per_token`'s diagnostics.
+    """
+    valid = mask > 0
+    fresh = valid & (staleness == 0)
+    x = jnp.where(fresh, behav_logp.astype(jnp.float32) - logp.astype(jnp.float32), 0.0)
+    k3 = jax.lax.stop_gradient(jnp.expm1(x) - x)
+    log_w = diag["log_is_weight"]
+    w = jnp.exp(log_w)
+    rows = jnp.any(valid, axis=-1)  # [b] sequences with a valid token
+    if "seq_log_weight" in diag:  # the sequence-level correction is on
+        log_seq, seq_masked, seq_truncated = (
+            diag["seq_log_weight"],
+            diag["seq_masked"],
+            diag["seq_truncated"],
+        )
+    else:
+        log_seq = jnp.sum(jnp.where(valid, log_w, 0.0), axis=-1)
+        seq_masked = seq_truncated = jnp.zeros_like(log_seq)
+    return Stats(
+        means={
+            "mismatch/k3_kl_fresh": masked_pair(k3, fresh),
+            "mismatch/masked_frac": masked_pair(diag["masked"], mask),
+            "mismatch/truncated_frac": masked_pair(diag["truncated"], mask),
+            "mismatch/seq_masked_frac": masked_pair(seq_masked, rows),
+            "mismatch/seq_truncated_frac": masked_pair(seq_truncated, rows),
+        },
+        totals={"mismatch/fresh_tokens": jnp.sum(fresh.astype(jnp.float32))},
+        maxima={
+            "mismatch/iw_max": masked_max(w, mask),
+            "mismatch/seq_log_iw_max": masked_max(log_seq, rows),
+        },
+        minima={
+            "mismatch/iw_min": masked_min(w, mask),
+            "mismatch/seq_log_iw_min": masked_min(log_seq, rows),
+        },
+        histograms={"mismatch/iw": importance.log_weight_histogram(log_w, mask)},
+    )
 
 
 def dpo_term(
@@ -280,6 +359,18 @@ def dpo_term(
 
 def _make_ppo(s: StepSettings, rule: prox.ProxRule | None) -> TermFn:
     _check_choice("cap_mode", s.cap_mode, losses.CAP_MODES)
+    _check_choice("seq_cap_mode", s.seq_cap_mode, importance.SEQ_CAP_MODES)
+    _check_choice("seq_weight_form", s.seq_weight_form, importance.SEQ_FORMS)
+    seq_correction = None
+    if s.seq_weight_cap > 0:
+        if s.behav_weight_cap > 0:
+            raise ValueError(
+                "behav_weight_cap (token-level cap) and seq_weight_cap (sequence-level cap) "
+                "are alternatives: set one of them to 0"
+            )
+        seq_correction = importance.make_sequence_correction(
+            s.seq_weight_cap, mode=s.seq_cap_mode, form=s.seq_weight_form
+        )
     return functools.partial(
         ppo_term,
         prox_fn=rule.fn,
@@ -289,6 +380,7 @@ def _make_ppo(s: StepSettings, rule: prox.ProxRule | None) -> TermFn:
         dual_clip=s.dual_clip or None,
         behav_weight_cap=s.behav_weight_cap or None,
         cap_mode=s.cap_mode,
+        seq_correction=seq_correction,
     )
 
 

@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from a3po_jax.core import advantages, losses, prox
+from a3po_jax.core import advantages, importance, losses, prox
 from a3po_jax.core.train_step import LOSS_TERMS
 
 MODES = ("sync", "periodic", "one_step_off", "async")
@@ -30,6 +30,8 @@ ADVANTAGES = tuple(advantages.ESTIMATORS)
 AGGREGATIONS = losses.AGGREGATIONS
 KL_KINDS = losses.KL_KINDS
 CAP_MODES = losses.CAP_MODES
+SEQ_CAP_MODES = importance.SEQ_CAP_MODES
+SEQ_WEIGHT_FORMS = importance.SEQ_FORMS
 DPO_KINDS = losses.DPO_KINDS
 ZERO_STALENESS = prox.ZERO_STALENESS
 UPDATE_POLICIES = ("in_flight", "drain")
@@ -147,7 +149,10 @@ class AlgoSection:
     clip_eps_high: float = 0.0  # ε_high; 0 means = clip_eps
     dual_clip: float = 0.0  # c > 1 enables dual clipping; 0 = off
     behav_weight_cap: float = 0.0  # cap on w = π_prox/π_behav; 0 = off
-    cap_mode: str = "mask"  # "mask" or "truncate"
+    cap_mode: str = "mask"  # "mask" or "truncate" (token-level MIS / TIS, Yao et al. 2025)
+    seq_weight_cap: float = 0.0  # C > 1 on the sequence weight Π w_t (Liu, Li 2025); 0 = off
+    seq_cap_mode: str = "truncate"  # "truncate" (seq-TIS), "mask" (seq-MIS), "mask_both"
+    seq_weight_form: str = "product"  # sequence weight: "product" or "geometric_mean"
     kl_coef: float = 0.0  # reference KL coefficient; 0 = no reference model
     kl_kind: str = "k3"  # "k1", "k2", "k3"
     kl_in_reward: bool = False  # subtract β·KL from rewards instead of adding it to the loss
@@ -162,6 +167,17 @@ class AlgoSection:
         _choice("algo", "advantage", self.advantage, ADVANTAGES)
         _choice("algo", "aggregation", self.aggregation, AGGREGATIONS)
         _choice("algo", "cap_mode", self.cap_mode, CAP_MODES)
+        _choice("algo", "seq_cap_mode", self.seq_cap_mode, SEQ_CAP_MODES)
+        _choice("algo", "seq_weight_form", self.seq_weight_form, SEQ_WEIGHT_FORMS)
+        if self.seq_weight_cap and self.seq_weight_cap <= 1:
+            raise ConfigError(
+                f"algo.seq_weight_cap must be > 1 (or 0 = off), got {self.seq_weight_cap}"
+            )
+        if self.seq_weight_cap and self.behav_weight_cap:
+            raise ConfigError(
+                "algo.behav_weight_cap (token level) and algo.seq_weight_cap (sequence level) "
+                "are alternatives: set one of them to 0"
+            )
         _choice("algo", "kl_kind", self.kl_kind, KL_KINDS)
         _choice("algo", "dpo_kind", self.dpo_kind, DPO_KINDS)
         _positive("algo", "clip_eps", self.clip_eps)
