@@ -658,6 +658,60 @@ def plot_diagnostics(runs: Sequence[Run], *, smooth: int = 3):
     return fig
 
 
+# The train-inference mismatch dashboard (``a3po_jax.core.train_step.mismatch_stats``).
+MISMATCH_KL = "mismatch/k3_kl_fresh"
+MISMATCH_IW = ("mismatch/iw_p01", "mismatch/iw_p50", "mismatch/iw_p99")
+MISMATCH_IW_TAILS = ("mismatch/iw_min", "mismatch/iw_max")
+MISMATCH_FRACS = {
+    "tokens": ("mismatch/masked_frac", "mismatch/truncated_frac"),
+    "sequences": ("mismatch/seq_masked_frac", "mismatch/seq_truncated_frac"),
+}
+
+
+def has_mismatch(runs: Sequence[Run]) -> bool:
+    """Whether any run logged the ``mismatch/*`` metrics (older runs did not)."""
+    return any(not r.series(MISMATCH_KL).empty for r in runs)
+
+
+def plot_mismatch(runs: Sequence[Run], *, smooth: int = 1):
+    """The train-inference mismatch vs step, four panels: k3-KL(π_behav ‖ π_θ) on tokens at
+    staleness 0; the token importance weight w = π_prox/π_behav (band p01 to p99, line p50,
+    dotted min and max, log scale); the fraction of tokens and of sequences the cap masked
+    (solid) or truncated (dashed). One colour per run."""
+    labels = _labels(runs)
+    fig, axes = _figure(2, 2, width=5.2, height=3.2)
+    plot_curves(runs, MISMATCH_KL, x="step", smooth=smooth, ax=axes[0, 0], labels=labels)
+    axes[0, 0].set_yscale("symlog", linthresh=1e-6)
+    ax = axes[0, 1]
+    for i, run in enumerate(runs):
+        if not set(MISMATCH_IW) <= set(run.frame.columns):
+            continue
+        frame = run.frame[list(MISMATCH_IW)].dropna()  # steps that logged all three
+        color = f"C{i % 10}"
+        steps = frame.index.to_numpy()
+        low, mid, high = (_smooth(frame[k], smooth) for k in MISMATCH_IW)
+        ax.fill_between(steps, low, high, color=color, alpha=0.25, linewidth=0)
+        ax.plot(steps, mid, color=color, linewidth=1.5, label=labels[i])
+        for key in MISMATCH_IW_TAILS:
+            tail = run.series(key)
+            ax.plot(tail.index, tail.to_numpy(), color=color, linestyle=":", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_title("importance weight w: p01-p99, p50, min/max", fontsize=10)
+    ax.grid(alpha=0.3)
+    for ax, (what, (masked, truncated)) in zip(axes[1], MISMATCH_FRACS.items(), strict=True):
+        for i, run in enumerate(runs):
+            for key, style in ((masked, "-"), (truncated, "--")):
+                values = run.series(key)
+                if not values.empty:
+                    ax.plot(values.index, _smooth(values, smooth), style, color=f"C{i % 10}")
+        ax.set_xlabel("step")
+        ax.set_title(f"{what} masked (solid) / truncated (dashed)", fontsize=10)
+        ax.grid(alpha=0.3)
+    _legend(fig, axes[0, 1], len(runs))
+    return fig
+
+
 def _legend(fig, ax, n: int) -> None:
     if n <= 8:
         ax.legend(fontsize=7, loc="best")
@@ -793,6 +847,12 @@ def write_summary(
             plot_diagnostics(shown),
         ),
     }
+    if has_mismatch(shown):
+        figures["mismatch.png"] = (
+            f"Train-inference mismatch: KL on fresh tokens, importance weights, masked and "
+            f"truncated fractions{averaged}",
+            plot_mismatch(shown),
+        )
     axes = sweep_axes(runs)
     if axes is not None:
         figures["sweep.png"] = (
