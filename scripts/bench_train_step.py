@@ -4,7 +4,7 @@ Prints a short table and one JSON line with:
 
 * the machine: CPU model and ISA flags (avx512f / avx2 / neon, from /proc/cpuinfo), or the
   accelerator's name; and its matmul peak measured in this run (a jitted 2048^3 matmul in
-  ``--dtype``, GFLOP/s);
+  ``--dtype``, GFLOP/s, the fastest of 10 runs per round);
 * the policy log-prob pass (``train_step.forward_logprobs``): its forward, its
   forward+backward (``jax.value_and_grad`` of the masked sum of the log-probs with respect
   to every parameter) and their ratio (issue 15's target: <= 3.0);
@@ -68,6 +68,7 @@ from a3po_jax.training.metrics import peak_memory
 
 PROX_MODES = ("recompute", "a3po", "behav")
 MATMUL_N = 2048
+MATMUL_RUNS_PER_ROUND = 10  # ~0.05-0.1 s each on a CPU
 
 
 def machine() -> dict[str, str]:
@@ -108,17 +109,22 @@ def _temporaries(compiled) -> int | None:
         return None
 
 
-def time_round_robin(programs: dict, repeats: int) -> dict[str, float]:
-    """Fastest of `repeats` runs of each (fn, args), the programs interleaved."""
+def time_round_robin(
+    programs: dict, repeats: int, runs_per_round: dict[str, int]
+) -> dict[str, float]:
+    """Fastest of `repeats` rounds of each (fn, args), the programs interleaved; a program
+    in `runs_per_round` runs that many times per round (a short one: more tries at a quiet
+    moment of a shared machine)."""
     best = {}
     for name, (fn, args) in programs.items():
         jax.block_until_ready(fn(*args))  # warm-up (compiled already)
         best[name] = float("inf")
     for _ in range(repeats):
         for name, (fn, args) in programs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            best[name] = min(best[name], time.perf_counter() - start)
+            for _ in range(runs_per_round.get(name, 1)):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -207,7 +213,7 @@ def main(argv=None) -> dict:
         temporaries[name] = _temporaries(compiled)
         programs[name] = (compiled, fn_args)
         print(f"compiled {name} in {time.perf_counter() - start:.1f} s", flush=True)
-    seconds = time_round_robin(programs, args.repeats)
+    seconds = time_round_robin(programs, args.repeats, {"matmul": MATMUL_RUNS_PER_ROUND})
 
     peak = 2 * MATMUL_N**3 / seconds["matmul"]
     fwd = forward_flops(mcfg, b, t)
