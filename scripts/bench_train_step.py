@@ -8,7 +8,8 @@ Prints a short table and one JSON line with:
 * the policy log-prob pass (``train_step.forward_logprobs``): its forward, its
   forward+backward (``jax.value_and_grad`` of the masked sum of the log-probs with respect
   to every parameter) and their ratio (issue 15's target: <= 3.0);
-* one training step with prox = recompute (decoupled PPO: one more no-grad forward pass),
+* one training step (jitted with the state donated and fed its own output, as the trainer
+  runs it) with prox = recompute (decoupled PPO: one more no-grad forward pass),
   a3po (the proximal log-prob interpolated, no pass) and behav (plain PPO): seconds each and
   a3po / recompute (target <= 0.78; design §6's ideal, fwd+bwd = 3 forward-equivalents plus
   1 for the pass, is 0.75);
@@ -112,20 +113,32 @@ def _temporaries(compiled) -> int | None:
 def time_round_robin(
     programs: dict, repeats: int, runs_per_round: dict[str, int]
 ) -> dict[str, float]:
-    """Fastest of `repeats` rounds of each (fn, args), the programs interleaved; a program
-    in `runs_per_round` runs that many times per round (a short one: more tries at a quiet
-    moment of a shared machine)."""
+    """Fastest of `repeats` rounds of each program (a no-argument callable), the programs
+    interleaved; a program in `runs_per_round` runs that many times per round (a short one:
+    more tries at a quiet moment of a shared machine)."""
     best = {}
-    for name, (fn, args) in programs.items():
-        jax.block_until_ready(fn(*args))  # warm-up (compiled already)
+    for name, run in programs.items():
+        jax.block_until_ready(run())  # warm-up (compiled already)
         best[name] = float("inf")
     for _ in range(repeats):
-        for name, (fn, args) in programs.items():
+        for name, run in programs.items():
             for _ in range(runs_per_round.get(name, 1)):
                 start = time.perf_counter()
-                jax.block_until_ready(fn(*args))
+                jax.block_until_ready(run())
                 best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def chained_step(compiled, state, *rest):
+    """A no-argument callable running a state-donating step on its own last output, as the
+    trainer does (the donated buffers are reused: no fresh state is allocated per step)."""
+    cell = [state]
+
+    def run():
+        cell[0], metrics = compiled(cell[0], *rest)
+        return cell[0], metrics
+
+    return run
 
 
 def main(argv=None) -> dict:
@@ -201,19 +214,25 @@ def main(argv=None) -> dict:
                 model_config=mcfg,
                 optimizer=opt,
                 grad_clip=1.0,
-            )
+            ),
+            donate_argnums=(0,),  # as the trainer's step
         )
-        # No donation: the same state is reused for every repeat.
-        programs[prox] = (step, (ts.init_train_state(params, opt), arrays, None))
+        # Each step owns its state (a copy of the params): donation consumes the buffers.
+        state = ts.init_train_state(jax.tree.map(jnp.copy, params), opt)
+        programs[prox] = (step, (state, arrays, None))
 
-    temporaries = {}
+    temporaries, runs = {}, {}
     for name, (fn, fn_args) in programs.items():
         start = time.perf_counter()
         compiled = fn.lower(*fn_args).compile()
         temporaries[name] = _temporaries(compiled)
-        programs[name] = (compiled, fn_args)
+        if name in PROX_MODES:
+            runs[name] = chained_step(compiled, *fn_args)
+        else:
+            runs[name] = functools.partial(compiled, *fn_args)
         print(f"compiled {name} in {time.perf_counter() - start:.1f} s", flush=True)
-    seconds = time_round_robin(programs, args.repeats, {"matmul": MATMUL_RUNS_PER_ROUND})
+    del programs
+    seconds = time_round_robin(runs, args.repeats, {"matmul": MATMUL_RUNS_PER_ROUND})
 
     peak = 2 * MATMUL_N**3 / seconds["matmul"]
     fwd = forward_flops(mcfg, b, t)
