@@ -113,7 +113,10 @@ def make_sequence_correction(
     length-normalised variant (Geo-MIS, in verl ≥ 0.6): a product over T tokens drifts like
     T · E[log w], so one cap C cannot suit short and long responses alike; the per-token
     geometric mean keeps C's meaning ("average drift per token") the same at every length.
-    Everything is done in log space, so a long sequence's product never overflows.
+    Everything is done in log space, so a long sequence's product never overflows. A
+    dropped sequence's tokens still count in the loss's denominator (design §3: the count
+    comes from the mask alone), so masking shrinks the step instead of re-weighting the
+    sequences that remain (slime chose the other convention, THUDM/slime#657).
 
     Args:
       cap: C > 1.
