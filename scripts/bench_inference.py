@@ -32,6 +32,9 @@ Per batch size B, on the same model, prompts and device:
 * prefill: prompt tokens/s of one batched prefill + insert of the B samples, for
   independent prompts (B prompts) and for the RL case (B / G prompts, each prefilled once
   and inserted into its G samples' slots, `--group-size`), counted per sample (B * P tokens);
+* step parts: the decode step at each batch split into its parts (layer matmuls, lm_head,
+  sampling, attention and the rest), each timed as its own jitted program (`--no-profile`
+  skips it);
 * matmul: the decode step's FLOP/s (2 * B * matmul params per step; attention left out) as
   a fraction of the measured matmul peak ("of peak");
 * swap: what an in-flight weight update costs the host (update policy "in_flight"): every
@@ -345,6 +348,73 @@ def matmul_flops_per_token(config) -> int:
     return 2 * (c.n_params - lookup)
 
 
+# ----------------------------------------------------------------------------- step profile
+
+
+def profile_decode_step(config, params, batch: int, window: int, repeats: int) -> dict:
+    """Seconds of the decode step's parts at this batch, each part timed as its own jitted
+    program (min of repeats), as a per-op profile of the compiled step would split it:
+
+    * forward: `apply_decode` (all layers with the KV cache, final norm, lm_head);
+    * layer_matmuls: the layers' weight matmuls alone, same shapes, nothing else;
+    * head: the lm_head matmul alone ([B, D] x the vocabulary);
+    * sampling: `sample_tokens` on [B, V] logits, greedy and at temperature 1;
+    * attention_and_rest = forward - layer_matmuls - head: attention over the cache window,
+      the cache writes, norms, RoPE and activations.
+    """
+    from a3po_jax.inference import sampling
+
+    c, B = config, batch
+    dtype = jnp.dtype(c.compute_dtype)
+    split = model_lib.decode_params(params, c)
+    cache = model_lib.init_kv_cache(c, B, window)
+    cache = cache._replace(lengths=jnp.full((B,), window - 1, jnp.int32))
+    tokens = jnp.ones((B, 1), jnp.int32)
+    positions = jnp.full((B, 1), window - 1, jnp.int32)
+    hk, f = c.n_heads * c.head_dim, c.ffn_dim
+
+    def layer_matmuls(p):
+        x = jnp.zeros((B, c.d_model), dtype)
+        for w in p.layers:
+            qkv = x @ w["attn"]["qkv"]["kernel"].astype(dtype)
+            o = w["attn"]["o_proj"]["kernel"].reshape(hk, c.d_model).astype(dtype)
+            x = x + qkv[:, :hk] @ o
+            gate_up = x @ w["mlp"]["gate_up"]["kernel"].astype(dtype)
+            x = x + gate_up[:, :f] @ w["mlp"]["down_proj"]["kernel"].astype(dtype)
+        return x
+
+    def head(p, h):
+        if p.lm_head is None:
+            return jnp.einsum("bd,vd->bv", h, p.embed.astype(jnp.float32))
+        return h @ p.lm_head.astype(jnp.float32)
+
+    def sample(logits, temperature):
+        n = logits.shape[0]
+        keys = sampling.sample_keys(
+            *(jnp.zeros((n,), d) for d in (jnp.uint32, jnp.uint32, jnp.int32, jnp.int32))
+        )
+        t = jnp.full((n,), temperature, jnp.float32)
+        return sampling.sample_tokens(logits, keys, t, jnp.zeros((n,), jnp.int32), jnp.ones((n,)))
+
+    def best(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        return min(_timed(lambda: jax.block_until_ready(fn(*args))) for _ in range(repeats + 2))
+
+    forward = jax.jit(
+        lambda p, kv: model_lib.apply_decode(p, tokens, positions, config=c, kv_cache=kv)[0]
+    )
+    logits = jnp.zeros((B, c.vocab_size), jnp.float32)
+    parts = {
+        "forward": best(forward, split, cache),
+        "layer_matmuls": best(jax.jit(layer_matmuls), split),
+        "head": best(jax.jit(head), split, jnp.zeros((B, c.d_model), jnp.float32)),
+        "sampling_greedy": best(jax.jit(lambda x: sample(x, 0.0)), logits),
+        "sampling_t1": best(jax.jit(lambda x: sample(x, 1.0)), logits),
+    }
+    parts["attention_and_rest"] = parts["forward"] - parts["layer_matmuls"] - parts["head"]
+    return parts
+
+
 # ----------------------------------------------------------------------------- bounds
 
 
@@ -381,6 +451,12 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def last_window(config, capacity: int, prompt_len: int, new_tokens: int) -> int:
+    """The attention window of a run's last decode step (the one the profile times)."""
+    core = EngineCore(config, num_slots=1, capacity=capacity, prefill_buckets=(prompt_len,))
+    return core.window_for(prompt_len + new_tokens - 2)
 
 
 def bytes_per_step(config, params, batch: int, window: float) -> tuple[int, int]:
@@ -436,6 +512,9 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--no-host", action="store_true", help="skip the InferenceHost run")
     parser.add_argument("--json", default=None, help="also write the JSON report to this path")
+    parser.add_argument(
+        "--no-profile", action="store_true", help="skip the decode step's per-part timings"
+    )
     args = parser.parse_args()
 
     new_tokens = args.new_tokens or (64 if args.model == "tiny" else 32)
@@ -580,6 +659,10 @@ def main() -> None:
             "mean_window": window,
             "agree": agree,
         }
+        if not args.no_profile:
+            row["step_parts_s"] = profile_decode_step(
+                config, params, B, last_window(config, capacity, P, new_tokens), args.repeats
+            )
         report["rows"].append(row)
         values = [
             B,
@@ -601,6 +684,9 @@ def main() -> None:
         ]
         cells = [fmt.format(v) for (_, _, fmt), v in zip(columns, values, strict=True)]
         print(" | ".join(cells) + " | " + ", ".join(agree + [f"G={G}"]))
+        if "step_parts_s" in row:
+            parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in row["step_parts_s"].items())
+            print(f"      step parts at batch {B} (ms, each its own program): {parts}")
     print(
         "tok/s = decode tokens after the first per sample (host and hf: N-token run minus "
         "1-token run; engine: the steps). prefill tok/s = B * prompt tokens per second of one "
