@@ -508,7 +508,8 @@ class InferenceHost:
             self._fail_everything(f"inference host died: {type(e).__name__}: {e}")
 
     def _iteration(self, pipelined: bool = False) -> bool:
-        """One pass of the serving loop; True if a decode step was dispatched.
+        """One pass of the serving loop; True if a decode step was dispatched (pipelined:
+        or one was read).
 
         Pipelined (the serving thread), step n + 1 is dispatched before step n's tokens are
         read: JAX dispatches asynchronously, so the host's work on step n (reading its one
@@ -544,7 +545,8 @@ class InferenceHost:
         loop["admit"] += t2 - t1
         loop["dispatch"] += t3 - t2
         loop["collect"] += t4 - t3  # includes "wait" (blocked on the device)
-        return step is not None
+        # Pipelined, reading a step may free slots or allow a swap: go on without sleeping.
+        return step is not None or (pipelined and previous is not None)
 
     def _flush(self) -> None:
         """Reads the pending step, so every run's tokens are up to date (before a swap)."""
