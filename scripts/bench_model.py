@@ -8,9 +8,11 @@ weights (`decode_params`), which is what the inference engine runs.
     python scripts/bench_model.py --config qwen2.5-1.5b --batch 8 --seq 1024 --remat   # GPU/TPU
 
 Weights are random (speed does not depend on their values), so no checkpoint is needed;
-the architectures are the real ones. Prints tokens/s for each pass, parameter bytes, and
-what XLA's `memory_analysis()` reports for the compiled programs (temporaries = activations
-and workspace), plus one JSON line (`--json`) for later comparisons.
+the architectures are the real ones. Prints tokens/s for each pass, parameter bytes, what
+XLA's `memory_analysis()` reports for the compiled programs (temporaries = activations and
+workspace), and the run's peak memory: peak RSS (`getrusage`; on a CPU every array lives
+there) and, on an accelerator, the device's `memory_stats()["peak_bytes_in_use"]`; plus one
+JSON line (`--json`) for later comparisons.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from a3po_jax.model import (
     init_params,
 )
 from a3po_jax.model.assets import smollm2_config
+from a3po_jax.training.metrics import peak_memory
 
 PRESETS = {
     "tiny": lambda **kw: ModelConfig.tiny(**kw),
@@ -203,6 +206,14 @@ def main(argv=None) -> dict:
             f" compile {r['compile_s']:.1f} s)  temporaries {_mib(mem.get('temp'))}, "
             f"arguments {_mib(mem.get('argument'))}, outputs {_mib(mem.get('output'))}{extra}"
         )
+    memory = peak_memory()
+    results["peak_rss_gb"] = memory["mem/peak_rss_gb"]
+    results["device_peak_gb"] = memory.get("mem/device_peak_gb")
+    device_peak = results["device_peak_gb"]
+    print(
+        f"  peak RSS {results['peak_rss_gb']:.2f} GiB"
+        + ("" if device_peak is None else f", device peak {device_peak:.2f} GiB")
+    )
     if args.json:
         print(json.dumps(results))
     return results
