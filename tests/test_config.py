@@ -147,3 +147,25 @@ def test_bad_task_options_stop_the_cli_before_the_model_loads(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "task.name='letters'" in err and "min_terms" in err
+
+
+def test_staleness_bound_counts_minibatches_and_refuses_before_loading():
+    """With k minibatches the bound is in optimizer versions (k - 1 / 2k - 1 / η); an async
+    η below k - 1 is refused when the config is built, before any model loads."""
+    assert [staleness_bound(m, 3, 2) for m in ("sync", "periodic", "one_step_off", "async")] == [
+        1,
+        1,
+        3,
+        3,
+    ]
+    base = TrainConfig()
+    ok = dataclasses.replace(
+        base,
+        algo=dataclasses.replace(base.algo, num_minibatches=2),
+        system=dataclasses.replace(base.system, mode="sync", max_staleness=0),
+    )
+    assert ok.staleness_bound == 1  # sync, k = 2
+    with pytest.raises(ConfigError, match=r"system.max_staleness=0 with algo.num_minibatches=2"):
+        dataclasses.replace(
+            ok, system=dataclasses.replace(base.system, mode="async", max_staleness=0)
+        )

@@ -11,12 +11,12 @@ from a3po_jax.rollout.admission import (
     AdmissionError,
     StalenessController,
     minibatch_versions,
-    staleness_bound_in_versions,
     staleness_counts,
     staleness_metrics,
     trained_staleness,
 )
 from a3po_jax.rollout.queue import QueueClosed, RolloutQueue, RolloutTimeout
+from a3po_jax.training.config import staleness_bound
 
 # Long enough that a correct implementation never hits it on a loaded 2-core machine; the
 # threaded tests use it only as a guard against hanging forever.
@@ -495,20 +495,20 @@ def test_async_pipeline_never_trains_on_tokens_staler_than_eta():
 
 def test_staleness_bound_per_mode_in_versions():
     # k = 1: the familiar 0 / 1 / η.
-    assert [staleness_bound_in_versions(m, 3, 1) for m in ("sync", "one_step_off", "async")] == [
+    assert [staleness_bound(m, 3, 1) for m in ("sync", "one_step_off", "async")] == [
         0,
         1,
         3,
     ]
     # k = 2: the last minibatch trains 1 version after the first, so sync's bound is 1 and
     # one_step_off's 3 (generated at v0 - 2, trained up to v0 + 1).
-    assert staleness_bound_in_versions("sync", 0, 2) == 1
-    assert staleness_bound_in_versions("periodic", 0, 2) == 1
-    assert staleness_bound_in_versions("one_step_off", 0, 2) == 3
-    assert staleness_bound_in_versions("async", 3, 2) == 3
+    assert staleness_bound("sync", 0, 2) == 1
+    assert staleness_bound("periodic", 0, 2) == 1
+    assert staleness_bound("one_step_off", 0, 2) == 3
+    assert staleness_bound("async", 3, 2) == 3
     # async η < k - 1 cannot hold for the last minibatch: refused, naming both fields.
     with pytest.raises(ValueError, match=r"system.max_staleness=1 with algo.num_minibatches=3"):
-        staleness_bound_in_versions("async", 1, 3)
+        staleness_bound("async", 1, 3)
 
 
 @pytest.mark.parametrize(
@@ -560,7 +560,7 @@ def run_pipeline(*, mode, eta_cfg, k, batch, group_size, steps, host_lag):
     """Producer thread + a trainer loop that advances k versions per batch, as the trainer
     does; the host serves the weights ``host_lag`` batches behind (0: drain, pushed before
     the next admission). Returns (staleness of every trained token, queue counters)."""
-    eta = staleness_bound_in_versions(mode, eta_cfg, k)
+    eta = staleness_bound(mode, eta_cfg, k)
     controller = StalenessController(batch_groups=batch, max_staleness=eta, versions_per_batch=k)
     queue = RolloutQueue(
         group_size=group_size,
@@ -620,7 +620,7 @@ def test_sync_with_two_minibatches_drops_nothing_and_produces_what_it_trains():
 
 @pytest.mark.parametrize("mode, eta_cfg, k", [("one_step_off", 0, 2), ("async", 5, 3)])
 def test_every_token_of_every_minibatch_obeys_the_bound(mode, eta_cfg, k):
-    eta = staleness_bound_in_versions(mode, eta_cfg, k)
+    eta = staleness_bound(mode, eta_cfg, k)
     staleness, counters = run_pipeline(
         mode=mode, eta_cfg=eta_cfg, k=k, batch=3, group_size=2, steps=8, host_lag=1
     )

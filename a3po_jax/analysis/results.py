@@ -125,7 +125,9 @@ def _with_derived(flat: dict[str, Any]) -> dict[str, Any]:
     mode = flat.get("system.mode")
     if mode is not None:
         # The bound comes from the config module, the one place the rule per mode lives.
-        flat[EFFECTIVE_STALENESS] = staleness_bound(mode, flat.get("system.max_staleness"))
+        flat[EFFECTIVE_STALENESS] = staleness_bound(
+            mode, flat.get("system.max_staleness"), flat.get("algo.num_minibatches", 1)
+        )
     return flat
 
 

@@ -50,7 +50,7 @@ class RolloutWorkers:
       group_size: G, samples per prompt.
       batch_groups: B, groups per trainer batch.
       max_staleness: η in optimizer versions
-        (:func:`a3po_jax.rollout.admission.staleness_bound_in_versions`).
+        (:func:`a3po_jax.training.config.staleness_bound`).
       versions_per_batch: k, optimizer steps per batch (``algo.num_minibatches``).
       seed: the run seed (request seeds derive from it and the group id).
     """

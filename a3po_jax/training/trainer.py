@@ -14,7 +14,7 @@ with their version, logs and checkpoints. The pieces around it live in their own
 * the loop of the other processes of a multi-process run: :mod:`a3po_jax.training.follower`.
 
 The training mode only changes three knobs (design §4): the staleness bound η (in optimizer
-versions, :func:`a3po_jax.rollout.admission.staleness_bound_in_versions`), the host's update
+versions, :func:`a3po_jax.training.config.staleness_bound`), the host's update
 policy (``drain`` except for ``async``), and, for ``periodic``, that groups are folded into
 the gradient one by one as they finish and one optimizer step is taken per iteration.
 
@@ -47,7 +47,6 @@ from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
-from a3po_jax.rollout.admission import staleness_bound_in_versions
 from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
@@ -58,7 +57,7 @@ from a3po_jax.training.checkpointing import (
     restore_train_state,
     save_train_state,
 )
-from a3po_jax.training.config import ConfigError, TrainConfig
+from a3po_jax.training.config import TrainConfig
 from a3po_jax.training.follower import follow_leader
 from a3po_jax.training.metrics import MetricsLogger, ProgressBar, step_record
 
@@ -141,13 +140,8 @@ class Trainer:
             )
         self.mode = cfg.system.mode
         self.num_minibatches = cfg.algo.num_minibatches
-        try:
-            # Staleness in optimizer versions: k minibatches per batch, k versions per step.
-            self.eta = staleness_bound_in_versions(
-                cfg.system.mode, cfg.system.max_staleness, self.num_minibatches
-            )
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        # Staleness in optimizer versions: k minibatches per batch, k versions per step.
+        self.eta = cfg.staleness_bound
         self.group_size = cfg.rollout.group_size
         self.batch_groups = cfg.rollout.groups_per_step
         self.run_dir = Path(cfg.run_dir)
