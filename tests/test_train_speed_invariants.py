@@ -20,13 +20,19 @@ B, T = 3, 20
 CONFIG = model.ModelConfig.tiny(d_model=48, ffn_dim=112, n_heads=4, n_kv_heads=2, head_dim=12)
 
 
-def _compiled_layer_stack_grad(config):
+def _compiled_layer_stack_grad(config, *, through_head=False):
+    """Compiled HLO of the gradient of the final hidden states, or with `through_head` of
+    the target log-probs from `model.apply`'s logits (the lm_head included)."""
     params = model.init_params(config, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
     def objective(layers, embed):
         p = dict(params, layers=layers, embed=embed)
+        if through_head:
+            logits, _ = model.apply(p, tokens, positions, config=config)
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            return jnp.sum(jnp.take_along_axis(logp, tokens[..., None], axis=-1))
         hidden, _ = model.hidden_states(p, tokens, positions, config=config)
         return jnp.sum(hidden**2)
 
@@ -46,15 +52,16 @@ def _transposes(hlo: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return found
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_layer_stack_gradient_transposes_no_activation_to_feature_major(remat):
+@pytest.mark.parametrize("remat,through_head", [(False, False), (True, False), (False, True)])
+def test_layer_stack_gradient_transposes_no_activation_to_feature_major(remat, through_head):
     """The weight gradients dW = xᵀ·g contract over the B·T tokens. Written as 3-D einsums
     ("btd,df->btf"), XLA:CPU copied every cotangent g [B, T, F] into [F, B, T] before the
     dot, a strided copy as slow as the matmul itself (the layer-stack grad was 5.5x its
     forward). As 2-D [B·T, I] x [I, O] matmuls no activation is transposed except inside
-    attention, whose per-row transposes keep B first."""
+    attention, whose per-row transposes keep B first. The same holds for the lm_head's
+    [B, T, V] logits in `model.apply` (the einsum transposed their cotangent)."""
     config = dataclasses.replace(CONFIG, remat=remat)
-    transposes = _transposes(_compiled_layer_stack_grad(config))
+    transposes = _transposes(_compiled_layer_stack_grad(config, through_head=through_head))
     tokens = B * T
     moved = [
         (shape, dims)

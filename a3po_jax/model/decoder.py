@@ -680,7 +680,11 @@ def apply(
         attention_mask=attention_mask,
         kv_cache=kv_cache,
     )
-    logits = jnp.einsum("btd,dv->btv", hidden, lm_head_kernel(params, config))
+    # "btd,dv->btv" as one 2-D [B·T, D] x [D, V] matmul (see `_linear`): as a 3-D einsum its
+    # gradient transposed the [B, T, V] cotangent first. SmolLM2's head, tokens 8x128, grad
+    # of the log-softmax target sum: 0.95 s as the einsum, 0.66 s as the 2-D matmul.
+    b, t, d = hidden.shape
+    logits = jnp.dot(hidden.reshape(b * t, d), lm_head_kernel(params, config)).reshape(b, t, -1)
     return logits, new_cache
 
 
