@@ -1,12 +1,10 @@
 """The training step's log-probs come from `chunked_token_logprobs` (no [B, T, V] logits),
 and the step makes the same update as the full-logits path it replaced (issue 15).
 
-Not wired yet: `train_step.forward_logprobs` and `packing.packed_token_logprobs` were being
-restructured when this was written, so the no-full-vocabulary test is a strict xfail; it
-starts passing, and the strict mark then fails the run until it is removed, once both
-compute their log-probs as `chunked_token_logprobs(model.hidden_states(...)[0] (packed: the
-completion positions' states), model.lm_head_kernel(params, config), targets,
-temperature=...)`. The equality test guards that change (it passes on either path).
+`train_step.forward_logprobs` and `packing.packed_token_logprobs` compute their log-probs as
+`chunked_token_logprobs(model.hidden_states(...)[0] (packed: the completion positions'
+states), model.lm_head_kernel(params, config), targets, temperature=...)`; the
+no-full-vocabulary test checks that, the equality test that the update did not change.
 
 The full-logits path is kept here as the reference: `model.apply` logits divided by the
 temperature, then `losses.token_logprobs` / `losses.entropy`, for plain and packed batches.
@@ -144,10 +142,6 @@ def _largest_intermediate(jaxpr) -> int:
     return largest
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15: forward_logprobs / packed_token_logprobs not yet on chunked log-probs",
-)
 @pytest.mark.parametrize("packed", [False, True])
 def test_step_holds_no_full_vocabulary_logits(packed):
     """Neither the step's forward nor its backward holds [B, T, V] (packed: [B, C, V])

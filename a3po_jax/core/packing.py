@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from a3po_jax import model
-from a3po_jax.core import losses, prox
+from a3po_jax.core import logprobs, prox
 from a3po_jax.core.batching import TrainBatch, build_batch, round_up
 from a3po_jax.core.types import Rollout, RolloutGroup
 
@@ -330,7 +330,7 @@ def packed_token_logprobs(
         logp[b, P-1+j] = log softmax(h[n, pred_pos[b, j]] · W / temperature)[target_bj]
 
     with h the final-norm hidden states of packed row n = b // G and W the lm_head. The
-    lm_head runs on the B·C completion positions only ([B, C, V] logits, materialised once).
+    lm_head runs on the B·C completion positions only, chunk by chunk over tokens.
 
     Args:
       params: policy parameters.
@@ -356,10 +356,14 @@ def packed_token_logprobs(
     hidden = packed_hidden(params, packed, model_config=model_config)  # [N, L, D]
     row = jnp.arange(b) // g  # [B] packed row of each sample
     h = hidden[row[:, None], pred_pos]  # [B, C, D]
-    # Same float32 head as model.apply; temperature as in forward_logprobs.
-    logits = jnp.einsum("bcd,dv->bcv", h, model.lm_head_kernel(params, model_config)) / temperature
-    logp_c = losses.token_logprobs(logits, packed["completion_targets"])  # [B, C]
-    ent_c = losses.entropy(logits)  # [B, C]
+    # Same float32 head as model.apply, chunked over tokens (no [B, C, V] logits in either
+    # pass); temperature as in forward_logprobs.
+    logp_c, ent_c = logprobs.chunked_token_logprobs(
+        h,
+        model.lm_head_kernel(params, model_config),
+        jnp.asarray(packed["completion_targets"]),
+        temperature=temperature,
+    )  # [B, C] each
     window_start = jnp.asarray(packed["prompt_len"])[row] - 1  # [B]
     mask_c = jnp.asarray(packed["completion_mask"])
     return (

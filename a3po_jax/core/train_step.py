@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 
 from a3po_jax import model
-from a3po_jax.core import advantages, importance, losses, packing, prox
+from a3po_jax.core import advantages, importance, logprobs, losses, packing, prox
 
 Params = Any
 Batch = dict[str, jax.Array]
@@ -496,18 +496,22 @@ def forward_logprobs(
     The behaviour log-probs from the inference host are taken at the sampling temperature,
     so the trainer's must be too, or the importance ratio is off by the temperature.
 
+    The head runs chunk by chunk over tokens (:func:`logprobs.chunked_token_logprobs`,
+    which recomputes each chunk's logits in the backward pass), so neither pass holds the
+    [B, T, V] logits; the values equal ``token_logprobs(apply(...) / temperature)``.
+
     Returns:
       (logp [B, T], entropy [B, T]) float32.
     """
-    logits, _ = model.apply(
+    hidden, _ = model.hidden_states(
         params,
         batch["tokens"],
         batch["positions"],
         config=model_config,
         segment_ids=batch["segment_ids"],
-    )
-    logits = logits / temperature  # [B, T, V] float32
-    return losses.token_logprobs(logits, batch["targets"]), losses.entropy(logits)
+    )  # [B, T, D] float32
+    head = model.lm_head_kernel(params, model_config)  # [D, V]
+    return logprobs.chunked_token_logprobs(hidden, head, batch["targets"], temperature=temperature)
 
 
 def _no_grad_logprobs(params, micro_batches, *, algo, model_config):
