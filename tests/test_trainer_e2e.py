@@ -208,10 +208,10 @@ def test_sync_with_two_minibatches_counts_staleness_in_optimizer_versions(tmp_pa
 
 def test_async_bound_below_the_minibatches_is_refused_before_anything_is_written(tmp_path):
     # η counts optimizer versions: the last of 2 minibatches trains 1 version after the
-    # first, so async with max_staleness = 0 cannot hold for it and is refused.
-    cfg = make_cfg(tmp_path, "refused", mode="async", eta=0, num_minibatches=2)
+    # first, so async with max_staleness = 0 cannot hold for it and is refused when the
+    # config is built, before a model loads or a Trainer exists.
     with pytest.raises(ConfigError, match=r"system.max_staleness=0 with algo.num_minibatches=2"):
-        Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
+        make_cfg(tmp_path, "refused", mode="async", eta=0, num_minibatches=2)
     assert not (tmp_path / "refused").exists()
 
 
