@@ -29,8 +29,28 @@ import jax.numpy as jnp
 from a3po_jax.core.importance import SequenceCorrection
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-CAP_MODES: tuple[str, ...] = ("mask", "truncate")
-DPO_KINDS: tuple[str, ...] = ("sigmoid", "ipo")
+# Token-level cap of the behaviour weight w (Yao et al. 2025, TIS/MIS): over = w > cap
+# (valid tokens only) -> (weight, keep, masked, truncated). Chosen by table lookup when the
+# loss is traced; no string is compared inside the math.
+_TOKEN_CAPS = {
+    "mask": lambda weight, keep, over, cap: (weight, keep & ~over, over, jnp.zeros_like(over)),
+    "truncate": lambda weight, keep, over, cap: (
+        jnp.minimum(weight, cap),
+        keep,
+        jnp.zeros_like(over),
+        over,
+    ),
+}
+CAP_MODES: tuple[str, ...] = tuple(_TOKEN_CAPS)
+# Online DPO per-pair losses of the margin h (beta > 0): sigmoid (Rafailov et al. 2305.18290)
+# and IPO (Azar et al. 2310.12036).
+_DPO_LOSSES = {
+    "sigmoid": lambda h, beta: -jax.nn.log_sigmoid(beta * h),
+    "ipo": lambda h, beta: jnp.square(h - 1.0 / (2.0 * beta)),
+}
+DPO_KINDS: tuple[str, ...] = tuple(_DPO_LOSSES)
+# A-3PO's α at d = 0: the paper's prox = current (α = 0) or AReaL's prox = behav (α = 1).
+_ALPHA_AT_ZERO = {"current": 0.0, "behav": 1.0}
 
 # Added to the masked denominator so an all-masked batch gives 0 rather than 0/0 = NaN.
 _TINY = 1e-8
@@ -161,9 +181,9 @@ def a3po_alpha(staleness: jax.Array, *, zero_staleness: str = "current") -> jax.
     Returns:
       float32 array of α with the shape of ``staleness``.
     """
-    _check_choice("zero_staleness", zero_staleness, ("current", "behav"))
+    _check_choice("zero_staleness", zero_staleness, tuple(_ALPHA_AT_ZERO))
     d = jnp.asarray(staleness).astype(jnp.float32)
-    at_zero = 1.0 if zero_staleness == "behav" else 0.0
+    at_zero = _ALPHA_AT_ZERO[zero_staleness]
     # max(d, 1) keeps 1/d finite on the branch `where` discards.
     return jnp.where(d >= 1.0, 1.0 / jnp.maximum(d, 1.0), at_zero)
 
@@ -417,14 +437,10 @@ def decoupled_ppo_per_token(
             "seq_truncated": corr.seq_truncated.astype(jnp.float32),
         }
     elif behav_weight_cap is not None:
-        over = weight > behav_weight_cap
-        capped = over & valid
-        if cap_mode == "mask":
-            keep = valid & ~over
-            masked = capped
-        else:
-            weight = jnp.minimum(weight, behav_weight_cap)
-            truncated = capped
+        capped = (weight > behav_weight_cap) & valid
+        weight, keep, masked, truncated = _TOKEN_CAPS[cap_mode](
+            weight, keep, capped, behav_weight_cap
+        )
     else:
         capped = none
 
@@ -738,10 +754,7 @@ def online_dpo_per_pair(
         rejected_ref_logp.astype(f32)
     )
     h = chosen_ratio - rejected_ratio  # [P]
-    if kind == "sigmoid":
-        per_pair = -jax.nn.log_sigmoid(beta * h)
-    else:
-        per_pair = jnp.square(h - 1.0 / (2.0 * beta))
+    per_pair = _DPO_LOSSES[kind](h, beta)
     h_sg = jax.lax.stop_gradient(h)
     diagnostics = {
         "margin": beta * h_sg,
