@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from factories import synthetic_groups
+from jaxpr_inspect import largest_intermediate
 
 from a3po_jax import model
 from a3po_jax.core import losses, packing
@@ -127,21 +128,6 @@ def test_step_equals_the_full_logits_step(case):
     chex.assert_trees_all_close(new.params, old.params, rtol=1e-5, atol=1e-6)
 
 
-def _largest_intermediate(jaxpr) -> int:
-    """Elements of the largest value any equation (in any nested jaxpr) produces."""
-    largest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            largest = max(largest, math.prod(getattr(var.aval, "shape", ())))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, list | tuple) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    largest = max(largest, _largest_intermediate(sub.jaxpr))
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    largest = max(largest, _largest_intermediate(sub))
-    return largest
-
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_step_holds_no_full_vocabulary_logits(packed):
     """Neither the step's forward nor its backward holds [B, T, V] (packed: [B, C, V])
@@ -172,7 +158,7 @@ def test_step_holds_no_full_vocabulary_logits(packed):
         step = functools.partial(
             ts.train_step, algo=a, model_config=mcfg, optimizer=opt, grad_clip=1.0
         )
-        return _largest_intermediate(jax.make_jaxpr(step)(state, batch, None).jaxpr)
+        return largest_intermediate(jax.make_jaxpr(step)(state, batch, None).jaxpr)
 
     full = tokens * mcfg.vocab_size
     assert largest(old_algo) >= full  # the check can fail: the old step holds the logits

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_inspect import largest_intermediate
 
 from a3po_jax import model
 from a3po_jax.core import losses
@@ -252,21 +253,6 @@ def test_out_of_range_target_picks_nothing():
 BM, TM, DM, VM, CM = 4, 64, 16, 1024, 32
 
 
-def _largest_intermediate(jaxpr) -> int:
-    """Elements of the largest value any equation (in any nested jaxpr) produces."""
-    largest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            largest = max(largest, math.prod(getattr(var.aval, "shape", ())))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, list | tuple) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    largest = max(largest, _largest_intermediate(sub.jaxpr))
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    largest = max(largest, _largest_intermediate(sub))
-    return largest
-
-
 def _memory_case():
     hidden, head, targets = _inputs(6, b=BM, t=TM, d=DM, v=VM)
     mask = jnp.ones((BM, TM), jnp.float32)
@@ -289,8 +275,8 @@ def test_jaxpr_has_no_full_vocabulary_intermediate(which):
     chunked, plain = cases[which]
     full = BM * TM * VM
     # The check can fail: the plain path's program holds [B, T, V] values.
-    assert _largest_intermediate(jax.make_jaxpr(plain)(hidden, head).jaxpr) >= full
-    largest = _largest_intermediate(jax.make_jaxpr(chunked)(hidden, head).jaxpr)
+    assert largest_intermediate(jax.make_jaxpr(plain)(hidden, head).jaxpr) >= full
+    largest = largest_intermediate(jax.make_jaxpr(chunked)(hidden, head).jaxpr)
     # Exactly one chunk's logits: the walk reached inside the scan, and nothing larger exists.
     assert largest == CM * VM
 

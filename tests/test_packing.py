@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from factories import synthetic_groups
+from jaxpr_inspect import count_primitive
 
 from a3po_jax import model
 from a3po_jax.core import packing
@@ -277,21 +278,6 @@ def test_dpo_pair_order_follows_build_batch(tiny_params):
 
 # ---------------------------------------------------------------------------------------------
 # One pass: policy, old, reference
-
-
-def count_primitive(jaxpr, name, *, length=None):
-    """Occurrences of primitive `name` in a jaxpr and every sub-jaxpr (jit, cond, scan...);
-    with `length`, only those whose `length` parameter equals it (a scan over the layers,
-    not the head's scan over token chunks)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == name and length in (None, eqn.params.get("length"))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += count_primitive(inner, name, length=length)
-    return count
 
 
 def test_one_pass_reference_and_old(groups, tiny_params):
