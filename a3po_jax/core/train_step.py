@@ -87,6 +87,7 @@ class StepSettings:
     kl_coef: float = 0.0  # reference KL coefficient β; 0 = no reference
     kl_kind: str = "k3"  # one of losses.KL_KINDS
     kl_in_reward: bool = False  # charge β·KL to the rewards instead of the loss
+    track_ref_kl: bool = False  # log kl/ref_k3 (KL to the initial policy), loss unchanged
     dpo_beta: float = 0.1  # Online DPO β
     dpo_kind: str = "sigmoid"  # one of losses.DPO_KINDS
     num_minibatches: int = 1  # optimizer steps per batch (each is one version)
@@ -110,6 +111,7 @@ class Algorithm:
     loss_term: TermFn  # (logp, mb, *, staleness, old_logp, ref_logp) -> (sum, count, Stats)
     kl_in_loss: Callable[[jax.Array, jax.Array], jax.Array] | None  # (logp, ref) -> KL [B, T]
     kl_coef: float  # β of the KL term in the loss (with kl_in_loss)
+    kl_metric: Callable[[jax.Array, jax.Array], jax.Array] | None  # k3 KL to ref, metric only
     kl_in_reward: Callable[..., tuple[jax.Array, jax.Array]] | None
     aggregate: Aggregator  # (values [B, T], mask [B, T]) -> (numerator, count)
     needs_old_pass: bool  # a no-grad pass of the step's starting weights (prox "recompute")
@@ -425,12 +427,20 @@ def build_algorithm(settings: StepSettings) -> Algorithm:
     elif s.kl_coef > 0:
         kl_in_loss = functools.partial(_kl_estimate, estimate=losses.KL_ESTIMATORS[s.kl_kind])
     forward = packing.packed_token_logprobs if s.packed_prompts else forward_logprobs
-    needs_reference = term.needs_reference or kl_in_loss is not None
+    # KL to the initial policy as a metric only (the paper's reward-vs-KL frontier): the
+    # reference pass runs, nothing is added to the loss.
+    kl_metric = (
+        functools.partial(_kl_estimate, estimate=losses.KL_ESTIMATORS["k3"])
+        if s.track_ref_kl
+        else None
+    )
+    needs_reference = term.needs_reference or kl_in_loss is not None or kl_metric is not None
     return Algorithm(
         forward=functools.partial(forward, temperature=s.temperature),
         loss_term=term.make(s, rule),
         kl_in_loss=kl_in_loss,
         kl_coef=s.kl_coef,
+        kl_metric=kl_metric,
         kl_in_reward=kl_in_reward,
         aggregate=aggregator(s.aggregation),
         needs_old_pass=rule is not None and rule.needs_old_pass,
@@ -586,6 +596,9 @@ def loss_sums(
         kl_sum, _ = algo.aggregate(kl, mask)
         loss = loss + algo.kl_coef * kl_sum
         means["kl/ref"] = masked_pair(jax.lax.stop_gradient(kl), mask)
+    if algo.kl_metric is not None:
+        kl_metric = algo.kl_metric(jax.lax.stop_gradient(logp), ref_logp)
+        means["kl/ref_k3"] = masked_pair(kl_metric, mask)
     own = Stats(means=means, totals={"loss/num_tokens": jnp.sum(mask.astype(jnp.float32))})
     return loss, (count, combine(stats, own))
 

@@ -174,6 +174,7 @@ class AlgoSection:
     kl_coef: float = 0.0  # reference KL coefficient; 0 = no reference model
     kl_kind: str = "k3"  # "k1", "k2", "k3"
     kl_in_reward: bool = False  # subtract β·KL from rewards instead of adding it to the loss
+    track_ref_kl: bool = False  # log kl/ref_k3 (k3 KL to the initial policy), loss unchanged
     dpo_beta: float = 0.1  # Online DPO β
     dpo_kind: str = "sigmoid"  # "sigmoid" or "ipo"
     num_minibatches: int = 1  # optimizer steps per batch (each is one version)
@@ -198,6 +199,8 @@ class AlgoSection:
             )
         _choice("algo", "kl_kind", self.kl_kind, KL_KINDS)
         _choice("algo", "dpo_kind", self.dpo_kind, DPO_KINDS)
+        if not isinstance(self.track_ref_kl, bool):
+            raise ConfigError(f"algo.track_ref_kl must be true or false, got {self.track_ref_kl!r}")
         _positive("algo", "clip_eps", self.clip_eps)
         for name in ("clip_eps_high", "behav_weight_cap", "kl_coef"):
             _positive("algo", name, getattr(self, name), allow_zero=True)
