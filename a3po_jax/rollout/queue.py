@@ -29,12 +29,17 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from a3po_jax.core.types import Rollout, RolloutGroup, oldest_version
 
 T = TypeVar("T")
+
+# The order in which get_batch hands out complete groups (``system.consume_order``):
+# "completion": first finished first out; "admission": the oldest admitted (smallest group
+# id) first, waiting for it, so long responses are not overtaken by short ones.
+CONSUME_ORDERS = ("completion", "admission")
 
 
 class RolloutTimeout(TimeoutError):
@@ -86,7 +91,13 @@ class RolloutQueue:
       samples arrived. A sample that would open a new group waits while
       ``capacity_groups`` groups (incomplete + complete) are held; samples of groups
       already held are always accepted, so a full queue can still complete its groups.
-    * ``get_batch`` returns whole groups in completion order. The batch is trained in
+    * ``get_batch`` returns whole groups in completion order (``consume_order="completion"``)
+      or strictly oldest admitted first (``"admission"``: the ``num_groups`` smallest group
+      ids not yet consumed or dropped, waiting until all of them are complete; group ids are
+      admission counts, see :class:`a3po_jax.rollout.admission.StalenessController`). The
+      queue knows a group from its first sample; ``admitted_ids`` (a callable returning the
+      ids admitted and not yet consumed, e.g. the workers' in-flight table) makes groups with
+      no sample yet block too. The batch is trained in
       ``versions_per_batch`` (k) optimizer steps, the last at ``trainer_version + k - 1``; a
       group with any token of staleness ``trainer_version + k - 1 - v > max_staleness``
       (it could land in the last minibatch) is dropped (reason ``"stale"``), never
@@ -103,6 +114,13 @@ class RolloutQueue:
     Invariant (``counters()``):
     ``produced_groups == consumed_groups + dropped_total + pending_groups + ready_groups``,
     where a group counts as produced from its first sample (or its ``drop_group`` call).
+
+    Length counters (cumulative, checkpointed): ``produced_samples``/``generated_tokens``
+    for every sample filed (generated), ``consumed_samples``/``consumed_tokens`` for the
+    samples handed to the trainer, ``dropped_samples``/``dropped_tokens`` by drop reason (a
+    dropped incomplete group counts the samples it had received); ``held_tokens`` are the
+    completion tokens of the samples still held. So ``produced_samples == consumed_samples +
+    Σ dropped_samples + pending_samples + ready_groups·G``, and the same for tokens.
     """
 
     def __init__(
@@ -114,6 +132,8 @@ class RolloutQueue:
         versions_per_batch: int = 1,
         drop_aborted: bool = True,
         on_drop: Callable[[int, str], None] | None = None,
+        consume_order: str = "completion",
+        admitted_ids: Callable[[], Iterable[int]] | None = None,
     ):
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
@@ -123,6 +143,15 @@ class RolloutQueue:
             raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
         if not isinstance(versions_per_batch, int) or versions_per_batch < 1:
             raise ValueError(f"versions_per_batch must be an int >= 1, got {versions_per_batch!r}")
+        if consume_order not in CONSUME_ORDERS:
+            raise ValueError(
+                f"consume_order must be one of {', '.join(CONSUME_ORDERS)}, got {consume_order!r}"
+            )
+        self.consume_order = consume_order
+        self._admitted_ids = admitted_ids
+        # Admission order with admitted_ids: consumed or dropped ids the callable may still
+        # list (kept only while it lists them).
+        self._finished: set[int] = set()
         self.group_size = group_size
         self.capacity_groups = capacity_groups
         self.max_staleness = max_staleness
@@ -143,6 +172,11 @@ class RolloutQueue:
         self._consumed_groups = 0
         self._consumed_samples = 0
         self._dropped: collections.Counter[str] = collections.Counter()
+        self._generated_tokens = 0
+        self._consumed_tokens = 0
+        self._held_tokens = 0
+        self._dropped_samples: collections.Counter[str] = collections.Counter()
+        self._dropped_tokens: collections.Counter[str] = collections.Counter()
 
     # -- producer side ----------------------------------------------------------------------
 
@@ -223,6 +257,8 @@ class RolloutQueue:
             self._produced_groups += 1
         group.samples[rollout.sample_index] = rollout
         self._produced_samples += 1
+        self._generated_tokens += rollout.num_tokens
+        self._held_tokens += rollout.num_tokens
         if self.drop_aborted and rollout.finish_reason == "aborted":
             self._drop_locked(group_id, "aborted", drops)
             return
@@ -251,7 +287,8 @@ class RolloutQueue:
     def get_batch(
         self, num_groups: int, *, trainer_version: int, timeout: float | None
     ) -> list[RolloutGroup]:
-        """Takes ``num_groups`` whole groups, first completed first, after dropping stale ones.
+        """Takes ``num_groups`` whole groups after dropping stale ones: first completed first,
+        or (``consume_order="admission"``) the oldest ``num_groups`` admitted, once complete.
 
         Args:
           num_groups: groups to return, in [1, capacity_groups].
@@ -279,11 +316,22 @@ class RolloutQueue:
         def batch() -> list[RolloutGroup] | None:
             self._raise_if_closed()
             self._drop_stale_locked(trainer_version, drops)
-            if len(self._ready) < num_groups:
-                return None
-            taken = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
+            if self.consume_order == "admission":
+                ids = self._oldest_live_locked(num_groups)
+                if len(ids) < num_groups or any(gid not in self._ready for gid in ids):
+                    return None
+                taken = [self._ready.pop(gid) for gid in ids]
+                if self._admitted_ids is not None:
+                    self._finished.update(ids)
+            else:
+                if len(self._ready) < num_groups:
+                    return None
+                taken = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
+            tokens = sum(r.num_tokens for g in taken for r in g.rollouts)
             self._consumed_groups += num_groups
             self._consumed_samples += num_groups * self.group_size
+            self._consumed_tokens += tokens
+            self._held_tokens -= tokens
             self._cond.notify_all()  # room for blocked producers
             return taken
 
@@ -301,6 +349,16 @@ class RolloutQueue:
                 )
         finally:
             self._run_drop_callbacks(drops)
+
+    def _oldest_live_locked(self, num_groups: int) -> list[int]:
+        """The ``num_groups`` smallest ids of the groups admitted and neither consumed nor
+        dropped, as far as the queue knows them (fewer if it knows fewer)."""
+        live = set(self._pending) | set(self._ready)
+        if self._admitted_ids is not None:
+            admitted = set(self._admitted_ids())
+            self._finished &= admitted  # ids no longer listed need no memory
+            live |= admitted - self._finished - set(self._expect_discard)
+        return sorted(live)[:num_groups]
 
     def _drop_stale_locked(self, trainer_version: int, drops: list[tuple[int, str]]) -> None:
         for group_id, group in list(self._ready.items()):
@@ -355,11 +413,18 @@ class RolloutQueue:
 
     def _drop_locked(self, group_id: int, reason: str, drops: list[tuple[int, str]]) -> None:
         if group_id in self._ready:
-            del self._ready[group_id]
+            samples = self._ready.pop(group_id).rollouts
         else:
-            received = len(self._pending.pop(group_id).samples)
+            samples = list(self._pending.pop(group_id).samples.values())
+            received = len(samples)
             if received < self.group_size:
                 self._expect_discard[group_id] = self.group_size - received
+        tokens = sum(r.num_tokens for r in samples)
+        self._held_tokens -= tokens
+        self._dropped_samples[reason] += len(samples)
+        self._dropped_tokens[reason] += tokens
+        if self._admitted_ids is not None:
+            self._finished.add(group_id)
         self._dropped[reason] += 1
         drops.append((group_id, reason))
         self._cond.notify_all()
@@ -413,6 +478,11 @@ class RolloutQueue:
             "consumed_groups": self._consumed_groups,
             "dropped_groups": dict(self._dropped),
             "dropped_total": sum(self._dropped.values()),
+            "generated_tokens": self._generated_tokens,
+            "consumed_tokens": self._consumed_tokens,
+            "dropped_samples": dict(self._dropped_samples),
+            "dropped_tokens": dict(self._dropped_tokens),
+            "held_tokens": self._held_tokens,
             "pending_groups": len(self._pending),
             "pending_samples": sum(len(g.samples) for g in self._pending.values()),
             "ready_groups": len(self._ready),
@@ -459,3 +529,16 @@ class RolloutQueue:
             lost = int(state["pending_groups"]) + int(state["ready_groups"])
             if lost:
                 self._dropped["restart"] += lost
+            # Length counters (absent in checkpoints from before they existed: start at 0).
+            self._generated_tokens = int(state.get("generated_tokens", 0))
+            self._consumed_tokens = int(state.get("consumed_tokens", 0))
+            self._dropped_samples = collections.Counter(
+                {k: int(v) for k, v in state.get("dropped_samples", {}).items()}
+            )
+            self._dropped_tokens = collections.Counter(
+                {k: int(v) for k, v in state.get("dropped_tokens", {}).items()}
+            )
+            if lost and "held_tokens" in state:  # the held samples are lost with the groups
+                held = int(state["pending_samples"]) + int(state["ready_groups"]) * self.group_size
+                self._dropped_samples["restart"] += held
+                self._dropped_tokens["restart"] += int(state["held_tokens"])

@@ -53,6 +53,12 @@ class RolloutWorkers:
         (:func:`a3po_jax.training.config.staleness_bound`).
       versions_per_batch: k, optimizer steps per batch (``algo.num_minibatches``).
       seed: the run seed (request seeds derive from it and the group id).
+      ledger: a :class:`a3po_jax.rollout.ledger.Ledger` (or None): admissions, drops,
+        trained groups, checkpoints and re-issues are logged to it (may also be set as the
+        ``ledger`` attribute before :meth:`start`/:meth:`restore`).
+      consume_order: ``"completion"`` or ``"admission"`` (``system.consume_order``; see
+        :class:`RolloutQueue`); in admission order groups admitted but without a sample yet
+        hold back newer ones too.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class RolloutWorkers:
         max_staleness: int,
         versions_per_batch: int,
         seed: int,
+        consume_order: str = "completion",
     ):
         self.host = host
         self.task = task
@@ -89,6 +96,9 @@ class RolloutWorkers:
             max_staleness=max_staleness,
             versions_per_batch=versions_per_batch,
             on_drop=lambda group_id, reason: self.controller.release(),
+            consume_order=consume_order,
+            # Admitted, not yet consumed (dict.copy is atomic: no lock needed).
+            admitted_ids=lambda: self._inflight.copy().keys(),
         )
         # Group id -> (prompt, admitted version, prompt iterator state before it was drawn).
         self._inflight: dict[int, tuple[Any, int, dict]] = {}

@@ -21,6 +21,7 @@ from typing import Any
 
 from a3po_jax.core import advantages, importance, losses, prox
 from a3po_jax.core.train_step import LOSS_TERMS
+from a3po_jax.rollout.queue import CONSUME_ORDERS
 
 MODES = ("sync", "periodic", "one_step_off", "async")
 # The algorithm choices are the keys of the core's tables: one list, where the code is.
@@ -253,10 +254,14 @@ class SystemSection:
     mesh_data: int = 1  # trainer mesh: data-parallel axis size
     mesh_fsdp: int = -1  # trainer mesh: FSDP axis size (-1 = all remaining devices)
     mesh_tensor: int = 1  # trainer mesh: tensor-parallel axis size
+    # Queue order: "completion" (first finished first; long answers train staler, are
+    # dropped more) or "admission" (oldest admitted first, waiting for it; README)
+    consume_order: str = "completion"  # "completion" or "admission" (rollout/queue.py)
 
     def __post_init__(self):
         _choice("system", "mode", self.mode, MODES)
         _choice("system", "update_policy", self.update_policy, UPDATE_POLICIES)
+        _choice("system", "consume_order", self.consume_order, CONSUME_ORDERS)
         _positive("system", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("system", "micro_batch_size", self.micro_batch_size, allow_zero=True)
         _positive("system", "length_bucket", self.length_bucket)

@@ -422,6 +422,35 @@ def peak_memory() -> dict[str, float]:
     return out
 
 
+def length_metrics(queue: Mapping[str, Any]) -> dict[str, float | int | None]:
+    """``length/*``: completion lengths (tokens) of the samples generated, trained and
+    dropped so far in the run, from the queue's cumulative counters
+    (:meth:`a3po_jax.rollout.queue.RolloutQueue.counters`).
+
+    * ``length/generated_mean``, ``length/trained_mean``: mean over every sample filed in the
+      queue / handed to the trainer;
+    * ``length/dropped_samples``, ``length/dropped_mean``: samples of dropped groups (any
+      reason; an incomplete group counts what it received) and their mean (None while
+      none: JSON null, no TensorBoard point);
+    * ``length/trained_minus_generated``: the length bias of training, in tokens (< 0: the
+      trainer sees shorter answers than the policy writes).
+    """
+    generated = int(queue.get("produced_samples", 0))
+    trained = int(queue.get("consumed_samples", 0))
+    dropped = int(sum(queue.get("dropped_samples", {}).values()))
+    dropped_tokens = int(sum(queue.get("dropped_tokens", {}).values()))
+    nan = float("nan")
+    gen_mean = queue.get("generated_tokens", 0) / generated if generated else nan
+    trained_mean = queue.get("consumed_tokens", 0) / trained if trained else nan
+    return {
+        "length/generated_mean": float(gen_mean),
+        "length/trained_mean": float(trained_mean),
+        "length/dropped_samples": dropped,
+        "length/dropped_mean": dropped_tokens / dropped if dropped else None,
+        "length/trained_minus_generated": float(trained_mean - gen_mean),
+    }
+
+
 def step_record(
     *,
     groups: Sequence[RolloutGroup],
@@ -448,7 +477,8 @@ def step_record(
       version: the version after the step.
       host_stats: the inference host's ``stats()``.
       counters: tables of counters by prefix (``{"queue": ..., "hosts": ...}``); a nested
-        dict becomes ``prefix/key/reason`` entries.
+        dict becomes ``prefix/key/reason`` entries; ``"queue"`` also gives ``length/*``
+        (:func:`length_metrics`).
       skipped_total: non-finite steps skipped so far.
     """
     rollouts = [r for g in groups for r in g.rollouts]
@@ -484,4 +514,6 @@ def step_record(
                     record[f"{prefix}/{key}/{reason}"] = count
             else:
                 record[f"{prefix}/{key}"] = value
+    if "queue" in counters:
+        record.update(length_metrics(counters["queue"]))
     return record

@@ -211,6 +211,7 @@ class Trainer:
             max_staleness=self.eta,
             versions_per_batch=self.num_minibatches,
             seed=cfg.seed,
+            consume_order=cfg.system.consume_order,
         )
         self._nonfinite_in_a_row = 0
         self.skipped_steps = 0
