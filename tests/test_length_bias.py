@@ -357,3 +357,40 @@ def test_real_run_logs_length_and_mismatch_dashboard(tmp_path, order):
         assert r["staleness/max"] <= cfg.staleness_bound
     last = records[-1]
     assert last["queue/consumed_groups"] == 3 * cfg.rollout.groups_per_step
+
+
+# --- the results table -------------------------------------------------------------------------
+
+
+def test_results_length_table_reads_the_last_cumulative_values():
+    from a3po_jax.analysis.results import Run, has_length, length_table
+
+    def run(order, dropped_mean, step_s):
+        records = [
+            {
+                "step": step,
+                "length/generated_mean": 10.0 + step,
+                "length/trained_mean": 9.0 + step,
+                "length/trained_minus_generated": -1.0,
+                "length/dropped_samples": 0 if dropped_mean is None else step,
+                "length/dropped_mean": dropped_mean,
+                "staleness/mean": 0.5 * step,
+                "reward/mean": 0.1 * step,
+                "time/step_s": step_s * step,
+            }
+            for step in (1, 2, 3)
+        ]
+        return Run(order, Path(order), {"system.consume_order": order, "seed": 0}, records)
+
+    runs = [run("completion", 14.5, 2.0), run("admission", None, 1.0)]
+    assert has_length(runs) and not has_length([Run("old", Path("old"), {}, [{"step": 1}])])
+    table = length_table(runs).set_index("run")
+    assert table.loc["completion", "consume_order"] == "completion"
+    assert table.loc["completion", "generated len"] == 13.0
+    assert table.loc["completion", "trained len"] == 12.0
+    assert table.loc["completion", "dropped samples"] == 3
+    assert table.loc["completion", "dropped len"] == 14.5
+    assert math.isnan(table.loc["admission", "dropped len"])  # null: nothing dropped
+    assert table.loc["completion", "staleness mean"] == pytest.approx(1.0)
+    assert table.loc["completion", "reward/mean all-steps mean"] == pytest.approx(0.2)
+    assert table.loc["completion", "s/step"] == pytest.approx(5.0)  # steps 2 and 3

@@ -278,6 +278,34 @@ def summary_table(runs: Sequence[Run], *, metric: str = REWARD, last_k: int = 5)
     return table
 
 
+LENGTH_GENERATED = "length/generated_mean"
+
+
+def has_length(runs: Sequence[Run]) -> bool:
+    """Whether any run logged the ``length/*`` metrics (older runs did not)."""
+    return any(not r.series(LENGTH_GENERATED).empty for r in runs)
+
+
+def length_table(runs: Sequence[Run]) -> pd.DataFrame:
+    """One row per run: the length bias over the whole run (the ``length/*`` counters are
+    cumulative, so their last value covers every step): mean completion length generated,
+    trained and their difference, samples dropped and their mean length; the run's mean
+    staleness, all-steps mean reward and time per step (first step left out)."""
+    keys = config_differences(runs)
+    table = config_frame(runs)[keys].rename(columns=_short).reset_index()
+    table["generated len"] = [final_value(run, LENGTH_GENERATED) for run in runs]
+    table["trained len"] = [final_value(run, "length/trained_mean") for run in runs]
+    table["trained - generated"] = [
+        final_value(run, "length/trained_minus_generated") for run in runs
+    ]
+    table["dropped samples"] = [final_value(run, "length/dropped_samples") for run in runs]
+    table["dropped len"] = [final_value(run, "length/dropped_mean") for run in runs]
+    table["staleness mean"] = [mean_over_steps(run, "staleness/mean") for run in runs]
+    table[f"{REWARD} all-steps mean"] = [mean_over_steps(run, REWARD) for run in runs]
+    table["s/step"] = [mean_over_steps(run, "time/step_s", skip_first=1) for run in runs]
+    return table
+
+
 def _seed_groups(runs: Sequence[Run], seed_key: str) -> tuple[list[str], list[list[Run]]]:
     """The config keys other than the seed that differ, and the runs grouped by their
     values of those keys (groups and members in first-seen order)."""
@@ -1107,6 +1135,13 @@ def write_summary(
         ]
     for file, (caption, _) in figures.items():
         lines += [f"## {caption}", "", f"![{caption}]({file})", ""]
+    if has_length(runs):
+        lines += [
+            "## Length bias (completion lengths in tokens, over the whole run)",
+            "",
+            markdown_table(length_table(runs)),
+            "",
+        ]
     lines += ["## Every run", "", markdown_table(summary_table(runs, last_k=last_k)), ""]
     lines += [
         "## Settings shared by all runs",
