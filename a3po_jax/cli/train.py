@@ -1,4 +1,5 @@
-"""Command line: ``a3po-train EXPERIMENT.py [section.field=value ...] [--resume]``.
+"""Command line: ``a3po-train EXPERIMENT.py [section.field=value ...] [--resume]``, or
+``a3po-train --replay RUN_DIR [section.field=value ...]``.
 
 CLI layer (entry points): nothing in the package imports it.
 
@@ -8,6 +9,13 @@ Examples::
     a3po-train experiments/quickstart_a3po.py algo.prox=recompute steps=10 run_dir=runs/rc
     a3po-train experiments/quickstart_a3po.py --resume          # continue from checkpoints
     a3po-train --print-config experiments/quickstart_a3po.py    # show the resolved config
+    a3po-train --replay runs/rec                 # re-train a system.record_rollouts=true run
+
+``--replay RUN_DIR`` rebuilds the trainer from ``RUN_DIR/config.json`` (overrides apply
+on top), trains on the groups recorded in ``RUN_DIR/rollouts/`` with no inference host,
+into ``RUN_DIR/replay`` (``run_dir=`` to change), for the recorded steps (or ``steps=`` if
+fewer), then prints whether ``loss/total`` and ``optim/grad_norm`` match the recording's
+``metrics.jsonl`` per step (``replay_check.json`` in the replay's run dir).
 
 With ``system.inference_hosts`` empty the inference host is embedded in this process;
 otherwise the trainer talks to the gRPC hosts at those addresses (see
@@ -48,9 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _Parser(
         prog="a3po-train", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("experiment", help="experiment file with a config() function")
+    parser.add_argument("experiment", nargs="?", help="experiment file with a config() function")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--replay",
+        metavar="RUN_DIR",
+        help="re-train on the rollouts a system.record_rollouts=true run recorded (no host)",
+    )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
@@ -58,7 +71,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level"
     )
     # Intermixed: flags may come before, between or after the key=value overrides.
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.replay is not None and args.experiment is not None:
+        if "=" not in args.experiment:  # --replay takes a run dir, not an experiment file
+            parser.error(f"--replay RUN_DIR takes no experiment file (got {args.experiment!r})")
+        args.overrides = [args.experiment, *args.overrides]
+        args.experiment = None
+    if args.replay is None and args.experiment is None:
+        parser.error("the following arguments are required: experiment")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +99,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     try:
-        cfg = apply_overrides(load_experiment(args.experiment), args.overrides)
+        if args.replay is not None:
+            from a3po_jax.training.recording import ReplayError, replay_config
+
+            try:
+                cfg = replay_config(args.replay, args.overrides)
+            except ReplayError as err:
+                raise Refused(f"--replay: {err}") from err
+        else:
+            cfg = apply_overrides(load_experiment(args.experiment), args.overrides)
     except ConfigError as err:
         raise Refused(f"config error: {err}") from err
     if args.print_config:
@@ -132,7 +161,7 @@ def _train(args: argparse.Namespace) -> int:
         host = connect_hosts(cfg.system)
     say("building the train step and the inference host ...")
     try:
-        trainer = Trainer(cfg, policy, host=host, task=task)
+        trainer = Trainer(cfg, policy, host=host, task=task, replay_dir=args.replay)
     except ValueError as err:  # a combination this job cannot run (named in the message)
         raise Refused(str(err)) from err
     say(f"step {start + 1}: compiling the train step and generating the first rollouts ...")
@@ -144,7 +173,24 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
     print(json.dumps({"final": summary}, sort_keys=True))
+    if args.replay is not None:
+        report_replay(args.replay, cfg.run_dir)
     return 0
+
+
+def report_replay(recorded_dir: str | Path, replay_dir: str | Path) -> dict:
+    """Compare the replay's per-step losses with the recording's; print one line, log it
+    and write ``replay_check.json`` in the replay's run dir."""
+    from a3po_jax.training.recording import compare_runs
+
+    check = compare_runs(recorded_dir, replay_dir)
+    diffs = ", ".join(f"max |d {k}| = {v:.3g}" for k, v in check["max_abs_diff"].items())
+    verdict = "match" if check["match"] else "DIFFER"
+    line = f"replay of {recorded_dir}: {check['steps']} steps, {diffs}: {verdict}"
+    _say(line)
+    log.info(line)
+    (Path(replay_dir) / "replay_check.json").write_text(json.dumps(check, indent=2))
+    return check
 
 
 def _say(message: str) -> None:

@@ -254,6 +254,8 @@ class SystemSection:
     mesh_data: int = 1  # trainer mesh: data-parallel axis size
     mesh_fsdp: int = -1  # trainer mesh: FSDP axis size (-1 = all remaining devices)
     mesh_tensor: int = 1  # trainer mesh: tensor-parallel axis size
+    # Every consumed batch to run_dir/rollouts/ for a3po-train --replay (training/recording.py)
+    record_rollouts: bool = False  # write each step's consumed groups, in consumption order
     # Queue order: "completion" (first finished first; long answers train staler, are
     # dropped more) or "admission" (oldest admitted first, waiting for it; README)
     consume_order: str = "completion"  # "completion" or "admission" (rollout/queue.py)
@@ -271,6 +273,10 @@ class SystemSection:
         _positive("system", "host_hang_timeout_s", self.host_hang_timeout_s)
         _positive("system", "host_health_interval_s", self.host_health_interval_s)
         _positive("system", "max_reissues", self.max_reissues, allow_zero=True)
+        if not isinstance(self.record_rollouts, bool):
+            raise ConfigError(
+                f"system.record_rollouts must be a bool (true/false), got {self.record_rollouts!r}"
+            )
         for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
             value = getattr(self, name)
             if value != -1 and value < 1:

@@ -50,7 +50,7 @@ from a3po_jax.parallel import distributed
 from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
-from a3po_jax.training import step_builder
+from a3po_jax.training import recording, step_builder
 from a3po_jax.training.checkpointing import (
     CheckpointManager,
     install_sigterm_handler,
@@ -103,6 +103,9 @@ class Trainer:
       console: print a progress line per step.
       on_step: called as ``on_step(step, record)`` after each step is logged (notebooks,
         tests, custom stopping rules); an exception from it stops the run.
+      replay_dir: replay this recorded run (``system.record_rollouts``): the groups come from
+        its ``rollouts/`` step by step (:class:`a3po_jax.training.recording.ReplaySource`),
+        with no inference host and no rollout threads; no ``host/*`` metrics.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class Trainer:
         task: Any = None,
         console: bool = True,
         on_step: Callable[[int, dict[str, Any]], None] | None = None,
+        replay_dir: str | Path | None = None,
     ):
         self.cfg = cfg
         self.on_step = on_step
@@ -137,6 +141,12 @@ class Trainer:
             raise ValueError(
                 "algo.kl_in_reward=True runs in one process so far (process 0 scores the batch "
                 f"with the sharded params); this job has {jax.process_count()} processes"
+            )
+        self.replay_dir = None if replay_dir is None else Path(replay_dir)
+        if self.replay_dir is not None and (host is not None or self.multi_process):
+            raise ValueError(
+                "a replay runs in one process without an inference host (it reads the groups "
+                f"recorded in {self.replay_dir})"
             )
         self.mode = cfg.system.mode
         self.num_minibatches = cfg.algo.num_minibatches
@@ -181,14 +191,14 @@ class Trainer:
         )
         self._build_jitted()
 
-        self._own_host = host is None and self.leader
+        self._own_host = host is None and self.leader and self.replay_dir is None
         if self._own_host:
             host = self._embedded_host(policy.params, 0, cfg.system.effective_update_policy)
         self.host = host
         # Evaluation gets a host of its own (built at the first evaluation): the rollout host
         # is busy with training groups, and its results go to the collector.
         self._eval_host = None
-        if self.leader and not self._own_host:
+        if self.leader and host is not None and not self._own_host:
             # A remote host's update policy is fixed when it starts: refuse a mismatch now
             # rather than train on samples that span versions in a mode that forbids it.
             want = cfg.system.effective_update_policy
@@ -212,6 +222,16 @@ class Trainer:
             versions_per_batch=self.num_minibatches,
             seed=cfg.seed,
             consume_order=cfg.system.consume_order,
+        )
+        if self.replay_dir is not None:
+            # Replay: the recorded groups, step by step, in place of the threads and the host.
+            self.workers = recording.ReplaySource(
+                self.replay_dir, group_size=self.group_size, batch_groups=self.batch_groups
+            )
+        self.recorder = (
+            recording.RolloutRecorder(self.run_dir)
+            if cfg.system.record_rollouts and self.leader
+            else None
         )
         self._nonfinite_in_a_row = 0
         self.skipped_steps = 0
@@ -322,7 +342,7 @@ class Trainer:
         params = self.state.params
         if self.multi_process:
             params = distributed.gather_params(params)
-        if self.leader:
+        if self.leader and self.host is not None:  # None: a replay, nothing to serve
             self.host.update_weights(params, int(self.state.step))
 
     def _train_periodic(self, version: int, timings: dict) -> tuple[list, TrainBatch, dict]:
@@ -486,6 +506,8 @@ class Trainer:
         self.workers.consumed(groups)
 
         skipped = bool(metrics["step/skipped"])
+        if self.recorder is not None:  # the groups in consumption (periodic: fold) order
+            self.recorder.write(step + 1, groups, trainer_version=version)
         if skipped:
             self._on_nonfinite(batch, metrics)
         else:
@@ -515,7 +537,8 @@ class Trainer:
             )
 
     def _record(self, batch, groups, version, metrics, timings) -> dict[str, Any]:
-        return step_record(
+        replay = self.host is None
+        record = step_record(
             groups=groups,
             batch=batch,
             start_version=version,
@@ -523,10 +546,15 @@ class Trainer:
             step_metrics=metrics,
             timings=timings,
             version=int(self.state.step),
-            host_stats=self.host.stats(),
-            counters={"queue": self.queue.counters(), "hosts": self.host.counters()},
+            host_stats={} if replay else self.host.stats(),
+            counters={"queue": self.queue.counters()}
+            if replay
+            else {"queue": self.queue.counters(), "hosts": self.host.counters()},
             skipped_total=self.skipped_steps,
         )
+        if replay:  # no inference host: no host/* metrics rather than placeholders
+            record = {k: v for k, v in record.items() if not k.startswith(recording.NOT_IN_REPLAY)}
+        return record
 
     def close(self) -> None:
         """Stop the threads, and the embedded host if this trainer started it."""
