@@ -18,11 +18,12 @@ What it shows: the claim of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.
           prompts per step for UPDATES / N steps, so every run trains on the same number
           of prompts (256 before the last step) with the same 32 optimizer steps; only
           how stale the data is changes with N (synchronous generation,
-          algo.num_minibatches = N; not the η of the asynchronous modes). One more step (UPDATES / N + 1 in all) samples from
-          the policy after exactly 32 updates, so every N's reward curve, read against the
-          version that generated it (a3po_jax.analysis.results.generating_versions),
-          ends at the same policy version; the final reward is the mean over the samples
-          generated at versions 24-32, the area under the curve is over versions 0-32.
+          algo.num_minibatches = N; not the η of the asynchronous modes). One more step
+          (UPDATES / N + 1 in all) samples from the policy after exactly 32 updates, so
+          every N's reward curve, read against the version that generated it
+          (a3po_jax.analysis.results.generating_versions), ends at the same policy
+          version; the final reward is the mean over the samples generated at versions
+          24-32, the area under the curve is over versions 0-32.
           algo.track_ref_kl logs kl/ref_k3, the k3 estimate of KL(π_θ ‖ π_init) on the
           trained tokens, for the paper's reward-vs-KL frontier; it is a metric only (no
           KL term in any loss here).
