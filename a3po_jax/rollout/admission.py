@@ -205,22 +205,27 @@ class StalenessController:
                 "trainer_version": self._trainer_version,
             }
 
-    def restore(self, state: dict, *, consumed_groups: int | None = None) -> None:
+    def restore(
+        self, state: dict, *, consumed_groups: int | None = None, in_flight_groups: int = 0
+    ) -> None:
         """Restores the counters of :meth:`state`.
 
-        Groups in flight at checkpoint time are not saved, so they never arrive after a
-        resume. Pass ``consumed_groups`` (the queue's ``consumed_groups`` counter from the
-        same checkpoint) to give their admissions back: afterwards exactly the consumed
-        groups count against the budget. Group ids keep counting from ``admitted``.
+        Pass ``consumed_groups`` (the groups trained up to the checkpoint) to give back the
+        admissions of the groups that will not arrive after the resume: afterwards exactly
+        ``consumed_groups + in_flight_groups`` count against the budget, where
+        ``in_flight_groups`` are the checkpoint's pending groups the workers re-issue (0
+        when nothing is re-issued). Group ids keep counting from ``admitted``.
         """
         admitted = int(state["admitted"])
         released = int(state["released"])
         if consumed_groups is not None:
-            if not 0 <= consumed_groups <= admitted:
+            counted = consumed_groups + in_flight_groups
+            if not (0 <= consumed_groups and 0 <= in_flight_groups and counted <= admitted):
                 raise ValueError(
-                    f"consumed_groups must be in [0, admitted={admitted}], got {consumed_groups}"
+                    f"consumed_groups must be in [0, admitted={admitted} - in_flight_groups="
+                    f"{in_flight_groups}], got {consumed_groups} (in_flight_groups must be >= 0)"
                 )
-            released = admitted - consumed_groups
+            released = admitted - counted
         if not 0 <= released <= admitted:
             raise ValueError(f"invalid controller state {state!r}")
         with self._cond:

@@ -506,9 +506,12 @@ class RolloutQueue:
         state["group_size"] = self.group_size
         return state
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict, *, regenerated: bool = False) -> None:
         """Restores :meth:`state` into an empty queue. Groups that were held at save time
-        are counted as dropped with reason ``"restart"``, so the invariant still holds."""
+        are counted as dropped with reason ``"restart"``, so the invariant still holds;
+        with ``regenerated=True`` (the workers re-issue every pending group of the
+        checkpoint) they are instead taken out of the produced counts, to be produced
+        again."""
         if int(state["group_size"]) != self.group_size:
             raise ValueError(
                 f"checkpointed group_size {state['group_size']} != queue group_size "
@@ -527,10 +530,18 @@ class RolloutQueue:
                 {k: int(v) for k, v in state["dropped_groups"].items()}
             )
             lost = int(state["pending_groups"]) + int(state["ready_groups"])
+            regenerated_tokens = 0
+            if regenerated:
+                held = int(state["pending_samples"]) + int(state["ready_groups"]) * self.group_size
+                self._produced_groups -= lost
+                self._completed_groups -= int(state["ready_groups"])
+                self._produced_samples -= held
+                regenerated_tokens = int(state.get("held_tokens", 0))
+                lost = 0
             if lost:
                 self._dropped["restart"] += lost
             # Length counters (absent in checkpoints from before they existed: start at 0).
-            self._generated_tokens = int(state.get("generated_tokens", 0))
+            self._generated_tokens = int(state.get("generated_tokens", 0)) - regenerated_tokens
             self._consumed_tokens = int(state.get("consumed_tokens", 0))
             self._dropped_samples = collections.Counter(
                 {k: int(v) for k, v in state.get("dropped_samples", {}).items()}

@@ -76,6 +76,7 @@ class RolloutWorkers:
         versions_per_batch: int,
         seed: int,
         consume_order: str = "completion",
+        ledger: Any = None,
     ):
         self.host = host
         self.task = task
@@ -95,7 +96,7 @@ class RolloutWorkers:
             capacity_groups=self.controller.max_in_flight,
             max_staleness=max_staleness,
             versions_per_batch=versions_per_batch,
-            on_drop=lambda group_id, reason: self.controller.release(),
+            on_drop=self._on_drop,
             consume_order=consume_order,
             # Admitted, not yet consumed (dict.copy is atomic: no lock needed).
             admitted_ids=lambda: self._inflight.copy().keys(),
@@ -103,6 +104,15 @@ class RolloutWorkers:
         # Group id -> (prompt, admitted version, prompt iterator state before it was drawn).
         self._inflight: dict[int, tuple[Any, int, dict]] = {}
         self._inflight_lock = threading.Lock()
+        self.ledger = ledger
+        # Pending groups of a restored checkpoint, submitted again before any new admission:
+        # (group id, prompt, admitted version).
+        self._to_submit: list[tuple[int, Any, int]] = []
+        # Groups the trainer consumed and threw away (skipped steps): their admissions were
+        # given back, so they do not count against the budget after a resume.
+        self._discarded_groups = 0
+        # The step of the last consumed(step=...): a checkpoint's state() is that step's.
+        self._ledger_step: int | None = None
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -135,15 +145,41 @@ class RolloutWorkers:
             self.raise_if_failed()
             raise
 
-    def consumed(self, groups: list[RolloutGroup]) -> None:
-        """The trainer is done with ``groups``: they no longer hold back the prompt order."""
-        for group in groups:
-            self._forget(group.group_id)
+    def consumed(
+        self,
+        groups: list[RolloutGroup],
+        *,
+        step: int | None = None,
+        version: int | None = None,
+        skipped: bool = False,
+    ) -> None:
+        """The trainer is done with ``groups``: they are no longer pending.
+
+        Args:
+          groups: the groups the step took.
+          step: the training step that consumed them (1-based, the checkpoint's step); with
+            a ledger, logged as ``train`` (or ``drop``/``nonfinite_step`` when ``skipped``),
+            and the next :meth:`state` is taken as that step's checkpoint.
+          version: the version the step started from (logged).
+          skipped: the step was skipped (non-finite); the trainer also calls :meth:`discard`.
+        """
+        with self._inflight_lock:
+            for group in groups:
+                self._inflight.pop(group.group_id, None)
+                if self.ledger is not None and step is not None:
+                    if skipped:
+                        self.ledger.drop(group.group_id, "nonfinite_step", step=step)
+                    else:
+                        self.ledger.train(group.group_id, step=step, version=version)
+            if step is not None:
+                self._ledger_step = int(step)
 
     def discard(self, num_groups: int) -> None:
         """The trainer threw away consumed groups (a skipped step): give their admissions
         back so the producer can refill."""
         self.controller.release(num_groups)
+        with self._inflight_lock:
+            self._discarded_groups += num_groups
 
     def notify_version(self, version: int) -> None:
         self.controller.notify_version(version)
@@ -151,32 +187,95 @@ class RolloutWorkers:
     # ------------------------------------------------------------------ checkpoints
 
     def state(self) -> dict:
-        """JSON-able ``prompt_iterator``, ``controller`` and ``queue`` state for a checkpoint.
+        """JSON-able state for a checkpoint: exactly which groups are pending.
 
-        Prompts admitted but not trained on are lost with the process: the prompt order
-        resumes from the oldest of them (they are drawn again, under new group ids).
+        ``pending_groups`` lists every group admitted and not yet consumed or dropped (group
+        id, prompt id, the prompt iterator position it was drawn at, admitted version);
+        ``prompt_iterator`` is the position after the newest admitted prompt; plus the
+        ``controller`` and ``queue`` counters and ``discarded_groups``. Taken atomically
+        with respect to the producer (which draws and records a prompt under the same lock),
+        so every prompt drawn is either pending here or consumed/dropped before. With a
+        ledger, the snapshot is logged as the ``checkpoint`` of the last consumed step.
         """
         with self._inflight_lock:
-            pending = [entry[2] for entry in self._inflight.values()]
-        resume_iter = (
-            min(pending, key=lambda s: (s["epoch"], s["index"]))
-            if pending
-            else self.prompts.state()
-        )
-        return {
-            "prompt_iterator": resume_iter,
-            "controller": self.controller.state(),
-            "queue": self.queue.state(),
-        }
+            pending = [
+                {
+                    "group_id": int(group_id),
+                    "prompt_id": str(prompt.prompt_id),
+                    "position": {"epoch": int(before["epoch"]), "index": int(before["index"])},
+                    "admitted_at_version": int(version),
+                }
+                for group_id, (prompt, version, before) in sorted(self._inflight.items())
+            ]
+            state = {
+                "prompt_iterator": self.prompts.state(),
+                "pending_groups": pending,
+                "discarded_groups": self._discarded_groups,
+                "controller": self.controller.state(),
+                "queue": self.queue.state(),
+            }
+            if self.ledger is not None and self._ledger_step is not None:
+                self.ledger.checkpoint(self._ledger_step, [p["group_id"] for p in pending])
+        return state
 
     def restore(self, state: dict, *, version: int) -> None:
-        """Restores :meth:`state` before :meth:`start`; the trainer is at ``version``."""
+        """Restores :meth:`state` before :meth:`start`; the trainer is at ``version``.
+
+        The checkpoint's pending groups are re-issued first (same group ids, hence the same
+        request seeds; stamped admitted at ``version``, since the resumed weights generate
+        them; still counted against the admission budget), then the prompt order continues
+        after the newest admitted prompt: no prompt is drawn twice or skipped.
+
+        A checkpoint from before ``pending_groups`` existed resumes the old way (from the
+        oldest pending prompt, which may train some prompts a second time), with a warning.
+        """
+        if "pending_groups" not in state:
+            log.warning(
+                "checkpoint without pending_groups (written before exactly-once resume): the "
+                "prompt order restarts at the oldest pending prompt; prompts admitted after it "
+                "and already trained are trained again"
+            )
+            self.prompts.restore(state["prompt_iterator"])
+            self.queue.restore(state["queue"])
+            self.controller.restore(
+                state["controller"], consumed_groups=int(state["queue"]["consumed_groups"])
+            )
+            self.controller.notify_version(version)
+            return
+        pending = state["pending_groups"]
+        to_submit = []
+        for entry in pending:
+            self.prompts.restore({**entry["position"], "seed": state["prompt_iterator"]["seed"]})
+            (prompt,) = self.prompts.next_batch()
+            if str(prompt.prompt_id) != entry["prompt_id"]:
+                raise ValueError(
+                    f"pending group {entry['group_id']} of the checkpoint was prompt "
+                    f"{entry['prompt_id']!r} at position {entry['position']}, but that "
+                    f"position now holds {prompt.prompt_id!r}: the task's prompts changed"
+                )
+            to_submit.append((int(entry["group_id"]), prompt, int(version), entry["position"]))
         self.prompts.restore(state["prompt_iterator"])
-        self.queue.restore(state["queue"])
+        self.queue.restore(state["queue"], regenerated=True)
+        discarded = int(state.get("discarded_groups", 0))
+        self._discarded_groups = discarded
         self.controller.restore(
-            state["controller"], consumed_groups=int(state["queue"]["consumed_groups"])
+            state["controller"],
+            consumed_groups=int(state["queue"]["consumed_groups"]) - discarded,
+            in_flight_groups=len(pending),
         )
         self.controller.notify_version(version)
+        with self._inflight_lock:
+            for group_id, prompt, admitted, position in to_submit:
+                self._inflight[group_id] = (prompt, admitted, {**position})
+                self._to_submit.append((group_id, prompt, admitted))
+                if self.ledger is not None:
+                    self.ledger.reissue(group_id, prompt.prompt_id, position, admitted)
+        if to_submit:
+            log.info(
+                "re-issuing %d groups pending at the checkpoint: %s",
+                len(to_submit),
+                [g for g, *_ in to_submit],
+            )
 
     def close(self, reason: str = "trainer finished") -> None:
         """Stops both threads (waking any blocked one) and waits for them."""
@@ -191,17 +290,26 @@ class RolloutWorkers:
 
     def _producer(self) -> None:
         while not self._stop.is_set():
-            try:
-                group_id, version = self.controller.wait_admit(timeout=0.5)
-            except RolloutTimeout:
-                continue
-            except QueueClosed:
-                return
-            before = self.prompts.state()
-            (prompt,) = self.prompts.next_batch()
-            tokens = render_prompt(self.tokenizer, prompt)
             with self._inflight_lock:
-                self._inflight[group_id] = (prompt, version, before)
+                reissue = self._to_submit.pop(0) if self._to_submit else None
+            if reissue is not None:  # pending at the resumed checkpoint: already counted
+                group_id, prompt, version = reissue
+            else:
+                try:
+                    group_id, version = self.controller.wait_admit(timeout=0.5)
+                except RolloutTimeout:
+                    continue
+                except QueueClosed:
+                    return
+                # Drawn and recorded under the lock state() takes: a checkpoint sees every
+                # drawn prompt as pending, or the iterator from before it was drawn.
+                with self._inflight_lock:
+                    before = self.prompts.state()
+                    (prompt,) = self.prompts.next_batch()
+                    self._inflight[group_id] = (prompt, version, before)
+                    if self.ledger is not None:
+                        self.ledger.admit(group_id, prompt.prompt_id, before, version)
+            tokens = render_prompt(self.tokenizer, prompt)
             self.host.submit(
                 GenerateRequest(
                     request_id=f"g{group_id}",
@@ -250,6 +358,15 @@ class RolloutWorkers:
     def _forget(self, group_id: int) -> None:
         with self._inflight_lock:
             self._inflight.pop(group_id, None)
+
+    def _on_drop(self, group_id: int, reason: str) -> None:
+        """The queue dropped a group (stale, host error, aborted): its admission is given
+        back, it is no longer pending, and the ledger says why (atomically with forgetting
+        it, so a checkpoint sees it either pending or dropped)."""
+        self.controller.release()
+        with self._inflight_lock:
+            if self._inflight.pop(group_id, None) is not None and self.ledger is not None:
+                self.ledger.drop(group_id, reason)
 
     def _guarded(self, fn) -> None:
         try:

@@ -48,6 +48,7 @@ from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
 from a3po_jax.rollout.queue import RolloutQueue
+from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training import recording, step_builder
@@ -240,6 +241,7 @@ class Trainer:
         self.checkpoints = (
             CheckpointManager(
                 self.run_dir / "checkpoints", save_interval_steps=cfg.checkpoint_every
+        self.ledger: Ledger | None = None  # opened by run() once the run is accepted
             )
             if cfg.checkpoint_every
             else None
@@ -397,6 +399,8 @@ class Trainer:
         # The host must serve the resumed weights before it generates anything.
         self._push_weights()
         log.info("resumed from step %d (version %d)", step, extra["version"])
+        if self.ledger is not None:  # voids the ledger's events after this checkpoint
+            self.ledger.resume(step, version=int(extra["version"]))
         return step
 
     # ------------------------------------------------------------------ main loop
@@ -422,7 +426,10 @@ class Trainer:
             # A remote host starts with weights of its own: serve ours before generating.
             # (With several processes every process takes part, whoever hosts it.)
             self._push_weights()
+        self._open_ledger()
         if not self.leader:
+        if start == 0 and self.ledger is not None:
+            self.ledger.start(seed=self.cfg.seed)
             return self._follow(start)
         logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
         progress = ProgressBar(self.cfg.steps, initial=start) if self.console else None
@@ -459,6 +466,14 @@ class Trainer:
         if not self.multi_process:
             return self._sigterm.is_set()
         return distributed.sync_stop(self._sigterm.is_set())
+    def _open_ledger(self) -> None:
+        """The run's prompt ledger (``run_dir/ledger.jsonl``, process 0, rollout workers
+        only): admissions, trained groups, drops, checkpoints, resumes
+        (:mod:`a3po_jax.rollout.ledger`)."""
+        if self.leader and isinstance(self.workers, RolloutWorkers) and self.ledger is None:
+            self.ledger = Ledger(ledger_path(self.run_dir))
+            self.workers.ledger = self.ledger
+
 
     def _follow(self, start: int) -> dict[str, Any]:
         """Every process but 0: :func:`a3po_jax.training.follower.follow_leader`."""
@@ -503,14 +518,15 @@ class Trainer:
             batch, metrics = self._train_on(groups, version)
             metrics = jax.device_get(metrics)  # blocks until the step is done
             timings["time/train_s"] = time.perf_counter() - t0
-        self.workers.consumed(groups)
-
         skipped = bool(metrics["step/skipped"])
         if self.recorder is not None:  # the groups in consumption (periodic: fold) order
             self.recorder.write(step + 1, groups, trainer_version=version)
         if skipped:
             self._on_nonfinite(batch, metrics)
         else:
+        # The ledger's train (or nonfinite_step drop) events, one per group, at this step.
+        self.workers.consumed(groups, step=step + 1, version=version, skipped=skipped)
+
             self._nonfinite_in_a_row = 0
             t0 = time.perf_counter()
             self._push_weights()
@@ -564,6 +580,8 @@ class Trainer:
         if self._own_host:
             self.host.close()
         if self._eval_host is not None:
+        if self.ledger is not None:
+            self.ledger.close()
             self._eval_host.close()
             self._eval_host = None
 

@@ -1,0 +1,359 @@
+"""The per-run prompt ledger: every admission, training, drop, checkpoint and resume of a
+run, one JSON line each, and :func:`audit`, which replays it and proves (or refutes) that
+every prompt drawn was trained exactly once or dropped with a reason.
+
+Rollout layer (host-side shell; plain Python, nothing pickled, nothing enters jit).
+
+``run_dir/ledger.jsonl`` is append-only; each event is one line, flushed when written (a
+``kill -9`` loses at most the line being written, which :func:`read_events` skips). Events:
+
+* ``start``: a fresh run (everything before it belongs to an abandoned attempt);
+* ``admit``: group id, prompt id, iterator position (epoch, index), admitted version;
+* ``train``: group id, the training step (1-based, the checkpoint/metrics step) and the
+  version the step started from;
+* ``drop``: group id and reason (``stale``, ``host_error``, ``host_lost``, ``aborted``,
+  ``nonfinite_step``, ...), with the step for a skipped step;
+* ``checkpoint``: the moment the rollout workers' state was taken for the checkpoint of a
+  step, with the ids of the groups admitted and not yet trained (the pending set);
+* ``resume``: the run restarted from the checkpoint of a step; every event after that
+  checkpoint's ``checkpoint`` event is void (those steps are redone, those prompts drawn
+  again);
+* ``reissue``: a pending group of the checkpoint regenerated after the resume (same group
+  id, same position).
+
+Check a run: ``python -m a3po_jax.rollout.ledger RUN_DIR`` (exit status 1 if the audit
+fails).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LEDGER_FILE = "ledger.jsonl"
+
+
+def ledger_path(run_dir: str | Path) -> Path:
+    """Where a run's ledger lives."""
+    return Path(run_dir) / LEDGER_FILE
+
+
+def _position(position: Any) -> list[int]:
+    """``{"epoch", "index"}`` (a prompt iterator state) or a pair as ``[epoch, index]``."""
+    if isinstance(position, dict):
+        return [int(position["epoch"]), int(position["index"])]
+    epoch, index = position
+    return [int(epoch), int(index)]
+
+
+class Ledger:
+    """Appends ledger events to ``path`` (thread-safe; one flushed JSON line per event).
+
+    Args:
+      path: the ledger file (``run_dir/ledger.jsonl``); created if missing, appended to.
+      fsync: also ``os.fsync`` after every event (survives a machine crash, not only a
+        killed process; costs a disk sync per event).
+    """
+
+    def __init__(self, path: str | Path, *, fsync: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
+        # A line cut short by a kill -9 must not glue onto the next event.
+        if self._file.tell() > 0:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._file.write("\n")
+                    self._file.flush()
+
+    def write(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, **fields, "t": round(time.time(), 3)})
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(line + "\n")
+            self._file.flush()
+            if self._fsync:
+                os.fsync(self._file.fileno())
+
+    def start(self, **fields: Any) -> None:
+        self.write("start", **fields)
+
+    def admit(self, group_id: int, prompt_id: str, position: Any, version: int) -> None:
+        self.write(
+            "admit",
+            group=int(group_id),
+            prompt=str(prompt_id),
+            pos=_position(position),
+            version=int(version),
+        )
+
+    def train(self, group_id: int, *, step: int, version: int | None = None) -> None:
+        self.write(
+            "train",
+            group=int(group_id),
+            step=int(step),
+            version=None if version is None else int(version),
+        )
+
+    def drop(self, group_id: int, reason: str, *, step: int | None = None) -> None:
+        self.write("drop", group=int(group_id), reason=str(reason), step=step)
+
+    def checkpoint(self, step: int, pending: Iterable[int]) -> None:
+        self.write("checkpoint", step=int(step), pending=sorted(int(g) for g in pending))
+
+    def resume(self, step: int, *, version: int | None = None) -> None:
+        self.write("resume", step=int(step), version=version)
+
+    def reissue(self, group_id: int, prompt_id: str, position: Any, version: int) -> None:
+        self.write(
+            "reissue",
+            group=int(group_id),
+            prompt=str(prompt_id),
+            pos=_position(position),
+            version=int(version),
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+
+
+def read_events(path: str | Path) -> list[dict]:
+    """The ledger's events in order; a torn line (a kill mid-write) is skipped with a
+    warning, anything else unparsable raises ValueError."""
+    events = []
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d: skipping a torn ledger line %r", path, n, line[:80])
+            continue
+        if not isinstance(event, dict) or "event" not in event:
+            raise ValueError(f"{path}:{n}: not a ledger event: {line[:200]!r}")
+        events.append(event)
+    return events
+
+
+@dataclasses.dataclass
+class Audit:
+    """What :func:`audit` found. ``ok`` is True when every position drawn (net of what
+    resumes rolled back) was trained exactly once, dropped with a reason, or is still in
+    flight at the end of the ledger, and no bookkeeping anomaly was seen."""
+
+    admitted: int = 0  # positions drawn (effective admissions)
+    trained: int = 0  # positions trained (once)
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
+    in_flight_at_end: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    trained_twice: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
+    drawn_twice: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
+    trained_and_dropped: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    lost: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # pending, not reissued
+    skipped_positions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    anomalies: list[str] = dataclasses.field(default_factory=list)
+    resumes: int = 0
+    reissued: int = 0
+    voided_events: int = 0
+    # Training steps with their trained groups (effective), for checks on order.
+    steps: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # Effective admissions: group id -> position, in admission order.
+    positions: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.trained_twice
+            or self.drawn_twice
+            or self.trained_and_dropped
+            or self.lost
+            or self.skipped_positions
+            or self.anomalies
+        )
+
+    def summary(self) -> str:
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "none"
+        lines = [
+            f"ledger audit: {'OK' if self.ok else 'FAILED'}",
+            f"  positions drawn {self.admitted}: trained {self.trained}, dropped "
+            f"{sum(self.dropped.values())} ({dropped}), in flight at the end "
+            f"{len(self.in_flight_at_end)}",
+            f"  resumes {self.resumes}, groups re-issued {self.reissued}, events voided by "
+            f"resumes {self.voided_events}",
+        ]
+        problems = {
+            "trained more than once (position: groups)": self.trained_twice,
+            "drawn more than once (position: groups)": self.drawn_twice,
+            "trained and dropped": self.trained_and_dropped,
+            "lost at a resume (pending, never re-issued)": self.lost,
+            "positions skipped": self.skipped_positions,
+            "anomalies": self.anomalies,
+        }
+        for name, items in problems.items():
+            if items:
+                shown = list(items.items() if isinstance(items, dict) else items)
+                more = f" ... ({len(shown)} in all)" if len(shown) > 10 else ""
+                lines.append(f"  {name}: {shown[:10]}{more}")
+        return "\n".join(lines)
+
+
+def _effective(events: list[dict], result: Audit) -> list[dict]:
+    """The events a resume did not roll back: at ``resume`` from step s, everything after
+    the last ``checkpoint`` event of step s is void; a ``start`` voids everything before."""
+    effective: list[dict] = []
+    for event in events:
+        kind = event["event"]
+        if kind == "start":
+            result.voided_events += len(effective)
+            effective = [event]
+        elif kind == "resume":
+            step = int(event["step"])
+            result.resumes += 1
+            at = None
+            for i in range(len(effective) - 1, -1, -1):
+                e = effective[i]
+                if e["event"] == "checkpoint" and int(e["step"]) == step:
+                    at = i
+                    break
+            if at is None:
+                result.anomalies.append(
+                    f"resume from step {step} but the ledger has no checkpoint event of "
+                    "that step (nothing rolled back)"
+                )
+                effective.append(event)
+                continue
+            result.voided_events += len(effective) - at - 1
+            effective = effective[: at + 1] + [event]
+        else:
+            effective.append(event)
+    return effective
+
+
+def audit(path: str | Path) -> Audit:
+    """Replays the ledger at ``path`` (a file or a run dir) and checks exactly-once.
+
+    Resumes roll back what the resumed run redoes (see :func:`_effective`): train events of
+    steps after the checkpoint, admissions after the checkpoint's snapshot (their positions
+    are drawn again), drops after it. What remains must satisfy: each position drawn once;
+    each drawn position trained exactly once, dropped with a reason, or in flight when the
+    ledger ends; every group pending at a checkpoint that a resume rolled back to is
+    re-issued; no position skipped in the prompt order.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = ledger_path(path)
+    result = Audit()
+    effective = _effective(read_events(path), result)
+
+    position: dict[int, tuple[int, int]] = {}  # group -> position
+    trained_at: dict[int, list[int]] = collections.defaultdict(list)  # group -> steps
+    dropped: dict[int, str] = {}
+    by_position: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    awaiting_reissue: set[int] = set()
+    last_checkpoint_pending: set[int] | None = None
+
+    def live(group: int) -> bool:
+        return group in position and not trained_at.get(group) and group not in dropped
+
+    for event in effective:
+        kind = event["event"]
+        group = int(event["group"]) if "group" in event else None
+        if kind == "admit":
+            if group in position:
+                result.anomalies.append(f"group {group} admitted twice")
+                continue
+            pos = tuple(event["pos"])
+            position[group] = pos
+            by_position[pos].append(group)
+        elif kind == "train":
+            if group not in position:
+                result.anomalies.append(f"group {group} trained but never admitted")
+                continue
+            if group in dropped:
+                result.trained_and_dropped.append(position[group])
+            trained_at[group].append(int(event["step"]))
+            result.steps.setdefault(int(event["step"]), []).append(group)
+        elif kind == "drop":
+            if group not in position:
+                continue  # dropped before its admission was logged (nothing was drawn)
+            if trained_at.get(group):
+                result.trained_and_dropped.append(position[group])
+            dropped.setdefault(group, str(event["reason"]))
+        elif kind == "checkpoint":
+            pending = {int(g) for g in event["pending"]}
+            expected = {g for g in position if live(g)}
+            if pending != expected:
+                result.anomalies.append(
+                    f"checkpoint of step {event['step']}: pending {sorted(pending)} but the "
+                    f"ledger has {sorted(expected)} admitted and not finished"
+                )
+            last_checkpoint_pending = pending
+        elif kind == "resume":
+            result.lost.extend(position[g] for g in sorted(awaiting_reissue) if g in position)
+            awaiting_reissue = set(last_checkpoint_pending or ())
+        elif kind == "reissue":
+            if group not in awaiting_reissue:
+                result.anomalies.append(f"group {group} re-issued but was not pending")
+            elif position.get(group) != tuple(event["pos"]):
+                result.anomalies.append(
+                    f"group {group} re-issued at position {event['pos']}, admitted at "
+                    f"{position.get(group)}"
+                )
+            awaiting_reissue.discard(group)
+            result.reissued += 1
+    result.lost.extend(position[g] for g in sorted(awaiting_reissue) if g in position)
+
+    for pos, groups in by_position.items():
+        if len(groups) > 1:
+            result.drawn_twice[pos] = groups
+        steps = [s for g in groups for s in trained_at.get(g, [])]
+        if len(steps) > 1:
+            result.trained_twice[pos] = steps
+    result.admitted = len(by_position)
+    result.trained = sum(1 for g in position if trained_at.get(g))
+    reasons = collections.Counter(dropped[g] for g in position if g in dropped)
+    result.dropped = dict(reasons)
+    result.in_flight_at_end = sorted(position[g] for g in position if live(g))
+    result.positions = dict(position)
+    # The prompt order is drawn without gaps: within each epoch, indices 0..max are all there.
+    epochs: dict[int, set[int]] = collections.defaultdict(set)
+    for epoch, index in by_position:
+        epochs[epoch].add(index)
+    for epoch, indices in sorted(epochs.items()):
+        result.skipped_positions.extend(
+            (epoch, i) for i in range(max(indices) + 1) if i not in indices
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print("usage: python -m a3po_jax.rollout.ledger RUN_DIR|LEDGER_FILE", file=sys.stderr)
+        return 2
+    result = audit(args[0])
+    print(result.summary())
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
