@@ -1,7 +1,8 @@
 """Recorded rollouts and replay (``system.record_rollouts``, ``a3po-train --replay``): the
 step files round-trip exactly and are written atomically; an asynchronous run (whose
 samples depend on timing) replayed without an inference host reproduces its per-step losses
-and its final parameters; so does a periodic-mode run (groups folded one by one)."""
+and its final parameters; so does a periodic-mode run (groups folded one by one), replayed in
+two parts with a --resume between them."""
 
 import dataclasses
 import json
@@ -213,15 +214,21 @@ def test_async_run_replays_to_equal_losses_and_parameters(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_periodic_run_replays_in_fold_order(tmp_path):
+def test_periodic_run_replays_in_fold_order_and_resumes(tmp_path):
     cfg, params = record(tmp_path, "rec", "system.mode=periodic", "system.max_staleness=0")
     rec_dir = Path(cfg.run_dir)
     replay_cfg = recording.replay_config(rec_dir)
     assert replay_cfg.run_dir == str(rec_dir / "replay") and replay_cfg.steps == 4
     assert not replay_cfg.system.record_rollouts
-    trainer = Trainer(replay_cfg, load_policy(replay_cfg.model), console=False, replay_dir=rec_dir)
+    # Two steps with a checkpoint, then --resume to the fourth: the replay cursor is in the
+    # checkpoint, so the resumed replay continues with recorded step 3.
+    first = dataclasses.replace(replay_cfg, steps=2, checkpoint_every=1)
+    trainer = Trainer(first, load_policy(first.model), console=False, replay_dir=rec_dir)
     assert trainer.host is None
     trainer.run()
+    rest = dataclasses.replace(replay_cfg, checkpoint_every=1)
+    trainer = Trainer(rest, load_policy(rest.model), console=False, replay_dir=rec_dir)
+    trainer.run(resume=True)
     assert_losses_equal(rec_dir, replay_cfg.run_dir)
     assert_params_close(jax.device_get(trainer.state.params), params)
     assert recording.compare_runs(rec_dir, replay_cfg.run_dir)["match"]
