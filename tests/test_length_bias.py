@@ -74,8 +74,10 @@ def out_of_order(order):
 def test_completion_order_lets_short_groups_overtake():
     q = out_of_order("completion")
     assert take(q, 2) == [1, 2]
+    assert q.counters()["overtaking_groups"] == 2  # both jumped group 0
     q.put(sample(0, 1, 9))
     assert take(q, 1) == [0]
+    assert q.counters()["overtaking_groups"] == 2
 
 
 def test_admission_order_waits_for_the_oldest_group():
@@ -88,6 +90,7 @@ def test_admission_order_waits_for_the_oldest_group():
     assert take(q, 1) == [2]
     c = q.counters()
     assert (c["consumed_samples"], c["consumed_tokens"]) == (6, 18 + 4 + 6)
+    assert c["overtaking_groups"] == 0
 
 
 def test_admission_order_one_group_at_a_time_as_periodic_mode_takes_them():
@@ -117,7 +120,7 @@ def test_admitted_groups_without_a_sample_block_until_done_or_dropped():
     inflight.clear()  # the trainer forgot 0, 1 and 2
     put_group(q, 3, [1, 1])
     assert take(q, 1) == [3]
-    assert q._finished == {3}  # finished ids are remembered only while the callable lists them
+    assert q._finished == set()  # finished ids are remembered only while the callable lists them
 
 
 def test_completion_order_is_the_default_and_bad_orders_are_refused():
@@ -178,18 +181,21 @@ def test_length_metrics_before_anything_happened_are_nan_not_errors():
 
 
 def test_length_counters_survive_state_and_restore():
-    q = golden_queue("admission")
+    q = golden_queue("completion")
     q.put(sample(5, 0, 9, version=2))  # held (incomplete) at checkpoint time
+    put_group(q, 7, [3, 3], version=2)
+    assert take(q, 1, version=2) == [7]  # overtakes group 5
     put_group(q, 6, [1, 4], version=2)  # held (complete)
     before = q.counters()
     samples_add_up(before, 2)
-    assert before["held_tokens"] == 14
+    assert before["held_tokens"] == 14 and before["overtaking_groups"] == 1
     state = json.loads(json.dumps(q.state()))  # what a checkpoint stores
 
     fresh = RolloutQueue(group_size=2, capacity_groups=8, max_staleness=1)
     fresh.restore(state)
     after = fresh.counters()
-    for key in ("produced_samples", "generated_tokens", "consumed_samples", "consumed_tokens"):
+    keys = ("produced_samples", "generated_tokens", "consumed_samples", "consumed_tokens")
+    for key in (*keys, "overtaking_groups"):
         assert after[key] == before[key], key
     # The groups held at save time are lost with the process: counted as dropped "restart",
     # with the samples and tokens they held.
@@ -280,6 +286,7 @@ def test_completion_order_is_biased_short_and_admission_order_is_not():
     assert mc["length/dropped_samples"] > 0
     assert mc["length/dropped_mean"] > mc["length/generated_mean"]
     assert mc["length/trained_minus_generated"] < ma["length/trained_minus_generated"]
+    assert c["overtaking_groups"] > 0 and a["overtaking_groups"] == 0
     assert a["dropped_groups"].get("stale", 0) < c["dropped_groups"]["stale"]
 
 
@@ -357,6 +364,8 @@ def test_real_run_logs_length_and_mismatch_dashboard(tmp_path, order):
         assert r["staleness/max"] <= cfg.staleness_bound
     last = records[-1]
     assert last["queue/consumed_groups"] == 3 * cfg.rollout.groups_per_step
+    if order == "admission":
+        assert last["queue/overtaking_groups"] == 0  # nothing jumped an older group
 
 
 # --- the results table -------------------------------------------------------------------------

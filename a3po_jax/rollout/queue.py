@@ -119,8 +119,11 @@ class RolloutQueue:
     for every sample filed (generated), ``consumed_samples``/``consumed_tokens`` for the
     samples handed to the trainer, ``dropped_samples``/``dropped_tokens`` by drop reason (a
     dropped incomplete group counts the samples it had received); ``held_tokens`` are the
-    completion tokens of the samples still held. So ``produced_samples == consumed_samples +
-    Σ dropped_samples + pending_samples + ready_groups·G``, and the same for tokens.
+    completion tokens of the samples still held; ``overtaking_groups`` counts groups handed
+    out while an older group (smaller id, admitted, not consumed or dropped) still waited:
+    the reordering that completion order does and admission order never. So
+    ``produced_samples == consumed_samples + Σ dropped_samples + pending_samples +
+    ready_groups·G``, and the same for tokens.
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class RolloutQueue:
         self._held_tokens = 0
         self._dropped_samples: collections.Counter[str] = collections.Counter()
         self._dropped_tokens: collections.Counter[str] = collections.Counter()
+        self._overtaking_groups = 0
 
     # -- producer side ----------------------------------------------------------------------
 
@@ -321,12 +325,15 @@ class RolloutQueue:
                 if len(ids) < num_groups or any(gid not in self._ready for gid in ids):
                     return None
                 taken = [self._ready.pop(gid) for gid in ids]
-                if self._admitted_ids is not None:
-                    self._finished.update(ids)
             else:
                 if len(self._ready) < num_groups:
                     return None
                 taken = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
+            if self._admitted_ids is not None:
+                self._finished.update(g.group_id for g in taken)
+            # Groups that jumped an older one still waiting (0 in admission order).
+            waiting = self._oldest_live_locked(1)
+            self._overtaking_groups += sum(1 for g in taken if waiting and g.group_id > waiting[0])
             tokens = sum(r.num_tokens for g in taken for r in g.rollouts)
             self._consumed_groups += num_groups
             self._consumed_samples += num_groups * self.group_size
@@ -483,6 +490,7 @@ class RolloutQueue:
             "dropped_samples": dict(self._dropped_samples),
             "dropped_tokens": dict(self._dropped_tokens),
             "held_tokens": self._held_tokens,
+            "overtaking_groups": self._overtaking_groups,
             "pending_groups": len(self._pending),
             "pending_samples": sum(len(g.samples) for g in self._pending.values()),
             "ready_groups": len(self._ready),
@@ -543,6 +551,7 @@ class RolloutQueue:
             # Length counters (absent in checkpoints from before they existed: start at 0).
             self._generated_tokens = int(state.get("generated_tokens", 0)) - regenerated_tokens
             self._consumed_tokens = int(state.get("consumed_tokens", 0))
+            self._overtaking_groups = int(state.get("overtaking_groups", 0))
             self._dropped_samples = collections.Counter(
                 {k: int(v) for k, v in state.get("dropped_samples", {}).items()}
             )
