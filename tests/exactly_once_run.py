@@ -32,7 +32,7 @@ class LateGroupsHost:
         now = time.monotonic()
         out = []
         for res in self.inner.poll(timeout=timeout, max_results=max_results):
-            if int(res.request_id[1:]) % 3 == 1:
+            if int(res.request_id[1:].split(".")[0]) % 3 == 1:
                 with self._lock:
                     self._held.append((now + DELAY_S, res))
             else:

@@ -47,11 +47,13 @@ class OutOfOrderHost:
         self._ticks = 0
         self._waiting: list[tuple[int, SampleResult]] = []  # (release tick, result)
         self.submitted: list[str] = []
+        self.seeds: dict[str, int] = {}
 
     def submit(self, request):
-        group_id = int(request.request_id[1:])
+        group_id = int(request.request_id[1:].split(".")[0])
         with self._lock:
             self.submitted.append(request.request_id)
+            self.seeds[request.request_id] = request.seed
             release = self._ticks + (self.slow_polls if group_id % 2 else 1)
             for i in range(request.num_samples):
                 if group_id == FAILING_GROUP:
@@ -215,17 +217,49 @@ def test_restore_reissues_the_same_groups_first(tmp_path):
     assert resumed.controller.capacity(1) == 0
     resumed.start()
     time.sleep(0.2)
-    assert host2.submitted == [f"g{g}" for g in pending]
+    # The same group ids (so the same request seeds), under wire ids of their own.
+    assert host2.submitted == [f"g{g}.re1" for g in pending]
     resumed.notify_version(2)
     deadline = time.monotonic() + 10
     while len(host2.submitted) < len(pending) + 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     resumed.close()
-    assert host2.submitted[: len(pending)] == [f"g{g}" for g in pending]
+    assert host2.submitted[: len(pending)] == [f"g{g}.re1" for g in pending]
+    assert all(host2.seeds[f"g{g}.re1"] == host.seeds[f"g{g}"] for g in pending)
     admitted_after = state["controller"]["admitted"]
     assert host2.submitted[len(pending)] == f"g{admitted_after}"
     with resumed._inflight_lock:
         assert resumed._inflight[pending[0]][1] == 1  # admitted at the resumed version
+
+
+def test_a_skipped_step_drops_its_groups_with_a_reason(tmp_path):
+    """A non-finite step's groups are dropped ("nonfinite_step") and given back: after a
+    resume they neither count against the budget nor come back."""
+    task = make_task("letters", train_size=64)
+    tokenizer = char_tokenizer()
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    workers = make_workers(task, tokenizer, OutOfOrderHost(), ledger)
+    workers.start()
+    skipped = workers.get_batch(BATCH_GROUPS, trainer_version=0, timeout=30)
+    workers.consumed(skipped, step=1, version=0, skipped=True)
+    workers.discard(len(skipped))
+    trained = workers.get_batch(BATCH_GROUPS, trainer_version=0, timeout=30)
+    workers.consumed(trained, step=2, version=0)
+    workers.notify_version(1)
+    state = workers.state()
+    workers.close()
+    resumed = make_workers(task, tokenizer, OutOfOrderHost(), ledger)
+    ledger.resume(2, version=1)
+    resumed.restore(state, version=1)
+    ledger.close()
+    counted = resumed.controller.admitted - resumed.controller.released
+    assert counted == BATCH_GROUPS + len(state["pending_groups"])
+    reissued = {e["group_id"] for e in state["pending_groups"]}
+    assert not reissued & {g.group_id for g in skipped + trained}
+    result = audit(tmp_path)
+    assert result.ok, result.summary()
+    assert result.dropped == {"nonfinite_step": BATCH_GROUPS}
+    assert result.trained == BATCH_GROUPS
 
 
 def test_checkpoint_without_pending_groups_resumes_the_old_way(caplog):
