@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.inference.types import ErrorKind, SampleResult, SamplingParams, error_result
 from a3po_jax.model.char_tokenizer import char_tokenizer
 from a3po_jax.rollout import ledger as ledger_mod
 from a3po_jax.rollout.ledger import Ledger, audit
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
-from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +157,9 @@ def test_restarts_with_out_of_order_completions_train_every_prompt_once(tmp_path
                 if n < steps:  # checkpointed; the extra step after the last one is lost
                     trained_positions.extend(positions[g.group_id] for g in groups)
                     with workers._inflight_lock:
-                        pending = [(e[2]["epoch"], e[2]["index"]) for e in workers._inflight.values()]
+                        pending = [
+                            (e[2]["epoch"], e[2]["index"]) for e in workers._inflight.values()
+                        ]
                     state = workers.state()
                     checkpoint = (state, step, version)
                     workers.queue.check_invariant()
@@ -404,6 +406,7 @@ def test_kill_9_three_times_then_audit(tmp_path):
     assert final.returncode == 0, final.stderr[-3000:]
 
     result = audit(run_dir)
+    print(result.summary())
     assert result.ok, result.summary()
     assert result.resumes == 3
     assert result.trained == 10 * 4  # steps x groups_per_step, each position once
