@@ -47,8 +47,8 @@ from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
-from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.ledger import Ledger, ledger_path
+from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training import recording, step_builder
@@ -236,12 +236,12 @@ class Trainer:
         )
         self._nonfinite_in_a_row = 0
         self.skipped_steps = 0
+        self.ledger: Ledger | None = None  # opened by run() once the run is accepted
         self._sigterm = install_sigterm_handler()
 
         self.checkpoints = (
             CheckpointManager(
                 self.run_dir / "checkpoints", save_interval_steps=cfg.checkpoint_every
-        self.ledger: Ledger | None = None  # opened by run() once the run is accepted
             )
             if cfg.checkpoint_every
             else None
@@ -394,13 +394,13 @@ class Trainer:
             log.info("no checkpoint in %s: starting fresh", self.run_dir / "checkpoints")
             return 0
         self.state, extra, step = restore_train_state(self.checkpoints, self.state)
+        if self.ledger is not None:  # voids the ledger's events after this checkpoint
+            self.ledger.resume(step, version=int(extra["version"]))
         self.workers.restore(extra, version=int(extra["version"]))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         # The host must serve the resumed weights before it generates anything.
         self._push_weights()
         log.info("resumed from step %d (version %d)", step, extra["version"])
-        if self.ledger is not None:  # voids the ledger's events after this checkpoint
-            self.ledger.resume(step, version=int(extra["version"]))
         return step
 
     # ------------------------------------------------------------------ main loop
@@ -421,15 +421,15 @@ class Trainer:
         # evaluation rebuilds the run's model from.
         if self.leader:
             (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        self._open_ledger()
         start = self._resume() if resume else 0
+        if start == 0 and self.ledger is not None:
+            self.ledger.start(seed=self.cfg.seed)
         if start == 0 and (self.multi_process or not self._own_host):
             # A remote host starts with weights of its own: serve ours before generating.
             # (With several processes every process takes part, whoever hosts it.)
             self._push_weights()
-        self._open_ledger()
         if not self.leader:
-        if start == 0 and self.ledger is not None:
-            self.ledger.start(seed=self.cfg.seed)
             return self._follow(start)
         logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
         progress = ProgressBar(self.cfg.steps, initial=start) if self.console else None
@@ -461,11 +461,6 @@ class Trainer:
             self.close()
         return record
 
-    def _stop_requested(self) -> bool:
-        """SIGTERM here, or (with several processes) on any process: all stop together."""
-        if not self.multi_process:
-            return self._sigterm.is_set()
-        return distributed.sync_stop(self._sigterm.is_set())
     def _open_ledger(self) -> None:
         """The run's prompt ledger (``run_dir/ledger.jsonl``, process 0, rollout workers
         only): admissions, trained groups, drops, checkpoints, resumes
@@ -474,6 +469,11 @@ class Trainer:
             self.ledger = Ledger(ledger_path(self.run_dir))
             self.workers.ledger = self.ledger
 
+    def _stop_requested(self) -> bool:
+        """SIGTERM here, or (with several processes) on any process: all stop together."""
+        if not self.multi_process:
+            return self._sigterm.is_set()
+        return distributed.sync_stop(self._sigterm.is_set())
 
     def _follow(self, start: int) -> dict[str, Any]:
         """Every process but 0: :func:`a3po_jax.training.follower.follow_leader`."""
@@ -519,14 +519,14 @@ class Trainer:
             metrics = jax.device_get(metrics)  # blocks until the step is done
             timings["time/train_s"] = time.perf_counter() - t0
         skipped = bool(metrics["step/skipped"])
+        # The ledger's train (or nonfinite_step drop) events, one per group, at this step.
+        self.workers.consumed(groups, step=step + 1, version=version, skipped=skipped)
+
         if self.recorder is not None:  # the groups in consumption (periodic: fold) order
             self.recorder.write(step + 1, groups, trainer_version=version)
         if skipped:
             self._on_nonfinite(batch, metrics)
         else:
-        # The ledger's train (or nonfinite_step drop) events, one per group, at this step.
-        self.workers.consumed(groups, step=step + 1, version=version, skipped=skipped)
-
             self._nonfinite_in_a_row = 0
             t0 = time.perf_counter()
             self._push_weights()
@@ -575,13 +575,13 @@ class Trainer:
     def close(self) -> None:
         """Stop the threads, and the embedded host if this trainer started it."""
         self.workers.close("trainer finished")
+        if self.ledger is not None:
+            self.ledger.close()
         if self.checkpoints is not None:
             self.checkpoints.wait_until_finished()
         if self._own_host:
             self.host.close()
         if self._eval_host is not None:
-        if self.ledger is not None:
-            self.ledger.close()
             self._eval_host.close()
             self._eval_host = None
 
