@@ -354,8 +354,8 @@ def test_audit_cli(tmp_path, capsys):
 def trainer_cmd(run_dir, *extra):
     return [
         sys.executable, str(REPO / "tests" / "exactly_once_run.py"), str(run_dir),
-        "steps=10", "checkpoint_every=1", "system.mode=async", "system.max_staleness=3",
-        "task.name=letters", "task.options={}", "rollout.max_new_tokens=6", *extra,
+        "steps=10", "checkpoint_every=1", "task.name=letters", "task.options={}",
+        "rollout.max_new_tokens=6", *extra,
     ]  # fmt: skip
 
 
@@ -372,7 +372,10 @@ def progress(run_dir, resumes):
 
 
 @pytest.mark.slow
-def test_kill_9_three_times_then_audit(tmp_path):
+@pytest.mark.parametrize(
+    "mode", [("system.mode=async", "system.max_staleness=3"), ("system.mode=one_step_off",)]
+)
+def test_kill_9_three_times_then_audit(tmp_path, mode):
     run_dir = tmp_path / "run"
     env = dict(
         os.environ,
@@ -383,7 +386,7 @@ def test_kill_9_three_times_then_audit(tmp_path):
     )
     for n, (kill_after, extra_delay) in enumerate(((2, 0.0), (4, 0.15), (6, 0.4))):
         proc = subprocess.Popen(
-            trainer_cmd(run_dir, *(["--resume"] if n else [])),
+            trainer_cmd(run_dir, *mode, *(["--resume"] if n else [])),
             cwd=REPO,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -400,7 +403,7 @@ def test_kill_9_three_times_then_audit(tmp_path):
         proc.wait()
         proc.stderr.close()
     final = subprocess.run(
-        trainer_cmd(run_dir, "--resume"),
+        trainer_cmd(run_dir, *mode, "--resume"),
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert final.returncode == 0, final.stderr[-3000:]
