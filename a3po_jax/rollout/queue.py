@@ -508,7 +508,7 @@ class RolloutQueue:
 
     def state(self) -> dict:
         """JSON-able cumulative counters for a checkpoint (the groups themselves are not
-        saved: on resume they are regenerated, and counted as dropped ``"restart"``)."""
+        saved: on resume the rollout workers re-issue them, see :meth:`restore`)."""
         with self._cond:
             state = self._counters_locked()
         state["group_size"] = self.group_size
