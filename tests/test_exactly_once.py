@@ -109,6 +109,18 @@ def make_workers(task, tokenizer, host, ledger, *, max_staleness=3):
     )
 
 
+def check_sample_counters(queue):
+    """Samples and tokens add up like groups: produced = consumed + dropped + held."""
+    c = queue.counters()
+    held = c["pending_samples"] + c["ready_groups"] * GROUP_SIZE
+    assert (
+        c["produced_samples"] == c["consumed_samples"] + sum(c["dropped_samples"].values()) + held
+    )
+    assert c["generated_tokens"] == (
+        c["consumed_tokens"] + sum(c["dropped_tokens"].values()) + c["held_tokens"]
+    )
+
+
 def position(entry):
     return (entry["position"]["epoch"], entry["position"]["index"])
 
@@ -134,6 +146,7 @@ def test_restarts_with_out_of_order_completions_train_every_prompt_once(tmp_path
             ledger.resume(step, version=version)
             workers.restore(json.loads(json.dumps(state)), version=version)
             workers.queue.check_invariant()
+            check_sample_counters(workers.queue)
             # Counted against the budget: the groups trained so far and the re-issued ones.
             counted = workers.controller.admitted - workers.controller.released
             assert counted == step * BATCH_GROUPS + len(state["pending_groups"])
@@ -169,6 +182,7 @@ def test_restarts_with_out_of_order_completions_train_every_prompt_once(tmp_path
                         old_rule_retrains |= {p for p in trained_positions if p > min(pending)}
             if last:
                 workers.queue.check_invariant()
+                check_sample_counters(workers.queue)
         finally:
             workers.close()
     ledger.close()
