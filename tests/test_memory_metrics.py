@@ -52,3 +52,39 @@ def test_step_record_logs_peak_memory():
         skipped_total=0,
     )
     assert record["mem/peak_rss_gb"] > 0.0
+
+
+def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
+    """The state and the embedded host hold copies of the initial params, so once the caller
+    drops the loaded policy (as the CLI does) its arrays are freed: one whole copy of the
+    weights less for the run (issue 15's memory)."""
+    import gc
+    import weakref
+
+    from a3po_jax.tasks.toy import LetterTask
+    from a3po_jax.training.config import ModelSection, RolloutSection, TaskSection, TrainConfig
+    from a3po_jax.training.trainer import Trainer, load_policy
+
+    cfg = TrainConfig(
+        model=ModelSection(name="tiny"),
+        task=TaskSection(name="letters"),
+        rollout=RolloutSection(
+            group_size=2, groups_per_step=2, max_new_tokens=4, num_slots=4, prompt_buckets=(64,)
+        ),
+        steps=1,
+        run_dir=str(tmp_path / "run"),
+        checkpoint_every=0,
+    )
+    policy = load_policy(cfg.model)
+    loaded = [weakref.ref(x) for x in jax.tree.leaves(policy.params)]
+    trainer = Trainer(cfg, policy, task=LetterTask(), console=False)
+    try:
+        assert trainer.policy.params is None
+        assert trainer.policy.config is policy.config
+        del policy
+        gc.collect()
+        alive = [r for r in loaded if r() is not None]
+        assert not alive, f"{len(alive)} of {len(loaded)} loaded param arrays still referenced"
+        trainer.run()  # and the run still works without them
+    finally:
+        trainer.close()

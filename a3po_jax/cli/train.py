@@ -164,6 +164,7 @@ def _train(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, policy, host=host, task=task, replay_dir=args.replay)
     except ValueError as err:  # a combination this job cannot run (named in the message)
         raise Refused(str(err)) from err
+    del policy  # the trainer holds its own copies of the weights: free the loaded ones
     say(f"step {start + 1}: compiling the train step and generating the first rollouts ...")
     try:
         record = trainer.run(resume=args.resume)
