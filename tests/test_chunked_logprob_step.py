@@ -47,24 +47,24 @@ def full_logits_forward(params, batch, *, model_config, temperature):
 
 
 def full_logits_packed_forward(params, packed, *, model_config, temperature):
-    """The old `packing.packed_token_logprobs`: [B, C, V] logits at the completion positions."""
-    pred_pos = jnp.asarray(packed["pred_pos"])
-    n = packed["packed_tokens"].shape[0]
-    b = pred_pos.shape[0]
+    """The old `packing.packed_token_logprobs`: [N, K, V] logits at the rows' completion
+    positions."""
+    row_pred_pos = jnp.asarray(packed["row_pred_pos"])
     t = packed["loss_mask"].shape[1]
     hidden = packing.packed_hidden(params, packed, model_config=model_config)  # [N, L, D]
-    row = jnp.arange(b) // (b // n)
-    h = hidden[row[:, None], pred_pos]  # [B, C, D]
+    h = jnp.take_along_axis(hidden, row_pred_pos[:, :, None], axis=1)  # [N, K, D]
     head = model.lm_head_kernel(params, model_config)
-    logits = jnp.einsum("bcd,dv->bcv", h, head) / temperature
-    logp_c = losses.token_logprobs(logits, packed["completion_targets"])
-    ent_c = losses.entropy(logits)
-    window_start = jnp.asarray(packed["prompt_len"])[row] - 1
-    mask_c = jnp.asarray(packed["completion_mask"])
-    return (
-        packing.completions_to_rows(logp_c, mask_c, window_start, t),
-        packing.completions_to_rows(ent_c, mask_c, window_start, t),
+    logits = jnp.einsum("nkd,dv->nkv", h, head) / temperature
+    logp_k = losses.token_logprobs(logits, packed["row_targets"])
+    ent_k = losses.entropy(logits)
+    to_rows = functools.partial(
+        packing.row_completions_to_rows,
+        window_start=jnp.asarray(packed["window_start"]),
+        completion_offset=jnp.asarray(packed["completion_offset"]),
+        response_len=jnp.asarray(packed["response_len"]),
+        length=t,
     )
+    return to_rows(logp_k), to_rows(ent_k)
 
 
 CASES = {
@@ -130,7 +130,7 @@ def test_step_equals_the_full_logits_step(case):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_step_holds_no_full_vocabulary_logits(packed):
-    """Neither the step's forward nor its backward holds [B, T, V] (packed: [B, C, V])
+    """Neither the step's forward nor its backward holds [B, T, V] (packed: [N, K, V])
     logits: at most one chunk's [C, V] (C = DEFAULT_CHUNK_SIZE tokens). A vocabulary large
     next to every other width makes the logits the largest values of the old step."""
     mcfg = model.ModelConfig.tiny(vocab_size=4096)
@@ -144,8 +144,8 @@ def test_step_holds_no_full_vocabulary_logits(packed):
         k: jnp.asarray(v)
         for k, v in build(groups, advantage="grpo", length_bucket=128).arrays().items()
     }
-    # Rows of the logits: the completion positions [B, C] (packed) or all of [B, T].
-    tokens = math.prod(batch["pred_pos" if packed else "tokens"].shape)
+    # Rows of the logits: the rows' completion positions [N, K] (packed) or all of [B, T].
+    tokens = math.prod(batch["row_pred_pos" if packed else "tokens"].shape)
     assert tokens > DEFAULT_CHUNK_SIZE
     settings = dataclasses.replace(step_builder.step_settings(cfg), packed_prompts=packed)
     algo = ts.build_algorithm(settings)

@@ -136,14 +136,21 @@ def test_pack_layout_hand_example():
     # Both responses restart at position P = 3: each sees the positions of its own row.
     np.testing.assert_array_equal(packed.positions, [[0, 1, 2, 3, 4, 3, 4, 5, 0]])
     np.testing.assert_array_equal(packed.response_id, [[0, 0, 0, 1, 1, 2, 2, 2, -1]])
+    np.testing.assert_array_equal(packed.group_slot, [[0, 0, 0, 0, 0, 0, 0, 0, -1]])
     np.testing.assert_array_equal(packed.prompt_len, [3])
     np.testing.assert_array_equal(packed.response_start, [3, 5])
-    # Token 0 of BOTH responses is predicted from the last prompt position 2; token j > 0
+    # The row's completion tokens in one compact list (K = 5 rounded up to the bucket 3):
+    # token 0 of BOTH responses is predicted from the last prompt position 2; token j > 0
     # from the previous token of the same response (response 2's token 1 from position 5,
     # not from position 4, which is response 1's last token).
-    np.testing.assert_array_equal(packed.pred_pos, [[2, 3, 0], [2, 5, 6]])
-    np.testing.assert_array_equal(packed.completion_targets, [[8, 9, 0], [10, 11, 12]])
-    np.testing.assert_array_equal(packed.completion_mask, [[1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(packed.row_pred_pos, [[2, 3, 2, 5, 6, 0]])
+    np.testing.assert_array_equal(packed.row_targets, [[8, 9, 10, 11, 12, 0]])
+    np.testing.assert_array_equal(packed.row_valid, [[1, 1, 1, 1, 1, 0]])
+    # Sample b's tokens start at completion_offset[b] of the list; its unpacked window at P-1.
+    np.testing.assert_array_equal(packed.completion_offset, [0, 2])
+    np.testing.assert_array_equal(packed.window_start, [2, 2])
+    np.testing.assert_array_equal(packed.group_order, [0])
+    assert packed.head_token_slots == 6
     # The unpacked batch is build_batch's, so the loss inputs are shared by construction.
     ref = build_batch(hand_group(), advantage="grpo", length_bucket=3)
     for key, value in ref.arrays().items():
@@ -269,7 +276,7 @@ def test_dpo_pair_order_follows_build_batch(tiny_params):
     ]
     packed = packing.pack_groups(groups, length_bucket=4, dpo_pairs=True)
     unpacked = build_batch(groups, advantage="grpo", length_bucket=4, dpo_pairs=True)
-    np.testing.assert_array_equal(packed.completion_targets[0, :3], [9, 10, 11])
+    np.testing.assert_array_equal(packed.row_targets[0, :5], [9, 10, 11, 7, 8])
     logp, _ = packed_fn(TINY)(tiny_params, packed.arrays())
     ref, _ = unpacked_fn(TINY)(tiny_params, unpacked.arrays())
     mask = unpacked.loss_mask > 0

@@ -250,6 +250,9 @@ class SystemSection:
     max_reissues: int = 2  # re-issues of a request after host failures before it is lost
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row
     packed_prompts: bool = False  # shared-prompt packing: one row per group (Periodic Async.)
+    # Groups packed into one row (shared-prompt packing): fewer padded slots, longer
+    # attention rows; periodic mode folds one group at a time and always uses 1
+    groups_per_row: int = 1  # with packed_prompts: groups per packed row (>= 1)
     one_pass_old: bool = False  # prox=recompute with 1 minibatch: old = sg(current), no pass
     mesh_data: int = 1  # trainer mesh: data-parallel axis size
     mesh_fsdp: int = -1  # trainer mesh: FSDP axis size (-1 = all remaining devices)
@@ -267,6 +270,7 @@ class SystemSection:
         _positive("system", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("system", "micro_batch_size", self.micro_batch_size, allow_zero=True)
         _positive("system", "length_bucket", self.length_bucket)
+        _positive("system", "groups_per_row", self.groups_per_row)
         _positive("system", "rollout_timeout_s", self.rollout_timeout_s)
         _positive("system", "max_nonfinite_steps", self.max_nonfinite_steps)
         _positive("system", "host_timeout_s", self.host_timeout_s)
@@ -363,6 +367,7 @@ class TrainConfig:
                 f"system.packed_prompts packs whole groups: system.micro_batch_size={mb} must "
                 f"be a multiple of rollout.group_size={self.rollout.group_size}"
             )
+        self._check_groups_per_row()
         if (
             self.system.mode == "periodic"
             and mb
@@ -378,6 +383,37 @@ class TrainConfig:
             raise ConfigError(
                 "system.mode='periodic' takes one optimizer step per iteration: "
                 "algo.num_minibatches must be 1"
+            )
+
+    def _check_groups_per_row(self) -> None:
+        """system.groups_per_row: packed rows must split evenly into the minibatches and
+        micro-batches (the step splits the packed arrays along their rows)."""
+        gpr = self.system.groups_per_row
+        if gpr == 1:
+            return
+        if not self.system.packed_prompts:
+            raise ConfigError(
+                f"system.groups_per_row={gpr} packs groups into rows: it needs "
+                "system.packed_prompts=true"
+            )
+        groups, k = self.rollout.groups_per_step, self.algo.num_minibatches
+        if groups % gpr:
+            raise ConfigError(
+                f"system.groups_per_row={gpr} must divide rollout.groups_per_step={groups}"
+            )
+        if self.system.mode != "periodic" and groups % (gpr * k):
+            raise ConfigError(
+                f"system.groups_per_row={gpr}: each of the algo.num_minibatches={k} "
+                f"minibatches of rollout.groups_per_step={groups} groups must hold whole "
+                f"packed rows of {gpr} groups"
+            )
+        mb = self.system.micro_batch_size
+        row = gpr * self.rollout.group_size
+        if self.system.mode != "periodic" and mb and mb % row:
+            raise ConfigError(
+                f"system.micro_batch_size={mb} must be a multiple of a packed row's "
+                f"{row} sequences (system.groups_per_row={gpr} x rollout.group_size="
+                f"{self.rollout.group_size})"
             )
 
     def to_dict(self) -> dict[str, Any]:

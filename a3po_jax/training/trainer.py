@@ -260,10 +260,12 @@ class Trainer:
         mb = self.algo.micro_batch_size or batch_rows // self.algo.num_minibatches
         from a3po_jax.parallel.sharding import TRAIN_RULES, check_batch_divisible
 
-        # Each micro-batch splits evenly over the mesh (packed arrays lead with groups).
-        rows_per_micro = mb // self.group_size if self.algo.packed else mb
+        # Each micro-batch splits evenly over the mesh (packed arrays lead with packed rows
+        # of system.groups_per_row groups each).
+        gpr = self.cfg.system.groups_per_row
+        rows_per_micro = mb // (self.group_size * gpr) if self.algo.packed else mb
         check_batch_divisible(rows_per_micro, self.mesh, TRAIN_RULES)
-        step_rows = self.batch_groups if self.algo.packed else batch_rows
+        step_rows = self.batch_groups // gpr if self.algo.packed else batch_rows
         self._batch_sharding = ts.batch_shardings(self.mesh, step_rows)
         self._train_step = ts.jit_train_step(
             self.state,
@@ -298,10 +300,15 @@ class Trainer:
     # ------------------------------------------------------------------ batches
 
     def _batch_from_groups(
-        self, groups: list[RolloutGroup]
+        self, groups: list[RolloutGroup], groups_per_row: int | None = None
     ) -> tuple[TrainBatch, dict[str, np.ndarray]]:
         """The padded batch (for metrics) and the arrays the jitted step reads: the batch's
-        own, or the shared-prompt packed layout with ``system.packed_prompts``."""
+        own, or the shared-prompt packed layout with ``system.packed_prompts``.
+
+        With ``system.groups_per_row`` > 1 and one minibatch, ``pack_groups`` reorders the
+        groups to balance its rows, and the returned batch (advantages, versions, the
+        metrics' staleness) follows that order; with k > 1 minibatches the order decides
+        which groups train at which version, so it is kept."""
         kwargs = dict(
             advantage=self.cfg.algo.advantage,
             length_bucket=self.cfg.system.length_bucket,
@@ -310,7 +317,13 @@ class Trainer:
         if self.algo.packed:
             from a3po_jax.core.packing import pack_groups
 
-            packed = pack_groups(groups, **kwargs)
+            gpr = self.cfg.system.groups_per_row if groups_per_row is None else groups_per_row
+            packed = pack_groups(
+                groups,
+                groups_per_row=gpr,
+                balance_rows=self.algo.num_minibatches == 1,
+                **kwargs,
+            )
             batch, arrays_of = packed.batch, packed.arrays
         else:
             batch = build_batch(groups, **kwargs)
@@ -367,7 +380,8 @@ class Trainer:
             )
             wait += time.perf_counter() - t0
             groups.append(group)
-            _, arrays = self._batch_from_groups([group])
+            # One group at a time: system.groups_per_row does not apply (1 group per row).
+            _, arrays = self._batch_from_groups([group], groups_per_row=1)
             arrays = _to_device(arrays)
             # A packed group is one row: it cannot be split further.
             n_micro = 1 if self.algo.packed else self.group_size // mb
