@@ -40,12 +40,15 @@ def config() -> TrainConfig:
         optim=OptimSection(learning_rate=3e-5, warmup_steps=2),
         # Shared-prompt packing: each group's ~57-token prompt is encoded once for its 4
         # samples (about 3x less train work here); lengths padded to multiples of 64.
+        # Two groups per packed row: 17 % fewer token slots and 27 % fewer lm_head
+        # positions than one per row; 12 steps measured 96 s against 100 s (README).
         system=SystemSection(
             mode="async",
             max_staleness=1,
             update_policy="in_flight",
             length_bucket=64,
             packed_prompts=True,
+            groups_per_row=2,
         ),
         steps=24,
         seed=0,

@@ -41,6 +41,14 @@ the same machine load (a shared CPU's load varies from minute to minute).
         --prompt-len 40 --response-len 32                    # (32, 128)
     python scripts/bench_train_step.py --config smollm2 --batch 64 --prompt-len 256 \\
         --response-len 256 --dtype bfloat16                  # a GPU
+    python scripts/bench_train_step.py --config smollm2 --batch 32 --group-size 4 \\
+        --prompt-len 57 --response-len 13 --packed --groups-per-row 2   # packed rows
+
+With ``--packed`` the batch is ``packing.pack_groups``'s (shared-prompt rows of
+``--groups-per-row`` groups) and every program reads it; FLOPs are then counted on the
+packed [N, L] rows (B·T above becomes N·L) with the lm_head's D·V on the N·K listed
+completion positions only, so the packed and unpacked runs' FLOP/s count different work:
+compare their seconds.
 
 Speed does not depend on weight values, so models are randomly initialised with the real
 architecture's shapes.
@@ -61,6 +69,7 @@ import jax.numpy as jnp
 from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
+from a3po_jax.core import packing
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.training import step_builder
@@ -93,13 +102,15 @@ def machine() -> dict[str, str]:
     return {"backend": "cpu", "device": model_name, "isa": " ".join(isa) or "none listed"}
 
 
-def forward_flops(cfg: model.ModelConfig, b: int, t: int) -> float:
-    """F: matmul FLOPs of one forward pass over a [b, t] batch (see the module docstring)."""
+def forward_flops(cfg: model.ModelConfig, b: int, t: int, head_tokens: int | None = None) -> float:
+    """F: matmul FLOPs of one forward pass over a [b, t] batch (see the module docstring);
+    ``head_tokens``: positions the lm_head runs on (default all b·t; packed: N·K)."""
     d, h, n, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     layer_mm = d * h * k + 2 * d * n * k + h * k * d + 3 * d * f
-    p_mm = cfg.n_layers * layer_mm + d * cfg.vocab_size
     attention = 4 * t * h * k * cfg.n_layers
-    return float(b * t * (2 * p_mm + attention))
+    head_tokens = b * t if head_tokens is None else head_tokens
+    layers = b * t * (2 * cfg.n_layers * layer_mm + attention)
+    return float(layers + head_tokens * 2 * d * cfg.vocab_size)
 
 
 def _temporaries(compiled) -> int | None:
@@ -156,6 +167,15 @@ def main(argv=None) -> dict:
     p.add_argument("--micro-batch", type=int, default=0, help="0 = whole batch at once")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each program")
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="shared-prompt packed rows (system.packed_prompts): FLOPs counted on the packed\n"
+        "[N, L] rows and the lm_head's N·K completion positions",
+    )
+    p.add_argument(
+        "--groups-per-row", type=int, default=1, help="with --packed: system.groups_per_row"
+    )
     args = p.parse_args(argv)
 
     mcfg = dataclasses.replace(
@@ -169,17 +189,30 @@ def main(argv=None) -> dict:
         mcfg.vocab_size,
         versions=lambda g, i: g % 3,  # staleness 0-2 across groups: a3po's α paths all run
     )
-    batch = build_batch(groups, advantage="grpo", length_bucket=64)
-    arrays = {k: jnp.asarray(v) for k, v in batch.arrays().items()}
-    b, t = batch.shape
+    if args.packed:
+        packed = packing.pack_groups(
+            groups, advantage="grpo", length_bucket=64, groups_per_row=args.groups_per_row
+        )
+        batch, arrays_np = packed.batch, packed.arrays()
+        b, t = packed.shape  # FLOPs and the printed shape are the packed rows'
+        head_tokens = packed.head_token_slots
+    else:
+        batch = build_batch(groups, advantage="grpo", length_bucket=64)
+        arrays_np = batch.arrays()
+        b, t = batch.shape
+        head_tokens = None
+    arrays = {k: jnp.asarray(v) for k, v in arrays_np.items()}
     n_tok = int(batch.loss_mask.sum())
+    logp_fn = packing.packed_token_logprobs if args.packed else ts.forward_logprobs
     params = model.init_params(mcfg, jax.random.key(0))
     info = machine()
     print(
         f"device: {info['device']} ({info['backend']}"
         + (f"; {info['isa']}" if "isa" in info else "")
         + f"); model {args.config} ({mcfg.n_params / 1e6:.1f}M params, {args.dtype}); "
-        f"batch {b}x{t} ({n_tok} completion tokens); micro-batch {args.micro_batch or b}",
+        f"{'packed rows' if args.packed else 'batch'} {b}x{t} ({n_tok} completion tokens"
+        + (f", head on {head_tokens}" if args.packed else "")
+        + f"); micro-batch {args.micro_batch or batch.shape[0]}",
         flush=True,
     )
 
@@ -191,7 +224,7 @@ def main(argv=None) -> dict:
     programs = {"matmul": (jax.jit(jnp.matmul), mm_args)}
 
     def policy_logp(prm, batch_arrays):
-        logp, _ = ts.forward_logprobs(prm, batch_arrays, model_config=mcfg, temperature=1.0)
+        logp, _ = logp_fn(prm, batch_arrays, model_config=mcfg, temperature=1.0)
         return jnp.sum(logp * batch_arrays["loss_mask"])
 
     programs["forward"] = (jax.jit(policy_logp), (params, arrays))
@@ -204,7 +237,9 @@ def main(argv=None) -> dict:
             algo=AlgoSection(prox=prox),
         )
         settings = dataclasses.replace(
-            step_builder.step_settings(cfg), micro_batch_size=args.micro_batch
+            step_builder.step_settings(cfg),
+            micro_batch_size=args.micro_batch,
+            packed_prompts=args.packed,
         )
         opt = step_builder.optimizer(cfg)
         step = jax.jit(
@@ -235,7 +270,7 @@ def main(argv=None) -> dict:
     seconds = time_round_robin(runs, args.repeats, {"matmul": MATMUL_RUNS_PER_ROUND})
 
     peak = 2 * MATMUL_N**3 / seconds["matmul"]
-    fwd = forward_flops(mcfg, b, t)
+    fwd = forward_flops(mcfg, b, t, head_tokens)
     flops = {"forward": fwd, "forward_backward": 3 * fwd, "recompute": 4 * fwd}
     flops.update(a3po=3 * fwd, behav=3 * fwd)
     achieved = {name: flops[name] / seconds[name] for name in flops}
@@ -245,6 +280,9 @@ def main(argv=None) -> dict:
         "config": args.config,
         "dtype": args.dtype,
         "batch": [b, t],
+        "packed": args.packed,
+        "groups_per_row": args.groups_per_row if args.packed else None,
+        "head_tokens": head_tokens,
         "completion_tokens": n_tok,
         "matmul_peak_gflops": peak / 1e9,
         "seconds": {k: v for k, v in seconds.items() if k != "matmul"},
