@@ -230,17 +230,8 @@ def main(argv=None) -> dict:
 
     def layer_stack(prm, batch_arrays):
         """The decoder layers to the final hidden state (no lm_head): issue 15's second ratio."""
-        if args.packed:
-            hidden = packing.packed_hidden(prm, batch_arrays, model_config=mcfg)
-        else:
-            hidden, _ = model.hidden_states(
-                prm,
-                batch_arrays["tokens"],
-                batch_arrays["positions"],
-                config=mcfg,
-                segment_ids=batch_arrays["segment_ids"],
-            )
-        return jnp.sum(hidden)
+        hidden_fn = packing.packed_hidden if args.packed else ts.batch_hidden
+        return jnp.sum(hidden_fn(prm, batch_arrays, model_config=mcfg))
 
     programs["forward"] = (jax.jit(policy_logp), (params, arrays))
     programs["forward_backward"] = (jax.jit(jax.value_and_grad(policy_logp)), (params, arrays))

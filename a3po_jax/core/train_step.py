@@ -498,6 +498,19 @@ def init_train_state(params: Params, optimizer: optax.GradientTransformation) ->
 # --------------------------------------------------------------------------------------
 
 
+def batch_hidden(params: Params, batch: Batch, *, model_config: model.ModelConfig) -> jax.Array:
+    """[B, T, D] float32 final-norm hidden states of a ``TrainBatch.arrays()`` batch (no
+    lm_head; ``packing.packed_hidden`` is the packed layout's)."""
+    hidden, _ = model.hidden_states(
+        params,
+        batch["tokens"],
+        batch["positions"],
+        config=model_config,
+        segment_ids=batch["segment_ids"],
+    )
+    return hidden
+
+
 def forward_logprobs(
     params: Params, batch: Batch, *, model_config: model.ModelConfig, temperature: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -513,13 +526,7 @@ def forward_logprobs(
     Returns:
       (logp [B, T], entropy [B, T]) float32.
     """
-    hidden, _ = model.hidden_states(
-        params,
-        batch["tokens"],
-        batch["positions"],
-        config=model_config,
-        segment_ids=batch["segment_ids"],
-    )  # [B, T, D] float32
+    hidden = batch_hidden(params, batch, model_config=model_config)  # [B, T, D] float32
     head = model.lm_head_kernel(params, model_config)  # [D, V]
     return logprobs.chunked_token_logprobs(hidden, head, batch["targets"], temperature=temperature)
 
