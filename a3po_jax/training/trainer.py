@@ -215,24 +215,25 @@ class Trainer:
                     f"{want!r}, but the host runs {got!r} (start it with --update-policy {want})"
                 )
 
-        self.workers = RolloutWorkers(
-            host=host,
-            task=self.task,
-            tokenizer=policy.tokenizer,
-            prompts=prompt_iter,
-            sampling=self.sampling,
-            reward_config=reward_cfg,
-            group_size=self.group_size,
-            batch_groups=self.batch_groups,
-            max_staleness=self.eta,
-            versions_per_batch=self.num_minibatches,
-            seed=cfg.seed,
-            consume_order=cfg.system.consume_order,
-        )
         if self.replay_dir is not None:
             # Replay: the recorded groups, step by step, in place of the threads and the host.
             self.workers = recording.ReplaySource(
                 self.replay_dir, group_size=self.group_size, batch_groups=self.batch_groups
+            )
+        else:
+            self.workers = RolloutWorkers(
+                host=host,
+                task=self.task,
+                tokenizer=policy.tokenizer,
+                prompts=prompt_iter,
+                sampling=self.sampling,
+                reward_config=reward_cfg,
+                group_size=self.group_size,
+                batch_groups=self.batch_groups,
+                max_staleness=self.eta,
+                versions_per_batch=self.num_minibatches,
+                seed=cfg.seed,
+                consume_order=cfg.system.consume_order,
             )
         self.recorder = (
             recording.RolloutRecorder(self.run_dir)
