@@ -1,6 +1,7 @@
 """Asynchronous RLHF's off-policy robustness on SmolLM2-135M: Online DPO vs PPO vs RLOO, N = 1, 4.
 
-Command:  python scripts/run_sweep.py experiments/offpolicy_robustness_smollm2.py --subprocess --prune
+Command:  python scripts/run_sweep.py experiments/offpolicy_robustness_smollm2.py \\
+              --subprocess --prune
           python -m a3po_jax.cli.results results/offpolicy_robustness_smollm2 \\
               --out results/offpolicy_robustness_smollm2
 Hardware: a 2-core CPU, embedded inference host; about 2 minutes per run, 18 runs.

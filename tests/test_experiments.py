@@ -1,5 +1,6 @@
 """Experiment files, sweeps, scripts/run_sweep.py and scripts/launch.py (dry runs)."""
 
+import dataclasses
 import importlib.util
 import json
 import shlex
@@ -187,6 +188,63 @@ def test_periodic_vs_sync_differs_only_in_mode(tmp_path):
     assert {a.system.mode, b.system.mode} == {"periodic", "sync"}
     assert a.system.effective_staleness == b.system.effective_staleness == 0
     assert (a.algo, a.rollout, a.optim, a.steps) == (b.algo, b.rollout, b.optim, b.steps)
+
+
+def test_a3po_vs_recompute_smollm2_crosses_methods_etas_and_seeds(tmp_path):
+    configs = configs_of("a3po_vs_recompute_smollm2", tmp_path)
+    cells = [(c.system.mode, c.algo.prox, c.system.effective_staleness, c.seed) for c in configs]
+    expected = {("sync", "behav", 0, s) for s in (0, 1, 2)} | {
+        ("async", p, eta, s)
+        for p in ("a3po", "recompute", "behav")
+        for eta in (2, 4)
+        for s in (0, 1, 2)
+    }
+    assert len(cells) == len(set(cells)) and set(cells) == expected
+    # Seed-major: an interrupted sweep holds whole seeds of every method.
+    assert [c.seed for c in configs] == sorted(c.seed for c in configs)
+    quickstart = load_experiment(ROOT / "experiments" / "quickstart_a3po.py")
+    for c in configs:
+        assert (c.model, c.task, c.rollout, c.optim, c.steps) == (
+            quickstart.model,
+            quickstart.task,
+            quickstart.rollout,
+            quickstart.optim,
+            quickstart.steps,
+        )
+
+
+def test_periodic_smollm2_baseline_is_the_a3po_sweeps_sync_runs(tmp_path):
+    """The periodic sweep borrows its sync baseline: same config but mode and run_dir."""
+    periodic = configs_of("periodic_vs_sync_smollm2", tmp_path)
+    assert [(c.system.mode, c.seed) for c in periodic] == [("periodic", s) for s in (0, 1, 2)]
+    sync = {
+        c.seed: c
+        for c in configs_of("a3po_vs_recompute_smollm2", tmp_path)
+        if c.system.mode == "sync"
+    }
+    for c in periodic:
+        as_sync = dataclasses.replace(
+            c,
+            system=dataclasses.replace(c.system, mode="sync"),
+            run_dir=sync[c.seed].run_dir,
+        )
+        assert as_sync == sync[c.seed]
+
+
+def test_offpolicy_smollm2_keeps_the_minibatch_and_updates_fixed(tmp_path):
+    configs = configs_of("offpolicy_robustness_smollm2", tmp_path)
+    cells = {(c.algo.loss, c.algo.advantage, c.algo.num_minibatches, c.seed) for c in configs}
+    assert cells == {
+        (loss, adv, n, s)
+        for loss, adv in (("dpo", "grpo"), ("ppo", "grpo"), ("ppo", "rloo"))
+        for n in (1, 4)
+        for s in (0, 1, 2)
+    }
+    for c in configs:
+        n = c.algo.num_minibatches
+        assert c.system.mode == "sync" and c.rollout.group_size == 2 and c.algo.track_ref_kl
+        assert c.rollout.groups_per_step // n == 8  # the same minibatch for every N
+        assert (c.steps - 1) * n == 16  # the same number of optimizer steps, plus one
 
 
 # --- sweeps --------------------------------------------------------------------------------
