@@ -150,15 +150,33 @@ def test_summary_table_golden(tmp_path):
 
 
 def test_seed_table_golden(tmp_path):
-    write_run(tmp_path, "a0", [0.0, 0.8], prox="a3po", seed=0)
-    write_run(tmp_path, "a1", [0.0, 0.6], prox="a3po", seed=1)
-    write_run(tmp_path, "b0", [0.0, 0.1], prox="behav", seed=0)
+    # time/train_s: the first (compiling) step is left out, then the median per run.
+    write_run(
+        tmp_path,
+        "a0",
+        [0.0, 0.8, 0.8],
+        prox="a3po",
+        seed=0,
+        extra={"time/train_s": [50.0, 2.0, 4.0]},
+    )
+    write_run(
+        tmp_path,
+        "a1",
+        [0.0, 0.6, 0.6],
+        prox="a3po",
+        seed=1,
+        extra={"time/train_s": [50.0, 5.0, 5.0]},
+    )
+    write_run(tmp_path, "b0", [0.0, 0.1, 0.1], prox="behav", seed=0)
     rows = results.seed_table(results.load_runs([tmp_path]), last_k=1).to_dict("records")
     assert [(r["prox"], r["seeds"]) for r in rows] == [("a3po", 2), ("behav", 1)]
     # mean 0.7, sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414.
     assert rows[0]["reward/mean last-1"] == "0.700 ± 0.141"
-    assert rows[0]["reward/mean all-steps mean"] == "0.350 ± 0.071"
+    assert rows[0]["reward/mean all-steps mean"] == "0.467 ± 0.094"
     assert rows[1]["reward/mean last-1"] == "0.100"
+    # medians 3.0 and 5.0: mean 4.0, sample std sqrt(2) = 1.414; nan where not logged.
+    assert rows[0]["train s/step"] == "4.00 ± 1.41"
+    assert rows[1]["train s/step"] == "nan"
     unique = results.load_runs([tmp_path / "a0", tmp_path / "b0"])
     assert results.seed_table(unique).empty  # nothing shares a configuration
 

@@ -254,6 +254,12 @@ def mean_over_steps(run: Run, key: str, *, skip_first: int = 0) -> float:
     return float(run.series(key).iloc[skip_first:].mean())
 
 
+def median_over_steps(run: Run, key: str, *, skip_first: int = 0) -> float:
+    """Median of a scalar metric over the run's steps (after the first ``skip_first``): for
+    times, robust to the steps that compiled a new shape."""
+    return float(run.series(key).iloc[skip_first:].median())
+
+
 def max_over_steps(run: Run, key: str, *, skip_first: int = 0) -> float:
     """Largest value of a scalar metric over the run's steps (after ``skip_first``)."""
     return float(run.series(key).iloc[skip_first:].max())
@@ -330,7 +336,9 @@ def seed_table(
     Returns one row per configuration (in first-seen order): its differing config values,
     ``seeds``, the two ``metric`` columns as ``"mean ± std"`` strings (the sample std; just
     the mean for one seed), and the mean staleness and clip fraction averaged over the
-    seeds. Empty if no two runs share a configuration.
+    seeds, and ``train s/step``: the median over steps 2.. of ``time/train_s`` (the train
+    phase alone; the median leaves out the steps that compiled a new shape), mean ± std
+    over the seeds. Empty if no two runs share a configuration.
     """
     keys, groups = _seed_groups(runs, seed_key)
     if all(len(g) == 1 for g in groups):
@@ -342,6 +350,9 @@ def seed_table(
             "area": [mean_over_steps(r, metric) for g in groups for r in g],
             "staleness": [mean_over_steps(r, "staleness/mean") for g in groups for r in g],
             "clipfrac": [mean_over_steps(r, "loss/clipfrac") for g in groups for r in g],
+            "train_s": [
+                median_over_steps(r, "time/train_s", skip_first=1) for g in groups for r in g
+            ],
         }
     )
     stats = scores.groupby("config", sort=False).agg(["mean", "std", "count"])
@@ -356,6 +367,12 @@ def seed_table(
         ]
     table["staleness mean"] = stats[("staleness", "mean")].to_numpy()
     table["clipfrac mean"] = stats[("clipfrac", "mean")].to_numpy()
+    table["train s/step"] = [
+        _mean_std(mean, std, n, ".2f")
+        for mean, std, n in zip(
+            stats[("train_s", "mean")], stats[("train_s", "std")], table["seeds"], strict=True
+        )
+    ]
     return table
 
 
