@@ -181,6 +181,31 @@ def test_seed_table_golden(tmp_path):
     assert results.seed_table(unique).empty  # nothing shares a configuration
 
 
+def test_phase_time_ratio_golden(tmp_path):
+    # Medians over steps 2..: a3po 3.0 / 6.0 (seeds 0 / 1), recompute 4.0 / 6.0.
+    for name, prox, seed, times in (
+        ("a0", "a3po", 0, [90.0, 2.0, 4.0]),
+        ("a1", "a3po", 1, [90.0, 6.0, 6.0]),
+        ("r0", "recompute", 0, [90.0, 4.0, 4.0]),
+        ("r1", "recompute", 1, [90.0, 5.0, 7.0]),
+        ("b0", "behav", 0, [90.0, 1.0, 1.0]),  # not part of the ratio
+        ("a_eta4", "a3po", 0, [90.0, 1.0, 1.0]),  # no recompute twin at eta 4: no row
+    ):
+        eta = 4 if name == "a_eta4" else 2
+        write_run(
+            tmp_path, name, [0.0] * 3, prox=prox, eta=eta, seed=seed, extra={"time/train_s": times}
+        )
+    table = results.phase_time_ratio(results.load_runs([tmp_path]))
+    rows = table.to_dict("records")
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["eta"], row["seeds"]) == (2, 2)
+    assert row["a3po s"] == pytest.approx(4.5) and row["recompute s"] == pytest.approx(5.0)
+    # ratios 0.75 and 1.0: mean 0.875, sample std 0.177
+    assert row["a3po / recompute"] == "0.875 ± 0.177"
+    assert results.phase_time_ratio(results.load_runs([tmp_path / "b0"])).empty
+
+
 def test_markdown_table_format():
     import pandas as pd
 

@@ -376,6 +376,53 @@ def seed_table(
     return table
 
 
+def phase_time_ratio(
+    runs: Sequence[Run],
+    *,
+    numerator: str = "a3po",
+    denominator: str = "recompute",
+    method_key: str = "algo.prox",
+    by: str = EFFECTIVE_STALENESS,
+    metric: str = "time/train_s",
+    seed_key: str = "seed",
+) -> pd.DataFrame:
+    """A phase's time for one method over another's, measured inside the runs themselves.
+
+    For every value of ``by`` (η by default) and every seed that has a run of both methods,
+    the ratio of the two runs' medians of ``metric`` over steps 2.. (the first step
+    compiles; the median leaves out later steps that compiled a new shape). Returns one
+    row per ``by`` value: the seeds paired, the mean over them of each method's median
+    seconds, and the ratio as ``"mean ± std"`` over the seeds (A-3PO's claim: the a3po
+    train phase costs about 3/4 of recompute's, one forward pass less in four).
+    """
+    cells: dict[tuple[Any, Any], dict[str, float]] = {}
+    for run in runs:
+        method = run.config.get(method_key)
+        if method in (numerator, denominator):
+            key = (run.config.get(by), run.config.get(seed_key))
+            cells.setdefault(key, {})[method] = median_over_steps(run, metric, skip_first=1)
+    rows = [
+        {by: group, "num": pair[numerator], "den": pair[denominator]}
+        for (group, _), pair in cells.items()
+        if numerator in pair and denominator in pair
+    ]
+    if not rows:
+        return pd.DataFrame()
+    frame = pd.DataFrame(rows).assign(ratio=lambda f: f["num"] / f["den"])
+    stats = frame.groupby(by, sort=True).agg(["mean", "std", "count"])
+    table = pd.DataFrame({_short(by): stats.index.to_numpy()})
+    table["seeds"] = stats[("ratio", "count")].to_numpy()
+    table[f"{numerator} s"] = stats[("num", "mean")].to_numpy()
+    table[f"{denominator} s"] = stats[("den", "mean")].to_numpy()
+    table[f"{numerator} / {denominator}"] = [
+        _mean_std(mean, std, n)
+        for mean, std, n in zip(
+            stats[("ratio", "mean")], stats[("ratio", "std")], table["seeds"], strict=True
+        )
+    ]
+    return table
+
+
 def _mean_std(mean: float, std: float, n: int, floatfmt: str = ".3f") -> str:
     """``0.958 ± 0.008`` (sample std); just the mean for one value."""
     if n <= 1:
