@@ -33,29 +33,15 @@ Parent:   experiments/quickstart_a3po.py (model, task, lengths, temperature, lea
 import dataclasses
 from pathlib import Path
 
-from a3po_jax.training.config import TrainConfig, load_experiment
+from a3po_jax.training.config import TrainConfig, import_experiment, load_experiment
 
+# The toy sweep's design and losses (its offpolicy_sweep), at N = 1 and 4.
+TOY = import_experiment(Path(__file__).with_name("offpolicy_robustness_toy.py"))
 UPDATES = 16  # optimizer steps per run, the same for every N (as in the paper)
 PROMPTS_PER_MINIBATCH = 8  # 16 sequences per optimizer step
-LOSSES = {
-    "dpo": {"algo.loss": "dpo", "algo.advantage": "grpo"},
-    "ppo": {"algo.loss": "ppo", "algo.advantage": "grpo"},
-    "rloo": {"algo.loss": "ppo", "algo.advantage": "rloo"},
-}
-OFF_POLICYNESS = (1, 4)
-SEEDS = (0, 1, 2)
-SWEEP = [
-    {
-        **overrides,
-        "algo.num_minibatches": n,
-        "rollout.groups_per_step": PROMPTS_PER_MINIBATCH * n,
-        "steps": UPDATES // n + 1,
-        "seed": seed,
-    }
-    for seed in SEEDS
-    for n in OFF_POLICYNESS
-    for overrides in LOSSES.values()
-]
+SWEEP = TOY.offpolicy_sweep(
+    (1, 4), (0, 1, 2), updates=UPDATES, prompts_per_minibatch=PROMPTS_PER_MINIBATCH
+)
 
 
 def config() -> TrainConfig:

@@ -77,18 +77,36 @@ LOSSES = {
 }
 OFF_POLICYNESS = (1, 2, 4, 8)
 SEEDS = (0, 1, 2)
-SWEEP = [
-    {
-        **overrides,
-        "algo.num_minibatches": n,
-        "rollout.groups_per_step": PROMPTS_PER_MINIBATCH * n,
-        "steps": UPDATES // n + 1,
-        "seed": seed,
-    }
-    for seed in SEEDS
-    for n in OFF_POLICYNESS
-    for overrides in LOSSES.values()
-]
+
+
+def offpolicy_sweep(
+    off_policyness: tuple[int, ...],
+    seeds: tuple[int, ...],
+    *,
+    updates: int,
+    prompts_per_minibatch: int,
+) -> list[dict]:
+    """Every loss × N × seed (seed-major), with the minibatch (prompts_per_minibatch
+    prompts) and the number of optimizer steps (updates) the same for every N, plus one
+    step that samples from the policy after the last update. Shared with
+    experiments/offpolicy_robustness_smollm2.py."""
+    return [
+        {
+            **overrides,
+            "algo.num_minibatches": n,
+            "rollout.groups_per_step": prompts_per_minibatch * n,
+            "steps": updates // n + 1,
+            "seed": seed,
+        }
+        for seed in seeds
+        for n in off_policyness
+        for overrides in LOSSES.values()
+    ]
+
+
+SWEEP = offpolicy_sweep(
+    OFF_POLICYNESS, SEEDS, updates=UPDATES, prompts_per_minibatch=PROMPTS_PER_MINIBATCH
+)
 
 
 def config() -> TrainConfig:
