@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from factories import synthetic_groups
 
@@ -425,3 +426,53 @@ def test_kl_in_reward_is_the_shaped_reward_and_its_advantages():
     np.testing.assert_allclose(shaped, want, rtol=1e-5, atol=1e-5)
     want_adv = group_advantages(want, 4, "grpo")[:, None] * b.loss_mask
     np.testing.assert_allclose(adv, want_adv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1.0, 1e-3])
+def test_apply_grads_is_optax_clip_then_adamw(grad_clip):
+    """The update (one scale for 1/count and the clip, a branch for the skip, norms as dot
+    products) equals optax's own chain on the averaged gradient, and its metrics equal
+    optax's norms."""
+    params = model.init_params(CFG, jax.random.key(0))
+    opt = ts.make_optimizer(learning_rate=1e-2, weight_decay=0.1)
+    state = ts.TrainState(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    grad_sums = treedef.unflatten(
+        [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+    )
+    count = 7.0
+    acc = ts.Accumulated(grad_sums, jnp.float32(3.0), jnp.float32(count), ts.Stats())
+    new, stats = jax.jit(functools.partial(ts.apply_grads, optimizer=opt, grad_clip=grad_clip))(
+        state, acc
+    )
+    grads = jax.tree.map(lambda g: g / count, grad_sums)
+    ref_opt = optax.chain(optax.clip_by_global_norm(grad_clip), opt) if grad_clip else opt
+    ref_state = ref_opt.init(params)
+    updates, _ = ref_opt.update(grads, ref_state, params)
+    chex.assert_trees_all_close(
+        new.params, optax.apply_updates(params, updates), rtol=1e-5, atol=1e-7
+    )
+    assert int(new.step) == 1
+    means = {k: float(v[0] / v[1]) for k, v in stats.means.items()}
+    np.testing.assert_allclose(means["optim/grad_norm"], optax.tree.norm(grads), rtol=1e-5)
+    np.testing.assert_allclose(means["optim/update_norm"], optax.tree.norm(updates), rtol=1e-5)
+    np.testing.assert_allclose(means["optim/param_norm"], optax.tree.norm(new.params), rtol=1e-5)
+    np.testing.assert_allclose(means["loss/total"], 3.0 / count, rtol=1e-6)
+    assert float(stats.maxima["step/skipped"]) == 0.0
+
+
+def test_apply_grads_skips_a_non_finite_gradient_untouched():
+    params = model.init_params(CFG, jax.random.key(0))
+    opt = ts.make_optimizer(learning_rate=1e-2)
+    state = ts.TrainState(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
+    grad_sums = jax.tree.map(jnp.ones_like, params)
+    grad_sums["final_norm"]["scale"] = grad_sums["final_norm"]["scale"].at[0].set(jnp.inf)
+    acc = ts.Accumulated(grad_sums, jnp.float32(1.0), jnp.float32(2.0), ts.Stats())
+    new, stats = jax.jit(functools.partial(ts.apply_grads, optimizer=opt, grad_clip=1.0))(
+        state, acc
+    )
+    chex.assert_trees_all_equal(new.params, params)
+    chex.assert_trees_all_equal(new.opt_state, state.opt_state)
+    assert int(new.step) == 0 and float(stats.maxima["step/skipped"]) == 1.0
+    assert float(stats.means["optim/update_norm"][0]) == 0.0
