@@ -189,7 +189,9 @@ def test_in_flight_update_over_grpc_logprobs_match_the_stamped_version(client, p
             for v in np.unique(r.versions).tolist():
                 ref = recompute_logprobs(weights[v], PROMPT, r.tokens.tolist(), 1.0)
                 stamped = r.versions == v
-                np.testing.assert_allclose(r.logprobs[stamped], ref[stamped], atol=1e-4)
+                # Two differently compiled programs (host step vs no-cache recompute): 1.8e-4
+                # was seen once on a CI-size CPU; a wrong version is off by far more.
+                np.testing.assert_allclose(r.logprobs[stamped], ref[stamped], atol=5e-4)
             spanned += len(np.unique(r.versions)) > 1
         if spanned:
             break
