@@ -206,6 +206,48 @@ def test_phase_time_ratio_golden(tmp_path):
     assert results.phase_time_ratio(results.load_runs([tmp_path / "b0"])).empty
 
 
+def test_paired_step_difference_golden(tmp_path):
+    # Seed 0: periodic and sync agree but for step 2 (reward 0.25 off) and a loss 1e-6 off;
+    # seed 1 has no sync twin: no row.
+    write_run(
+        tmp_path,
+        "p0",
+        [0.5, 0.75, 1.0],
+        mode="periodic",
+        eta=0,
+        prox="behav",
+        seed=0,
+        step_s=[50.0, 3.0, 5.0],
+        extra={"loss/total": [0.1, 0.2, 0.3]},
+    )
+    write_run(
+        tmp_path,
+        "s0",
+        [0.5, 0.5, 1.0],
+        mode="sync",
+        eta=0,
+        prox="behav",
+        seed=0,
+        step_s=[50.0, 4.0, 6.0],
+        extra={"loss/total": [0.1, 0.2, 0.300001]},
+    )
+    write_run(tmp_path, "p1", [0.5], mode="periodic", eta=0, prox="behav", seed=1)
+    rows = results.paired_step_difference(results.load_runs([tmp_path])).to_dict("records")
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["seed"], row["steps"]) == (0, 3)
+    assert row["max |Δ reward/mean|"] == pytest.approx(0.25)
+    assert row["max |Δ loss/total|"] == pytest.approx(1e-6, rel=1e-3)
+    assert math.isnan(row["max |Δ optim/grad_norm|"])  # neither run logged it
+    # medians of time/step_s over steps 2..: 4.0 and 5.0
+    assert row["periodic s/step"] == pytest.approx(4.0)
+    assert row["sync s/step"] == pytest.approx(5.0)
+    # The summary gets the section when both modes are there.
+    text = results.write_summary(results.load_runs([tmp_path]), tmp_path / "out").read_text()
+    assert "## Periodic vs sync, step by step (same seed)" in text
+    assert "| 0 | 3 | 0.25 | 1e-06 | nan | 4 | 5 |" in text
+
+
 def test_markdown_table_format():
     import pandas as pd
 
@@ -399,6 +441,7 @@ def test_write_summary_and_cli(tmp_path):
         assert f"]({png}.png)" in text
     assert "## Mean ± std over seeds" in text
     assert "## reward/mean last-2 by eta × prox" in text
+    assert "Periodic vs sync" not in text  # no periodic runs
 
     # η = 8: each cell is the mean ± std over seeds 0 and 1 of the last two steps of the
     # curves 0..final and 0..final+0.02.
