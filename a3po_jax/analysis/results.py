@@ -436,7 +436,7 @@ def paired_step_difference(
 
     For every seed with a run of both ``a`` and ``b`` (values of ``method_key``): the steps
     both logged, the largest absolute difference over those steps of each metric (NaN
-    where neither run logged it), and each run's median ``time/step_s`` over steps 2...
+    where one of the two did not log it), and each run's median ``time/step_s`` over steps 2...
     Periodic Asynchrony's claim is that its update is the synchronous one: with the same
     seed the two runs should agree step for step up to float rounding (the fold order of
     the groups differs), not merely in distribution.
