@@ -366,26 +366,30 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
 
     c, B = config, batch
     dtype = jnp.dtype(c.compute_dtype)
-    split = model_lib.decode_params(params, c)
+    split = model_lib.decode_params(params, c, out_major=B > 1)  # as `EngineCore` lays it out
     cache = model_lib.init_kv_cache(c, B, window)
     cache = cache._replace(lengths=jnp.full((B,), window - 1, jnp.int32))
     tokens = jnp.ones((B, 1), jnp.int32)
     positions = jnp.full((B, 1), window - 1, jnp.int32)
     hk, f = c.n_heads * c.head_dim, c.ffn_dim
 
+    def dot(x, w):  # as `apply_decode` multiplies, in either layout
+        if "kernel_t" in w:
+            return model_lib.out_major_dot(x, w["kernel_t"].astype(dtype))
+        return x @ w["kernel"].reshape(x.shape[-1], -1).astype(dtype)
+
     def layer_matmuls(p):
         x = jnp.zeros((B, c.d_model), dtype)
         for w in p.layers:
-            qkv = x @ w["attn"]["qkv"]["kernel"].astype(dtype)
-            o = w["attn"]["o_proj"]["kernel"].reshape(hk, c.d_model).astype(dtype)
-            x = x + qkv[:, :hk] @ o
-            gate_up = x @ w["mlp"]["gate_up"]["kernel"].astype(dtype)
-            x = x + gate_up[:, :f] @ w["mlp"]["down_proj"]["kernel"].astype(dtype)
+            qkv = dot(x, w["attn"]["qkv"])
+            x = x + dot(qkv[:, :hk], w["attn"]["o_proj"])
+            gate_up = dot(x, w["mlp"]["gate_up"])
+            x = x + dot(gate_up[:, :f], w["mlp"]["down_proj"])
         return x
 
     def head(p, h):
         if p.lm_head is None:
-            return jnp.einsum("bd,vd->bv", h, p.embed.astype(jnp.float32))
+            return model_lib.out_major_dot(h, p.embed.astype(jnp.float32))
         return h @ p.lm_head.astype(jnp.float32)
 
     def sample(logits, temperature):

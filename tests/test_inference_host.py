@@ -337,7 +337,7 @@ def test_decode_split_is_made_by_update_weights_not_the_serving_loop(
     monkeypatch.setattr(
         model_lib,
         "decode_params",
-        lambda p, c: calls.append(threading.current_thread()) or real(p, c),
+        lambda p, c, **kw: calls.append(threading.current_thread()) or real(p, c, **kw),
     )
     h.update_weights(params_v1, 1)
     assert calls == [threading.current_thread()]

@@ -281,6 +281,25 @@ def test_engine_splits_weights_once_per_version():
     assert core.decode_params(a) is not split_a
 
 
+def test_engine_lays_the_decode_weights_out_by_its_slot_count():
+    """One slot: `apply`'s [I, O] kernels (a one-row product streams them faster); two or
+    more: out-major `kernel_t` [O, I] (`model.out_major_dot`). The host's split is the
+    engine's."""
+    from inference_reference import CFG, scaled_params
+
+    from a3po_jax.inference.engine_core import EngineCore
+    from a3po_jax.inference.host import InferenceHost
+
+    params = scaled_params(0)
+    for slots, key in ((1, "kernel"), (2, "kernel_t"), (8, "kernel_t")):
+        core = EngineCore(CFG, num_slots=slots, capacity=16, prefill_buckets=(8,))
+        layer = core.decode_params(params).layers[0]
+        assert set(layer["mlp"]["gate_up"]) == {key}, slots
+        assert set(layer["attn"]["o_proj"]) == {key}, slots
+    host = InferenceHost(CFG, params, num_slots=4, prefill_buckets=(8,), max_cache_len=16)
+    assert set(host._decode_params.layers[0]["mlp"]["down_proj"]) == {"kernel_t"}
+
+
 def test_engine_step_equals_apply_across_a_weight_swap():
     """Each decode step's tokens and behaviour log-probs equal `model.apply` (scanned
     layers, stacked params) run on the same state with the weights of that step, before

@@ -28,6 +28,7 @@ from a3po_jax.model import (
     init_params,
     lm_head_kernel,
     logical_axes,
+    out_major_dot,
 )
 
 CONFIGS = {
@@ -404,12 +405,12 @@ def test_logical_axes_rejects_unknown_parameter():
 # The decode path: `apply_decode` over `decode_params` must be `apply` with another layout.
 
 
-def _apply_vs_apply_decode(config, params, cache_capacity=8):
+def _apply_vs_apply_decode(config, params, cache_capacity=8, out_major=True):
     """Right-padded prefill (rows of 5 and 3 valid tokens), then decode steps where row 1 is
     idle (segment 0) in the second one and row 0 writes at the last slot: logits, caches and
     lengths of `apply` and `apply_decode` at every step."""
     b, p = 2, 5
-    dparams = decode_params(params, config)
+    dparams = decode_params(params, config, out_major=out_major)
     tokens = jax.random.randint(jax.random.key(11), (b, p), 0, config.vocab_size)
     prefill_seg = (jnp.arange(p)[None, :] < jnp.array([[5], [3]])).astype(jnp.int32)
     steps = [
@@ -442,16 +443,19 @@ def _apply_vs_apply_decode(config, params, cache_capacity=8):
     return out["apply"], out["apply_decode"]
 
 
+@pytest.mark.parametrize("out_major", [True, False], ids=["out_major", "in_major"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_apply_decode_equals_apply(name):
+def test_apply_decode_equals_apply(name, out_major):
     """Same logits and caches as `apply` for Llama, Qwen2 (q/k/v bias, untied lm_head) and
-    Qwen3 (q/k norm, one kv head), through prefill, decode, an idle row and a full cache.
-    The two differ only in layout (fused q/k/v and gate/up, unrolled layers), so anything
-    beyond float rounding is a wiring error: a swapped q/k/v block or a wrong head order
-    shifts logits by O(1)."""
+    Qwen3 (q/k norm, one kv head), through prefill, decode, an idle row and a full cache,
+    in both decode layouts. The two differ only in layout (fused q/k/v and gate/up, weights
+    transposed or not, unrolled layers), so anything beyond float rounding is a wiring
+    error: a swapped q/k/v block or a wrong head order shifts logits by O(1)."""
     config = CONFIGS[name]
     params = _sharp_params(config)
-    (ref, ref_lengths), (got, got_lengths) = _apply_vs_apply_decode(config, params)
+    (ref, ref_lengths), (got, got_lengths) = _apply_vs_apply_decode(
+        config, params, out_major=out_major
+    )
     np.testing.assert_array_equal(got_lengths, ref_lengths)
     np.testing.assert_array_equal(ref_lengths, [8, 5])  # row 1 skipped one step
     for (ref_logits, ref_k, ref_v), (logits, k, v) in zip(ref, got, strict=True):
@@ -501,8 +505,9 @@ def test_apply_decode_window_changes_nothing_but_the_reads(window):
 
 
 def test_decode_params_layout():
-    """Per-layer trees whose fused blocks are the original kernels; the embedding table is
-    shared with `params` (the tied lm_head reads it as it is), not copied."""
+    """Per-layer trees whose fused blocks are the original kernels, transposed (out-major
+    `kernel_t` [O, I]); the embedding table is shared with `params` (the tied lm_head reads
+    it as it is), not copied."""
     config = CONFIGS["qwen2"]  # biases and an untied lm_head
     params = init_params(config, jax.random.key(0))
     dp = decode_params(params, config)
@@ -519,21 +524,50 @@ def test_decode_params_layout():
     attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
     w = dp.layers[1]
     qkv = w["attn"]["qkv"]
-    assert qkv["kernel"].shape == (d, (h + 2 * n) * k)
+    assert set(qkv) == {"kernel_t", "bias"}
+    assert qkv["kernel_t"].shape == ((h + 2 * n) * k, d)
     np.testing.assert_array_equal(
-        qkv["kernel"][:, : h * k], attn["q_proj"]["kernel"][1].reshape(d, -1)
+        qkv["kernel_t"][: h * k], attn["q_proj"]["kernel"][1].reshape(d, -1).T
     )
     np.testing.assert_array_equal(
-        qkv["kernel"][:, (h + n) * k :], attn["v_proj"]["kernel"][1].reshape(d, -1)
+        qkv["kernel_t"][(h + n) * k :], attn["v_proj"]["kernel"][1].reshape(d, -1).T
     )
     np.testing.assert_array_equal(
         qkv["bias"][h * k : (h + n) * k], attn["k_proj"]["bias"][1].ravel()
     )
-    np.testing.assert_array_equal(w["mlp"]["gate_up"]["kernel"][:, f:], mlp["up_proj"]["kernel"][1])
-    np.testing.assert_array_equal(w["mlp"]["down_proj"]["kernel"], mlp["down_proj"]["kernel"][1])
-    np.testing.assert_array_equal(w["attn"]["o_proj"]["kernel"], attn["o_proj"]["kernel"][1])
+    gate_up = w["mlp"]["gate_up"]["kernel_t"]
+    assert gate_up.shape == (2 * f, d)
+    np.testing.assert_array_equal(gate_up[:f], mlp["gate_proj"]["kernel"][1].T)
+    np.testing.assert_array_equal(gate_up[f:], mlp["up_proj"]["kernel"][1].T)
+    np.testing.assert_array_equal(
+        w["mlp"]["down_proj"]["kernel_t"], mlp["down_proj"]["kernel"][1].T
+    )
+    np.testing.assert_array_equal(
+        w["attn"]["o_proj"]["kernel_t"], attn["o_proj"]["kernel"][1].reshape(h * k, d).T
+    )
+    # out_major=False: the same blocks in `apply`'s [I, O] layout.
+    w_in = decode_params(params, config, out_major=False).layers[1]
+    assert "kernel_t" not in w_in["attn"]["qkv"]
+    np.testing.assert_array_equal(w_in["attn"]["qkv"]["kernel"], qkv["kernel_t"].T)
+    np.testing.assert_array_equal(w_in["mlp"]["gate_up"]["kernel"], gate_up.T)
+    np.testing.assert_array_equal(w_in["mlp"]["down_proj"]["kernel"], mlp["down_proj"]["kernel"][1])
     tied = ModelConfig.tiny()
     assert decode_params(init_params(tied, jax.random.key(0)), tied).lm_head is None
+
+
+def test_out_major_dot_is_the_product_with_the_transposed_kernel():
+    """`out_major_dot(x, kernel_t)` == x @ kernel_tᵀ (golden: a 2x2 by hand, then random
+    shapes against numpy to float tolerance), jitted, at one row and at several."""
+    x = jnp.array([[1.0, 2.0]])
+    kernel_t = jnp.array([[3.0, 4.0], [5.0, 6.0], [0.5, -1.0]])  # [O=3, I=2]
+    np.testing.assert_array_equal(jax.jit(out_major_dot)(x, kernel_t), [[11.0, 17.0, -1.5]])
+    rng = np.random.default_rng(0)
+    for m in (1, 7, 32):
+        x = rng.standard_normal((m, 24)).astype(np.float32)
+        kt = rng.standard_normal((40, 24)).astype(np.float32)
+        got = jax.jit(out_major_dot)(jnp.asarray(x), jnp.asarray(kt))
+        assert got.shape == (m, 40)
+        np.testing.assert_allclose(got, x @ kt.T, rtol=1e-5, atol=1e-5)
 
 
 def test_apply_decode_traces_once_and_writes_the_cache_in_place():

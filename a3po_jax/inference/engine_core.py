@@ -518,8 +518,10 @@ class EngineCore:
     split per layer (`model.decode_params`, one more copy of the layer weights); the split of
     the params last seen is kept, so it is made once per weight version, at the first step
     with those weights. A caller that wants it off the decode loop (in its weight-update
-    path) can pass `model.decode_params(params)` to `generate` instead. The decode state is
-    donated to each step, so its KV cache is updated in place.
+    path) can pass `split_params(params)` to `generate` instead. The split's layer matrices
+    are out-major (the faster layout from two rows up) unless the engine has a single slot
+    (`model.decode_params`' `out_major`). The decode state is donated to each step, so its
+    KV cache is updated in place.
 
     Attention reads every cache slot it covers at every step, so a step attends to a window
     of the first W slots, W from `decode_windows` (the smallest prefill bucket doubled up to
@@ -550,6 +552,8 @@ class EngineCore:
             )
         self.config = config
         self.num_slots = int(num_slots)
+        # The decode step's weight layout (`model.decode_params`): out-major from 2 slots up.
+        self.out_major = self.num_slots > 1
         self.capacity = int(capacity)
         self.prefill_buckets = buckets
         self.cache_dtype = cache_dtype
@@ -677,6 +681,10 @@ class EngineCore:
                 cols[name][m] = value
         return _insert_batch_jit(prefixes, state, **cols)
 
+    def split_params(self, params: Params) -> model_lib.DecodeParams:
+        """`model.decode_params(params)` in this engine's layout (a new split, not cached)."""
+        return model_lib.decode_params(params, self.config, out_major=self.out_major)
+
     def decode_params(self, params: Params) -> model_lib.DecodeParams:
         """`params` split per layer for the decode step; the split is cached, so calling this
         with the params of every step costs a tree flatten, and the copy happens once per
@@ -692,7 +700,7 @@ class EngineCore:
         ):
             return cached[1]
         self._split = None  # let the old split go before the new one is made
-        split = model_lib.decode_params(params, self.config)
+        split = self.split_params(params)
         self._split = (leaves, split)
         return split
 

@@ -209,7 +209,7 @@ class InferenceHost:
         self._params = self._to_device(params)
         # The decode step's per-layer layout of the serving weights, made with each update
         # in the caller's thread, so the serving thread never pauses to make it.
-        self._decode_params = model_lib.decode_params(self._params, config)
+        self._decode_params = self._core.split_params(self._params)
         self._version = int(version)
 
         self._inbox: queue.Queue[tuple[GenerateRequest, int]] = queue.Queue()
@@ -393,7 +393,7 @@ class InferenceHost:
             raise ValueError(f"version must be an int, got {version!r}")
         weight_sync.check_params_match(self._params, params)
         on_device = self._to_device(params)
-        split = model_lib.decode_params(on_device, self.config)
+        split = self._core.split_params(on_device)
         jax.block_until_ready(split)  # made here, not on the serving thread's first step
         with self._lock:
             self._check_alive()
