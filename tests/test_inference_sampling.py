@@ -101,6 +101,44 @@ def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit):
         )
 
 
+@JIT_VARIANTS
+def test_first_argmax_golden_and_equal_to_argmax(maybe_jit):
+    """By hand: the first of tied maxima, a NaN wins (as in argmax), -inf rows are fine; then
+    equal to `jnp.argmax` on random rows with planted ties, at float32 and bfloat16."""
+    x = jnp.array(
+        [
+            [1.0, 3.0, 3.0, 2.0],
+            [-jnp.inf, -jnp.inf, 0.5, -jnp.inf],
+            [1.0, jnp.nan, 4.0, jnp.nan],
+            [-jnp.inf, -jnp.inf, -jnp.inf, -jnp.inf],
+        ]
+    )
+    np.testing.assert_array_equal(maybe_jit(sampling.first_argmax)(x), [1, 2, 1, 0])
+    np.testing.assert_array_equal(jnp.argmax(x, axis=-1), [1, 2, 1, 0])
+    rng = np.random.default_rng(0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        y = rng.integers(0, 50, size=(64, 300)).astype(np.float32)  # many ties
+        y = jnp.asarray(y, dtype)
+        got = maybe_jit(sampling.first_argmax)(y)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, jnp.argmax(y, axis=-1))
+
+
+def test_categorical_draws_what_jax_random_categorical_draws():
+    """The same tokens as `jax.vmap(jax.random.categorical)` for the same keys: 40 batches of
+    16 rows over 1000 tokens, with truncated (-inf) entries, at two temperatures."""
+    draw = jax.jit(sampling.categorical)
+    ref = jax.jit(jax.vmap(jax.random.categorical))
+    rng = np.random.default_rng(1)
+    for seed in range(40):
+        rows = [jnp.arange(16, dtype=d) + seed for d in (jnp.uint32, jnp.uint32, jnp.int32)]
+        z = sampling.sample_keys(*rows, jnp.full((16,), seed, jnp.int32))
+        logits = rng.standard_normal((16, 1000)).astype(np.float32) * (3.0 if seed % 2 else 0.3)
+        logits[:, rng.integers(0, 1000, 200)] = -np.inf
+        logits = jnp.asarray(logits)
+        np.testing.assert_array_equal(draw(z, logits), ref(z, logits))
+
+
 def test_sample_tokens_distribution():
     n = 4000
     logits = jnp.log(jnp.asarray(np.tile(PROBS, (n, 1))))

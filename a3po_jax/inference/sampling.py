@@ -59,6 +59,40 @@ def sample_keys(
     return jax.vmap(one)(seed_hi, seed_lo, sample_index, step)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` (the first index of each row's maximum; of its first NaN if
+    it has one) as two plain reductions, a max and then a min over the indices that reach
+    it. XLA:CPU runs argmax as one variadic (value, index) reduction, which it does not
+    vectorise: over [32, 49152] float32 logits it took 3.5 ms, and these two 0.8 ms (2-core
+    AMD EPYC, min of 30). Same result, including ties and NaNs (XLA's max propagates NaN).
+
+    Args:
+      x: `[..., V]` floats.
+    Returns:
+      `[...]` int32 indices.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
+def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """`jax.vmap(jax.random.categorical)(keys, logits)`, the same draw, faster on XLA:CPU:
+    the Gumbel-max trick with `jax.random.gumbel`'s noise (the numbers `categorical` adds)
+    and `first_argmax` in place of argmax. Same tokens for the same keys (a test).
+
+    Args:
+      keys: `[N]` PRNG keys.
+      logits: `[N, V]` float logits (-inf = never drawn).
+    Returns:
+      `[N]` int32 tokens.
+    """
+    V = logits.shape[-1]
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), logits.dtype))(keys)  # [N, V]
+    return first_argmax(logits + noise)
+
+
 def truncate_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf.
 
@@ -119,7 +153,7 @@ def sample_tokens(
     greedy = temperature <= 0.0  # [N]
     scale = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)  # [N]
     scaled = logits / scale[:, None]  # [N, V]; == logits on greedy rows
-    greedy_tokens = jnp.argmax(scaled, axis=-1)  # [N]
+    greedy_tokens = first_argmax(scaled)  # [N]
 
     def draw(s):
         # Sorting V per step is the costliest part of sampling: skip it (lax.cond runs one
@@ -128,7 +162,7 @@ def sample_tokens(
         candidates = jax.lax.cond(
             wants_truncation, lambda x: truncate_logits(x, top_k, top_p), lambda x: x, s
         )  # [N, V]
-        return jax.vmap(jax.random.categorical)(keys, candidates)  # V random numbers a row
+        return categorical(keys, candidates)  # V random numbers a row
 
     # An all-greedy batch (evaluation, the benchmarks) reads the logits only to reduce them.
     drawn = jax.lax.cond(jnp.all(greedy), lambda s: greedy_tokens, draw, scaled)  # [N]
