@@ -164,7 +164,8 @@ def main(argv=None) -> dict:
             return decode
 
         # "decode": `apply` over the stacked layers; "decode_per_layer": `apply_decode` over
-        # `decode_params`, the inference engine's decode step.
+        # `decode_params` in the engine's layout for this batch (out-major from two rows up),
+        # the inference engine's decode step.
         paths = {
             "decode": (
                 lambda p, tok, pos, cache: apply(p, tok, pos, config=config, kv_cache=cache),
@@ -172,7 +173,7 @@ def main(argv=None) -> dict:
             ),
             "decode_per_layer": (
                 lambda p, tok, pos, cache: apply_decode(p, tok, pos, config=config, kv_cache=cache),
-                decode_params(params, config),
+                decode_params(params, config, out_major=b > 1),
             ),
         }
         # A cache already holding `seq` tokens, so each step attends a realistic context.
