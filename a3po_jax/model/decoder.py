@@ -812,8 +812,10 @@ def apply_decode(
     The same maths as `apply` (the same layer function; final norm and lm_head in float32);
     only the layout differs: per-layer weights read in place (no scan over stacked weights,
     which would copy each layer's slice), q/k/v and gate/up fused into one matmul each, and
-    every weight matmul, the tied lm_head's [V, D] table included, run with the weight as
-    the left operand (`out_major_dot`). Logits agree with `apply`'s up to float rounding.
+    in the out-major layout (`decode_params`' default) every layer matmul and the tied
+    lm_head's [V, D] table run with the weight as the left operand (`out_major_dot`); the
+    in-major layout and an untied lm_head multiply as `apply` does. Logits agree with
+    `apply`'s up to float rounding.
     The cache is written in place at `lengths[b] + t`, as in `apply`. Unrolling makes
     compile time grow with depth; the decode step compiles once per engine.
 
