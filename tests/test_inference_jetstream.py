@@ -72,8 +72,16 @@ def _child() -> None:
     async def decode_all():
         return await asyncio.gather(*(decode(p) for p in PROMPTS))
 
-    via_driver = asyncio.run(decode_all())
-    driver.stop()
+    # The loop stays open until the driver's threads have stopped: the detokenize thread
+    # closes a finished request's channel through it (call_soon_threadsafe), sometimes after
+    # the last token has reached the caller. With asyncio.run the loop was already closed
+    # then, the thread raised "Event loop is closed" and JetStream SIGKILLed the child.
+    loop = asyncio.new_event_loop()
+    try:
+        via_driver = loop.run_until_complete(decode_all())
+    finally:
+        driver.stop()
+        loop.close()
 
     # 2. JetStream's gRPC server (server_lib.run) and its client stub.
     class Config(config_lib.ServerConfig):
