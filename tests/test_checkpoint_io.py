@@ -128,6 +128,60 @@ def hf_checkpoint(request, tmp_path_factory):
     return request.param, model, path
 
 
+def _config_via_transformers(path):
+    return checkpoint_io.config_from_hf(
+        transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    )
+
+
+def test_config_json_reads_as_transformers_reads_it(hf_checkpoint):
+    """`load_hf_config` reads config.json as JSON: the same ModelConfig as going through
+    transformers' config classes, for every architecture and rope variant."""
+    _, _, path = hf_checkpoint
+    assert load_hf_config(path) == _config_via_transformers(path)
+
+
+_OPTIONAL_FIELDS = (
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "use_sliding_window",
+)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_config_defaults_are_transformers_defaults(name, tmp_path):
+    """A config.json without its optional fields: each takes the value transformers' config
+    class gives it (`_HF_CONFIG_DEFAULTS` checked against the classes themselves)."""
+    HF_CONFIGS[name]().save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["architectures"] = [HF_CLASSES[name]]  # as `save_pretrained` of a model writes it
+    for field in _OPTIONAL_FIELDS:
+        raw.pop(field, None)
+    raw["num_attention_heads"] = 32  # Qwen's default of 32 kv heads must divide it
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = load_hf_config(tmp_path)
+    assert ours == _config_via_transformers(tmp_path)
+    assert ours.n_kv_heads == 32  # Llama: the heads; Qwen: the class default
+    assert ours.head_dim == (128 if name == "qwen3" else 2)  # Qwen3's default, else 64 / 32
+
+
+def test_config_without_a_shape_field_is_named(llama_dir):
+    raw = json.loads((llama_dir / "config.json").read_text())
+    del raw["intermediate_size"]
+    (llama_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="intermediate_size"):
+        load_hf_config(llama_dir)
+
+
 def test_logits_equal_transformers(hf_checkpoint):
     name, model, path = hf_checkpoint
     config, params = load_hf_checkpoint(path)
@@ -406,6 +460,56 @@ def test_loading_works_without_torch(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[0] == str(config.n_params)
+
+
+_NO_TORCH_IMPORTED = """
+import sys
+from a3po_jax.model.checkpoint_io import load_hf_checkpoint, load_tokenizer
+config, params = load_hf_checkpoint(sys.argv[1])
+tokenizer = load_tokenizer(sys.argv[1])
+assert "torch" not in sys.modules, "loading imported torch"
+print(config.n_params, tokenizer.encode("ab1"))
+"""
+
+
+def test_loading_a_folder_does_not_import_torch(tmp_path):
+    """With torch installed, loading a checkpoint folder and its fast tokenizer leaves torch
+    unimported (transformers' auto classes would import it: 0.25 GiB and seconds)."""
+    from a3po_jax.model.char_tokenizer import char_tokenizer
+
+    path = _saved(_random_hf_model("qwen2", seed=8), tmp_path)
+    tokenizer = char_tokenizer()
+    tokenizer.save_pretrained(str(path))
+    assert checkpoint_io._plain_fast_tokenizer(path)
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH_IMPORTED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    n_params, ids = result.stdout.split(maxsplit=1)
+    assert n_params == str(load_hf_config(path).n_params)
+    assert ids.strip() == str(tokenizer.encode("ab1"))
+
+
+def test_fast_tokenizer_equals_auto_tokenizer(tmp_path):
+    """The generic fast class `load_tokenizer` uses is the tokenizer AutoTokenizer builds:
+    same ids, special tokens and chat template."""
+    from a3po_jax.model.char_tokenizer import char_tokenizer
+
+    char_tokenizer().save_pretrained(str(tmp_path))
+    ours = checkpoint_io.load_tokenizer(tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    text = "12+7=19, ab"
+    assert ours.encode(text) == auto.encode(text)
+    assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (
+        auto.eos_token_id,
+        auto.pad_token_id,
+        auto.bos_token_id,
+    )
+    assert ours.chat_template == auto.chat_template
 
 
 def _saved(model, path):

@@ -4,6 +4,8 @@ import io
 import json
 import logging
 import struct
+import subprocess
+import sys
 import time
 
 import jax.numpy as jnp
@@ -106,6 +108,31 @@ def test_tensorboard_scalars_and_histograms(tmp_path):
     assert histogram.num == 4 and histogram.max == 2.0 and histogram.sum == 4.0
     assert not any(tag == "note" for tag, _ in events)
     assert read_metrics(tmp_path)[2]["staleness/tokens"]["counts"] == [1, 2, 1]
+
+
+_TENSORBOARD_WITHOUT_TORCH = """
+import importlib.util, sys
+from a3po_jax.training.metrics import MetricsLogger
+with MetricsLogger(sys.argv[1], tensorboard=True, console=False) as logger:
+    logger.log(1, {"loss/total": 0.5})
+assert "torch" not in sys.modules, "the TensorBoard writer imported torch"
+print(importlib.util.find_spec("torch") is not None)  # and torch is importable again
+"""
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX's writer imports torch when it is installed (0.25 GiB, seconds of
+    start-up); the logger imports it with torch hidden."""
+    pytest.importorskip("torch")
+    result = subprocess.run(
+        [sys.executable, "-c", _TENSORBOARD_WITHOUT_TORCH, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "True"
+    assert read_tensorboard_events(tmp_path)[("loss/total", 1)] == pytest.approx(0.5)
 
 
 def test_read_metrics_skips_a_truncated_last_line_and_resume_appends(tmp_path, caplog):

@@ -2,7 +2,8 @@
 
 Model layer (pure core): imports only the core, model and parallel layers.
 
-Reading never needs torch: `config.json` goes through transformers' config classes,
+Reading never needs torch: `config.json` is read as JSON with the config classes' defaults
+(`_HF_CONFIG_DEFAULTS`; transformers' config module would import torch, 0.25 GiB and seconds),
 `*.safetensors` through `safetensors` with numpy (sharded checkpoints follow
 `model.safetensors.index.json`), GGUF through PyPI `gguf` (dequantised to float, Q/K rows
 un-permuted back to the Hugging Face layout). Layers are stacked on a leading L axis as
@@ -21,6 +22,7 @@ import os
 import pathlib
 import re
 from collections.abc import Callable, Iterable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -123,26 +125,60 @@ def config_from_hf(
     return ModelConfig(**fields)
 
 
+# What transformers' LlamaConfig / Qwen2Config / Qwen3Config (4.46 to 5.x) fill in for a
+# field `config_from_hf` reads when config.json leaves it out; a callable gets the JSON.
+# `tests/test_checkpoint_io.py` checks the table against the classes themselves.
+_HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(
+        num_key_value_heads=lambda raw: raw["num_attention_heads"],
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+    ),
+    "Qwen2ForCausalLM": dict(
+        num_key_value_heads=32, rms_norm_eps=1e-6, max_position_embeddings=32768
+    ),
+    "Qwen3ForCausalLM": dict(
+        num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=32768
+    ),
+}
+# Shape fields every real config.json has; the classes' defaults for them (a 7B model's)
+# would only hide a truncated file.
+_HF_CONFIG_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+
+
 def load_hf_config(path: str | os.PathLike, **kwargs) -> ModelConfig:
-    """Read `path/config.json` with transformers' config classes; kwargs go to `config_from_hf`.
+    """Read `path/config.json`; kwargs go to `config_from_hf`.
 
-    The architecture is checked from the raw JSON first, so an unknown model type fails
-    with this module's error rather than transformers' auto-class lookup error.
+    The file is read as JSON and a field it leaves out takes its architecture's
+    transformers default (`_HF_CONFIG_DEFAULTS`), so loading needs neither transformers'
+    config classes nor the torch they import (0.25 GiB of memory and seconds of start-up).
+    An unknown architecture or a missing shape field is named in the error.
     """
-    import transformers
-
     config_file = pathlib.Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"no config.json in {path}")
     raw = json.loads(config_file.read_text())
     architectures = raw.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
         raise CheckpointError(
             f"unknown architecture {architectures or raw.get('model_type')!r} in {config_file}; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    hf_config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    return config_from_hf(hf_config, **kwargs)
+    missing = [f for f in _HF_CONFIG_REQUIRED if raw.get(f) is None]
+    if missing:
+        raise CheckpointError(f"{config_file} has no {', '.join(missing)}")
+    fields = dict(raw)
+    for name, default in _HF_CONFIG_DEFAULTS[arch].items():
+        if fields.get(name) is None:
+            fields[name] = default(raw) if callable(default) else default
+    return config_from_hf(SimpleNamespace(**fields), **kwargs)
 
 
 def hf_architecture(config: ModelConfig) -> str:
@@ -618,4 +654,20 @@ def load_tokenizer(path: str | os.PathLike):
         )
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    if _plain_fast_tokenizer(path):
+        # The class AutoTokenizer would pick, without the auto-class lookup (which imports
+        # torch: 0.25 GiB and seconds, for nothing a tokenizer uses).
+        return transformers.PreTrainedTokenizerFast.from_pretrained(
+            str(path), local_files_only=True
+        )
     return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _plain_fast_tokenizer(path: pathlib.Path) -> bool:
+    """Whether the folder's tokenizer is transformers' generic fast tokenizer (a
+    tokenizer.json whose tokenizer_config.json names no model-specific class)."""
+    config_file = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not config_file.is_file():
+        return False
+    name = json.loads(config_file.read_text()).get("tokenizer_class")
+    return name in ("PreTrainedTokenizerFast", "TokenizersBackend")

@@ -102,6 +102,28 @@ def histogram_summary(values: np.ndarray) -> dict:
     return summary
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX's writer module imports torch, if installed, only to accept torch tensors
+    as values; for a JAX trainer that costs 0.25 GiB of memory and seconds of start-up.
+    Unless something imported torch already, the import runs with torch hidden
+    (``sys.modules["torch"] = None`` makes ``import torch`` raise ImportError, which
+    tensorboardX catches), and torch is importable again afterwards.
+    """
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsLogger:
     """Logs metrics per step to ``run_dir/metrics.jsonl``, TensorBoard and the console.
 
@@ -151,8 +173,7 @@ class MetricsLogger:
             self._write_line({"resume_from_step": int(purge_step), "wall_time": time.time()})
         self._writer = None
         if tensorboard:
-            from tensorboardX import SummaryWriter  # only needed when TensorBoard is on
-
+            SummaryWriter = _summary_writer_class()  # only needed when TensorBoard is on
             self._writer = SummaryWriter(
                 logdir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge_step, flush_secs=10
             )
