@@ -91,6 +91,24 @@ def test_values_equal_plain_path(jit, temperature, chunk_size):
         np.testing.assert_allclose(g, w, **TOL)
 
 
+@pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
+def test_entropy_of_a_peaked_softmax_keeps_its_small_value(scale):
+    """Logits of size 300 with a near-one-hot softmax: the entropy is small (down to
+    ~1e-30) and must come out small and accurate, not as the difference of two numbers of
+    the logits' size (float32 rounding of 300 is 3e-5). Checked against float64."""
+    hidden, head, targets = _inputs(seed=3)
+    logp, ent = chunked_token_logprobs(scale * hidden, head, targets, chunk_size=4)
+    z = np.einsum("btd,dv->btv", scale * np.asarray(hidden, np.float64), np.asarray(head))
+    lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+    logp_all = z - lse[..., None]
+    want_ent = -np.sum(np.exp(logp_all) * logp_all, -1)
+    want_logp = np.take_along_axis(logp_all, np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(ent, want_ent, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-5, atol=1e-4 * scale / 100 + 1e-5)
+    if scale == 300.0:
+        assert np.median(want_ent) < 1e-3  # the case this test is for: peaked rows
+
+
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("chunk_size", [4, 7])
 def test_gradients_equal_plain_path_with_padding(jit, chunk_size):

@@ -143,12 +143,26 @@ def _pick(z: jax.Array, tgt: jax.Array) -> jax.Array:
 
 def _chunk_forward(h, w, tgt, temperature):
     """(logp [C], entropy [C], logsumexp [C]) of one chunk; only z is a [C, V] buffer, the
-    rest are reductions fused over it."""
+    rest are reductions fused over it.
+
+    One exponential per logit: with m = max z, y = z - m <= 0, e = exp(y), S = Σ e and
+    U = Σ e·y,
+        lse = m + log S,    H = -Σ p log p = -Σ p (y - log S) = log S - U / S
+    (in the shifted y, so a peaked softmax does not subtract two numbers of z's size).
+    `jax.nn.logsumexp` and then `losses.entropy`'s -Σ p log p took two passes of exp over
+    the [C, V] logits; on XLA:CPU that was a third of the head's forward (SmolLM2 head,
+    1024 tokens: 759 -> 631 ms, the matmul alone 370 ms). Equal to those to float rounding
+    (tests/test_logprobs.py).
+    """
     z = _chunk_logits(h, w, temperature)  # [C, V]
-    lse = jax.nn.logsumexp(z, axis=-1)  # [C]
-    logp_all = z - lse[:, None]  # [C, V], fused into the entropy's reduction
+    m = jnp.max(z, axis=-1)  # [C]
+    y = z - m[:, None]  # [C, V], fused with exp into the two sums (no buffer)
+    e = jnp.exp(y)
+    total = jnp.sum(e, axis=-1)
+    log_total = jnp.log(total)
+    lse = m + log_total
+    ent = log_total - jnp.sum(e * y, axis=-1) / total
     logp = _pick(z, tgt) - lse  # as losses.token_logprobs
-    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)  # as losses.entropy
     return logp, ent, lse
 
 
