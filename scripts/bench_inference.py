@@ -32,9 +32,10 @@ Per batch size B, on the same model, prompts and device:
 * prefill: prompt tokens/s of one batched prefill + insert of the B samples, for
   independent prompts (B prompts) and for the RL case (B / G prompts, each prefilled once
   and inserted into its G samples' slots, `--group-size`), counted per sample (B * P tokens);
-* step parts: the decode step at each batch split into its parts (layer matmuls, lm_head,
-  sampling, attention and the rest), each timed as its own jitted program (`--no-profile`
-  skips it);
+* step profile: the decode step's forward at each batch as the engine runs it (cache
+  donated), with its largest ops timed by the JAX profiler and named by the compiled
+  program (weight matmuls, lm_head, attention dots, the cache window's read-out), and
+  sampling greedy and at temperature 1 (`--no-profile` skips it);
 * matmul: the decode step's FLOP/s (2 * B * matmul params per step; attention left out) as
   a fraction of the measured matmul peak ("of peak");
 * swap: what an in-flight weight update costs the host (update policy "in_flight"): every
@@ -352,45 +353,41 @@ def matmul_flops_per_token(config) -> int:
 
 
 def profile_decode_step(config, params, batch: int, window: int, repeats: int) -> dict:
-    """Seconds of the decode step's parts at this batch, each part timed as its own jitted
-    program (min of repeats), as a per-op profile of the compiled step would split it:
+    """The decode step at this batch, op by op, as the engine runs it.
 
-    * forward: `apply_decode` (all layers with the KV cache, final norm, lm_head);
-    * layer_matmuls: the layers' weight matmuls alone, same shapes, nothing else;
-    * head: the lm_head matmul alone ([B, D] x the vocabulary);
-    * sampling: `sample_tokens` on [B, V] logits, greedy and at temperature 1;
-    * attention_and_rest = forward - layer_matmuls - head: attention over the cache window,
-      the cache writes, norms, RoPE and activations.
+    * forward: `apply_decode` on the engine's weight layout with the KV cache donated (all
+      layers, final norm, lm_head), seconds per call (min of repeats);
+    * ops: the compiled forward's ops, timed by the JAX profiler (`bench_common.op_profile`):
+      the 12 largest as {op, shape, count, ms} per call; a dot's shape is its result
+      ([O, B] for the out-major weight matmuls, [B, N, S, G] for attention scores), a
+      "squeeze" of [B, N, S, K] is the cache window read out for attention;
+    * sampling: `sample_tokens` on [B, V] logits, greedy and at temperature 1, each its own
+      program.
     """
+    from bench_common import op_profile
+
     from a3po_jax.inference import sampling
 
     c, B = config, batch
-    dtype = jnp.dtype(c.compute_dtype)
     split = model_lib.decode_params(params, c, out_major=B > 1)  # as `EngineCore` lays it out
-    cache = model_lib.init_kv_cache(c, B, window)
-    cache = cache._replace(lengths=jnp.full((B,), window - 1, jnp.int32))
     tokens = jnp.ones((B, 1), jnp.int32)
     positions = jnp.full((B, 1), window - 1, jnp.int32)
-    hk, f = c.n_heads * c.head_dim, c.ffn_dim
 
-    def dot(x, w):  # as `apply_decode` multiplies, in either layout
-        if "kernel_t" in w:
-            return model_lib.out_major_dot(x, w["kernel_t"].astype(dtype))
-        return x @ w["kernel"].reshape(x.shape[-1], -1).astype(dtype)
+    def lengths():  # every slot attends to the whole window (a new array: the old is donated)
+        return jnp.full((B,), window - 1, jnp.int32)
 
-    def layer_matmuls(p):
-        x = jnp.zeros((B, c.d_model), dtype)
-        for w in p.layers:
-            qkv = dot(x, w["attn"]["qkv"])
-            x = x + dot(qkv[:, :hk], w["attn"]["o_proj"])
-            gate_up = dot(x, w["mlp"]["gate_up"])
-            x = x + dot(gate_up[:, :f], w["mlp"]["down_proj"])
-        return x
+    forward = jax.jit(
+        lambda p, kv: model_lib.apply_decode(p, tokens, positions, config=c, kv_cache=kv),
+        donate_argnums=1,
+    )
+    state = {"cache": model_lib.init_kv_cache(c, B, window)._replace(lengths=lengths())}
 
-    def head(p, h):
-        if p.lm_head is None:
-            return model_lib.out_major_dot(h, p.embed.astype(jnp.float32))
-        return h @ p.lm_head.astype(jnp.float32)
+    def step():  # the cache is donated: feed each call the last one's, rewound a token
+        logits, cache = forward(split, state["cache"])
+        state["cache"] = cache._replace(lengths=lengths())
+        jax.block_until_ready(logits)
+
+    hlo = forward.lower(split, state["cache"]).compile().as_text()
 
     def sample(logits, temperature):
         n = logits.shape[0]
@@ -404,19 +401,14 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
         jax.block_until_ready(fn(*args))
         return min(_timed(lambda: jax.block_until_ready(fn(*args))) for _ in range(repeats + 2))
 
-    forward = jax.jit(
-        lambda p, kv: model_lib.apply_decode(p, tokens, positions, config=c, kv_cache=kv)[0]
-    )
+    step()
     logits = jnp.zeros((B, c.vocab_size), jnp.float32)
-    parts = {
-        "forward": best(forward, split, cache),
-        "layer_matmuls": best(jax.jit(layer_matmuls), split),
-        "head": best(jax.jit(head), split, jnp.zeros((B, c.d_model), jnp.float32)),
+    return {
+        "forward": min(_timed(step) for _ in range(repeats + 2)),
         "sampling_greedy": best(jax.jit(lambda x: sample(x, 0.0)), logits),
         "sampling_t1": best(jax.jit(lambda x: sample(x, 1.0)), logits),
+        "ops": op_profile(step, hlo, calls=max(2, repeats))[:12],
     }
-    parts["attention_and_rest"] = parts["forward"] - parts["layer_matmuls"] - parts["head"]
-    return parts
 
 
 # ----------------------------------------------------------------------------- bounds
@@ -517,7 +509,7 @@ def main() -> None:
     parser.add_argument("--no-host", action="store_true", help="skip the InferenceHost run")
     parser.add_argument("--json", default=None, help="also write the JSON report to this path")
     parser.add_argument(
-        "--no-profile", action="store_true", help="skip the decode step's per-part timings"
+        "--no-profile", action="store_true", help="skip the decode step's per-op profile"
     )
     args = parser.parse_args()
 
@@ -689,8 +681,14 @@ def main() -> None:
         cells = [fmt.format(v) for (_, _, fmt), v in zip(columns, values, strict=True)]
         print(" | ".join(cells) + " | " + ", ".join(agree + [f"G={G}"]))
         if "step_parts_s" in row:
-            parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in row["step_parts_s"].items())
-            print(f"      step parts at batch {B} (ms, each its own program): {parts}")
+            parts = row["step_parts_s"]
+            print(
+                f"      decode step at batch {B}: forward {parts['forward'] * 1e3:.1f} ms, "
+                f"sampling {parts['sampling_greedy'] * 1e3:.1f} ms greedy / "
+                f"{parts['sampling_t1'] * 1e3:.1f} ms at T=1; its largest ops (ms per step):"
+            )
+            for op in parts["ops"]:
+                print(f"        {op['ms']:7.2f}  x{op['count']:<3d} {op['op']}  {op['shape']}")
     print(
         "tok/s = decode tokens after the first per sample (host and hf: N-token run minus "
         "1-token run; engine: the steps). prefill tok/s = B * prompt tokens per second of one "
