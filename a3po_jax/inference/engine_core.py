@@ -55,7 +55,7 @@ Params = Any
 class Prefix:
     """A prefilled prompt, ready to be inserted into one or more slots."""
 
-    cache: model_lib.KVCache  # k, v [L, 1, Hkv, Tb, K]; lengths [1] = true prompt length
+    cache: model_lib.KVCache  # k, v [L, 1, Tb, Hkv, K]; lengths [1] = true prompt length
     last_logits: jax.Array  # [V] float32 logits after the last prompt token
 
 
@@ -63,7 +63,7 @@ class Prefix:
 class DecodeState:
     """Everything one decode step reads, for N slots (a pytree; donated to each step)."""
 
-    cache: model_lib.KVCache  # k, v [L, N, Hkv, S, K]; lengths [N] tokens in the cache
+    cache: model_lib.KVCache  # k, v [L, N, S, Hkv, K]; lengths [N] tokens in the cache
     tokens: jax.Array  # [N] int32 last sampled token, fed to the model at the next step
     active: jax.Array  # [N] bool slot runs a sample
     temperature: jax.Array  # [N] float32, 0 = greedy
@@ -80,7 +80,7 @@ class DecodeState:
 
     @property
     def capacity(self) -> int:
-        return self.cache.k.shape[3]
+        return self.cache.k.shape[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +192,7 @@ def insert(
     Returns:
       (new state, first token int32 scalar, its behaviour log-prob float32 scalar).
     """
-    Tb = prefix.cache.k.shape[3]
+    Tb = prefix.cache.k.shape[2]
     if Tb > state.capacity:
         raise ValueError(f"prefix length {Tb} exceeds the cache capacity {state.capacity}")
     as_row = lambda x, dtype: jnp.asarray(x, dtype).reshape(1)
@@ -209,7 +209,7 @@ def insert(
         prefix.last_logits[None, :], keys, temperature, top_k, top_p
     )  # [1], [1]
 
-    def write(dst, src):  # dst [L, N, Hkv, S, K], src [L, 1, Hkv, Tb, K]
+    def write(dst, src):  # dst [L, N, S, Hkv, K], src [L, 1, Tb, Hkv, K]
         zero = jnp.zeros((), jnp.int32)
         return jax.lax.dynamic_update_slice(
             dst, src.astype(dst.dtype), (zero, slot.astype(jnp.int32), zero, zero, zero)
@@ -241,7 +241,7 @@ def insert(
 class PrefixBatch:
     """R prefilled prompts of one bucket length, made by one `prefill_batch` call."""
 
-    cache: model_lib.KVCache  # k, v [L, R, Hkv, Tb, K]; lengths [R] = true prompt lengths
+    cache: model_lib.KVCache  # k, v [L, R, Tb, Hkv, K]; lengths [R] = true prompt lengths
     last_logits: jax.Array  # [R, V] float32 logits after each row's last prompt token
 
 
@@ -330,7 +330,7 @@ def insert_batch(
       m's in column `slots[m]`; other columns are zero).
     """
     N = state.num_slots
-    Tb = prefixes.cache.k.shape[3]
+    Tb = prefixes.cache.k.shape[2]
     if Tb > state.capacity:
         raise ValueError(f"prefix length {Tb} exceeds the cache capacity {state.capacity}")
     chex.assert_shape([rows, slots, temperature, top_k, top_p], (N,))
@@ -341,9 +341,9 @@ def insert_batch(
         prefixes.last_logits[rows], keys, temperature, top_k, top_p
     )  # [N], [N]
 
-    def write(dst, src):  # dst [L, N, Hkv, S, K], src [L, R, Hkv, Tb, K]
+    def write(dst, src):  # dst [L, N, S, Hkv, K], src [L, R, Tb, Hkv, K]
         # Positions past each prompt keep stale values, which attention never reads.
-        return dst.at[:, slots, :, :Tb].set(src[:, rows].astype(dst.dtype), mode="drop")
+        return dst.at[:, slots, :Tb].set(src[:, rows].astype(dst.dtype), mode="drop")
 
     set_at = lambda arr, value: arr.at[slots].set(value.astype(arr.dtype), mode="drop")
     cache = state.cache._replace(
@@ -479,8 +479,8 @@ def recompute_cache(
     )
     keep_old = ~state.active[None, :, None, None, None]  # [1, N, 1, 1, 1]
 
-    def rewrite(old, new):  # old [L, N, Hkv, S, K], new [L, N, Hkv, W, K]
-        merged = jnp.where(keep_old, old[:, :, :, :W], new.astype(old.dtype))
+    def rewrite(old, new):  # old [L, N, S, Hkv, K], new [L, N, W, Hkv, K]
+        merged = jnp.where(keep_old, old[:, :, :W], new.astype(old.dtype))
         return jax.lax.dynamic_update_slice(old, merged, (0, 0, 0, 0, 0))
 
     cache = state.cache._replace(

@@ -152,11 +152,8 @@ class ModelConfig:
 class KVCache(NamedTuple):
     """Per-layer keys/values of every row, and how many slots of each row are valid."""
 
-    # Heads before slots: a decode step's attention reads each (row, head)'s window as one
-    # contiguous [S, K] block, where [L, B, S, N, K] made XLA:CPU transpose the window out
-    # first (8-9 ms of a 90 ms batch-32 SmolLM2 step; design §6).
-    k: jax.Array  # [L, B, N, S, K]
-    v: jax.Array  # [L, B, N, S, K]
+    k: jax.Array  # [L, B, S, N, K]
+    v: jax.Array  # [L, B, S, N, K]
     lengths: jax.Array  # [B] int32: valid cached tokens per row (next write slot).
 
 
@@ -167,7 +164,7 @@ def init_kv_cache(config: ModelConfig, batch_size: int, capacity: int, dtype=Non
             f"init_kv_cache needs batch_size > 0 and capacity > 0, got {batch_size}, {capacity}"
         )
     dtype = jnp.dtype(dtype or config.compute_dtype)
-    shape = (config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim)
+    shape = (config.n_layers, batch_size, capacity, config.n_kv_heads, config.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -444,46 +441,38 @@ def _write_slots(
 ) -> jax.Array:
     """cache[layer, b, write_pos[b, t]] = new[b, t]; slots past the capacity are dropped.
 
-    cache [L, B, N, S, K], layer a scalar, new [B, T, N, K], write_pos [B, T]. The whole
+    cache [L, B, S, N, K], layer a scalar, new [B, T, N, K], write_pos [B, T]. The whole
     cache is carried from layer to layer (the scan carry, or `apply_decode`'s loop), so this
     scatter updates it in place: only the T new tokens are written per step, never a copy of
     the cache. A scatter rather than `dynamic_update_slice`, which would clamp an
     overflowing start and shift the write.
     """
     rows = jnp.arange(cache.shape[1])[:, None]  # [B, 1]
-    # Advanced indices split by the heads' slice: the update is [B, T] (broadcast), then N, K.
-    return cache.at[layer, rows, :, write_pos].set(new.astype(cache.dtype), mode="drop")
+    return cache.at[layer, rows, write_pos].set(new.astype(cache.dtype), mode="drop")
 
 
 def _attend(
-    q: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    mask: jax.Array,
-    config: ModelConfig,
-    *,
-    heads_major: bool = False,
+    q: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array, config: ModelConfig
 ) -> jax.Array:
-    """Grouped-query attention: q [B,T,H,K], key/value [B,S,N,K] ([B,N,S,K] if
-    `heads_major`, the cache's layout), mask [B,T,S] bool -> [B,T,H,K] in the compute dtype."""
+    """Grouped-query attention: q [B,T,H,K], key/value [B,S,N,K], mask [B,T,S] bool ->
+    [B,T,H,K] in the compute dtype."""
     b, t, h, k = q.shape
-    n = key.shape[1] if heads_major else key.shape[2]
+    n = key.shape[2]
     g = h // n
-    kv = "bnsk" if heads_major else "bsnk"
     q = q.reshape(b, t, n, g, k)  # query head h = n * G + g, as HF's repeat_kv implies
     # Scores and softmax in float32 whatever the compute dtype.
-    scores = jnp.einsum(f"btngk,{kv}->bngts", q, key, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btngk,bsnk->bngts", q, key, preferred_element_type=jnp.float32)
     scores = scores * (k**-0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(jnp.dtype(config.compute_dtype))  # [B,N,G,T,S]
-    return jnp.einsum(f"bngts,{kv}->btngk", probs, value).reshape(b, t, h, k)
+    return jnp.einsum("bngts,bsnk->btngk", probs, value).reshape(b, t, h, k)
 
 
 class LayerCache(NamedTuple):
     """What one layer needs of the KV cache: the whole cache, its layer and the write slots."""
 
-    k: jax.Array  # [L, B, N, C, K] (C the capacity)
-    v: jax.Array  # [L, B, N, C, K]
+    k: jax.Array  # [L, B, C, N, K] (C the capacity)
+    v: jax.Array  # [L, B, C, N, K]
     layer: jax.Array | int  # which of the L layers this is
     write_pos: jax.Array  # [B, T] int32 slots the T new keys/values go to
 
@@ -536,11 +525,11 @@ def decoder_layer(
         cache_k = _write_slots(cache.k, cache.layer, key, cache.write_pos)
         cache_v = _write_slots(cache.v, cache.layer, value, cache.write_pos)
         window = mask.shape[-1]  # attention reads the first S slots only
-        key = cache_k[cache.layer, :, :, :window].astype(cdt)  # [B, N, S, K]
-        value = cache_v[cache.layer, :, :, :window].astype(cdt)
+        key = cache_k[cache.layer, :, :window].astype(cdt)  # [B, S, N, K]
+        value = cache_v[cache.layer, :, :window].astype(cdt)
         written = (cache_k, cache_v)
 
-    out = _attend(q, key, value, mask, c, heads_major=cache is not None)  # [B, T, H, K]
+    out = _attend(q, key, value, mask, c)  # [B, T, H, K]
     x = x + _linear("bthk,hkd->btd", out, attn["o_proj"], cdt)
     gate, up = _project_gate_up(w["mlp"], rms_norm(x, w["post_attn_norm"]["scale"], c.rms_eps), c)
     x = x + _linear("btf,fd->btd", jax.nn.silu(gate) * up, w["mlp"]["down_proj"], cdt)
@@ -571,10 +560,10 @@ def _cache_write_pos_and_mask(
 ) -> tuple[jax.Array, jax.Array]:
     """Cache slots the T new tokens are written to, write_pos [B, T] = lengths + t, and the
     [B, T, S] attention mask: `attention_mask` if given, else slots s <= write_pos."""
-    capacity = kv_cache.k.shape[3]
+    capacity = kv_cache.k.shape[2]
     chex.assert_shape(
         [kv_cache.k, kv_cache.v],
-        (config.n_layers, b, config.n_kv_heads, capacity, config.head_dim),
+        (config.n_layers, b, capacity, config.n_kv_heads, config.head_dim),
     )
     chex.assert_shape(kv_cache.lengths, (b,))
     write_pos = kv_cache.lengths[:, None].astype(jnp.int32) + jnp.arange(t)[None, :]  # [B, T]
@@ -663,7 +652,7 @@ def hidden_states(
     x = _embed(params["embed"]["embedding"], tokens, jnp.dtype(c.compute_dtype))  # [B, T, D]
     # One scan over the stacked [L, ...] weights, so compile time does not grow with depth.
     # The cache rides in the carry (not as scanned input/output) so it is updated in place;
-    # scanned outputs would rebuild the whole [L, B, N, S, K] cache every call.
+    # scanned outputs would rebuild the whole [L, B, S, N, K] cache every call.
     (x, kv, _), _ = jax.lax.scan(one_layer, (x, kv, jnp.zeros((), jnp.int32)), params["layers"])
 
     # Final norm (and lm_head) in float32: log-probs feed importance ratios exp(a - b),
@@ -855,7 +844,7 @@ def apply_decode(
     if len(params.layers) != c.n_layers:
         raise ValueError(f"DecodeParams has {len(params.layers)} layers, config {c.n_layers}")
     write_pos, mask = _cache_write_pos_and_mask(kv_cache, c, b, t, None)
-    capacity = kv_cache.k.shape[3]
+    capacity = kv_cache.k.shape[2]
     if window is not None:
         if not 0 < window <= capacity:
             raise ValueError(f"window must be in (0, capacity={capacity}], got {window}")
@@ -903,8 +892,8 @@ PARAM_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "lm_head/kernel": ("embed", "vocab"),
 }
 
-# KV cache and activations: [L, B, N, S, K] and [B, T].
-KV_CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
+# KV cache and activations: [L, B, S, N, K] and [B, T].
+KV_CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
 TOKENS_LOGICAL_AXES = ("batch", "length")
 
 
