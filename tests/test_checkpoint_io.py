@@ -8,8 +8,6 @@ are marked slow (transformers needs ~40 s to dequantise it).
 """
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from model_reference import greedy_generate  # noqa: E402
+from python_snippet import run_snippet  # noqa: E402
 
 from a3po_jax.model import apply, checkpoint_io  # noqa: E402
 from a3po_jax.model.checkpoint_io import (  # noqa: E402
@@ -452,14 +451,8 @@ def test_loading_works_without_torch(tmp_path):
     config, params = load_hf_checkpoint(_saved(model, tmp_path / "hf"))
     save_hf_checkpoint(params, config, tmp_path / "ours")
     _write_gguf(_random_hf_model("llama", seed=7), tmp_path / "tiny.gguf")
-    result = subprocess.run(
-        [sys.executable, "-c", _NO_TORCH, str(tmp_path / "ours"), str(tmp_path / "tiny.gguf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[0] == str(config.n_params)
+    stdout = run_snippet(_NO_TORCH, tmp_path / "ours", tmp_path / "tiny.gguf")
+    assert stdout.split()[0] == str(config.n_params)
 
 
 _NO_TORCH_IMPORTED = """
@@ -481,14 +474,7 @@ def test_loading_a_folder_does_not_import_torch(tmp_path):
     tokenizer = char_tokenizer()
     tokenizer.save_pretrained(str(path))
     assert checkpoint_io._plain_fast_tokenizer(path)
-    result = subprocess.run(
-        [sys.executable, "-c", _NO_TORCH_IMPORTED, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    n_params, ids = result.stdout.split(maxsplit=1)
+    n_params, ids = run_snippet(_NO_TORCH_IMPORTED, path).split(maxsplit=1)
     assert n_params == str(load_hf_config(path).n_params)
     assert ids.strip() == str(tokenizer.encode("ab1"))
 

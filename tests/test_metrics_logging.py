@@ -4,13 +4,12 @@ import io
 import json
 import logging
 import struct
-import subprocess
-import sys
 import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from python_snippet import run_snippet
 from tensorboardX.proto import event_pb2
 
 from a3po_jax.training.metrics import (
@@ -124,14 +123,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
     """tensorboardX's writer imports torch when it is installed (0.25 GiB, seconds of
     start-up); the logger imports it with torch hidden."""
     pytest.importorskip("torch")
-    result = subprocess.run(
-        [sys.executable, "-c", _TENSORBOARD_WITHOUT_TORCH, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "True"
+    assert run_snippet(_TENSORBOARD_WITHOUT_TORCH, tmp_path).strip() == "True"
     assert read_tensorboard_events(tmp_path)[("loss/total", 1)] == pytest.approx(0.5)
 
 
