@@ -96,7 +96,6 @@ def op_profile(run_once: Callable[[], Any], hlo_text: str, *, calls: int = 3) ->
                     ns[ops[event.name]] += event.duration_ns
                     count[ops[event.name]] += 1
     return [
-        {"op": op, "shape": shape, "count": count[key] // calls, "ms": t / calls / 1e6}
+        {"op": key[0], "shape": key[1], "count": count[key] // calls, "ms": t / calls / 1e6}
         for key, t in ns.most_common()
-        for op, shape in [key]
     ]

@@ -126,14 +126,11 @@ def config_from_hf(
 
 
 # What transformers' LlamaConfig / Qwen2Config / Qwen3Config (4.46 to 5.x) fill in for a
-# field `config_from_hf` reads when config.json leaves it out; a callable gets the JSON.
+# field `config_from_hf` reads when config.json leaves it out (a missing Llama
+# num_key_value_heads or head_dim falls back in `config_from_hf`, as in LlamaConfig).
 # `tests/test_checkpoint_io.py` checks the table against the classes themselves.
 _HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(
-        num_key_value_heads=lambda raw: raw["num_attention_heads"],
-        rms_norm_eps=1e-6,
-        max_position_embeddings=2048,
-    ),
+    "LlamaForCausalLM": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
     "Qwen2ForCausalLM": dict(
         num_key_value_heads=32, rms_norm_eps=1e-6, max_position_embeddings=32768
     ),
@@ -177,7 +174,7 @@ def load_hf_config(path: str | os.PathLike, **kwargs) -> ModelConfig:
     fields = dict(raw)
     for name, default in _HF_CONFIG_DEFAULTS[arch].items():
         if fields.get(name) is None:
-            fields[name] = default(raw) if callable(default) else default
+            fields[name] = default
     return config_from_hf(SimpleNamespace(**fields), **kwargs)
 
 

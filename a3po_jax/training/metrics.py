@@ -111,15 +111,13 @@ def _summary_writer_class():
     (``sys.modules["torch"] = None`` makes ``import torch`` raise ImportError, which
     tensorboardX catches), and torch is importable again afterwards.
     """
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]
     try:
         from tensorboardX import SummaryWriter
     finally:
-        if "torch" in sys.modules and sys.modules["torch"] is None:
+        if hide and sys.modules.get("torch", 0) is None:
             del sys.modules["torch"]
     return SummaryWriter
 
