@@ -19,12 +19,13 @@ from typing import Any
 # tests, run from a checkout of the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import jax  # noqa: E402
 from factories import synthetic_groups  # noqa: E402
 
 from a3po_jax import model  # noqa: E402
 from a3po_jax.model.assets import smollm2_config  # noqa: E402
 
-__all__ = ["CONFIGS", "op_profile", "synthetic_groups"]
+__all__ = ["CONFIGS", "matmul_size", "op_profile", "synthetic_groups"]
 
 CONFIGS = {
     "tiny": model.ModelConfig.tiny(max_seq_len=4096),
@@ -39,7 +40,40 @@ CONFIGS = {
         max_seq_len=4096,
     ),
     "smollm2": smollm2_config(),
+    # Qwen2.5-1.5B-Instruct's shapes (the GSM8K experiments' model): an accelerator's size.
+    "qwen2.5-1.5b": model.ModelConfig(
+        vocab_size=151936,
+        d_model=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        head_dim=128,
+        ffn_dim=8960,
+        rope_theta=1_000_000.0,
+        rms_eps=1e-6,
+        tie_embeddings=True,
+        qkv_bias=True,
+        max_seq_len=32768,
+    ),
+    "llama3-8b": model.ModelConfig(
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=14336,
+        rope_theta=500_000.0,
+        tie_embeddings=False,
+        max_seq_len=8192,
+    ),
 }
+
+
+def matmul_size() -> int:
+    """n of the n x n x n matmul that measures a device's peak: 2048 on a CPU (0.05-0.1 s), 8192
+    on an accelerator (a 2048^3 product is launch-bound on a GPU)."""
+    return 2048 if jax.default_backend() == "cpu" else 8192
 
 
 # An HLO instruction line of a compiled program's text: its name, its result shape and the

@@ -18,55 +18,22 @@ JSON line (`--json`) for later comparisons.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
 import jax
 import jax.numpy as jnp
+from bench_common import CONFIGS  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax.model import (
-    ModelConfig,
     apply,
     apply_decode,
     decode_params,
     init_kv_cache,
     init_params,
 )
-from a3po_jax.model.assets import smollm2_config
 from a3po_jax.training.metrics import peak_memory
-
-PRESETS = {
-    "tiny": lambda **kw: ModelConfig.tiny(**kw),
-    "smollm2": smollm2_config,
-    "qwen2.5-1.5b": lambda **kw: ModelConfig(
-        vocab_size=151936,
-        d_model=1536,
-        n_layers=28,
-        n_heads=12,
-        n_kv_heads=2,
-        head_dim=128,
-        ffn_dim=8960,
-        rope_theta=1_000_000.0,
-        rms_eps=1e-6,
-        tie_embeddings=True,
-        qkv_bias=True,
-        max_seq_len=32768,
-        **kw,
-    ),
-    "llama3-8b": lambda **kw: ModelConfig(
-        vocab_size=128256,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_dim=14336,
-        rope_theta=500_000.0,
-        tie_embeddings=False,
-        max_seq_len=8192,
-        **kw,
-    ),
-}
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -97,7 +64,7 @@ def _mib(n: int | None) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -107,8 +74,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", action="store_true", help="also print one JSON line")
     args = parser.parse_args(argv)
 
-    config = PRESETS[args.config](
-        param_dtype=args.dtype, compute_dtype=args.dtype, remat=args.remat
+    config = dataclasses.replace(
+        CONFIGS[args.config], param_dtype=args.dtype, compute_dtype=args.dtype, remat=args.remat
     )
     b, t = args.batch, args.seq
     params = init_params(config, jax.random.key(0))

@@ -4,7 +4,7 @@ Prints a short table and one JSON line with:
 
 * the machine: CPU model and ISA flags (avx512f / avx2 / neon, from /proc/cpuinfo), or the
   accelerator's name; and its matmul peak measured in this run (a jitted 2048^3 matmul in
-  ``--dtype``, GFLOP/s, the fastest of 10 runs per round);
+  ``--dtype``, 8192^3 on an accelerator; GFLOP/s, the fastest of 10 runs per round);
 * the policy log-prob pass (``train_step.forward_logprobs``): its forward, its
   forward+backward (``jax.value_and_grad`` of the masked sum of the log-probs with respect
   to every parameter) and their ratio (issue 15's target: <= 3.0); the same for the layer
@@ -69,7 +69,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
+from bench_common import CONFIGS, matmul_size, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
 from a3po_jax.core import packing
@@ -80,7 +80,6 @@ from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
 from a3po_jax.training.metrics import peak_memory
 
 PROX_MODES = ("recompute", "a3po", "behav")
-MATMUL_N = 2048
 MATMUL_RUNS_PER_ROUND = 10  # ~0.05-0.1 s each on a CPU
 
 
@@ -220,10 +219,8 @@ def main(argv=None) -> dict:
     )
 
     # The programs, all compiled before anything is timed.
-    mm_dtype = jnp.dtype(args.dtype)
-    mm_args = tuple(
-        jax.random.normal(jax.random.key(i), (MATMUL_N, MATMUL_N), mm_dtype) for i in (1, 2)
-    )
+    mm_dtype, mm_n = jnp.dtype(args.dtype), matmul_size()
+    mm_args = tuple(jax.random.normal(jax.random.key(i), (mm_n, mm_n), mm_dtype) for i in (1, 2))
     programs = {"matmul": (jax.jit(jnp.matmul), mm_args)}
 
     def policy_logp(prm, batch_arrays):
@@ -291,7 +288,7 @@ def main(argv=None) -> dict:
     del programs
     seconds = time_round_robin(runs, args.repeats, {"matmul": MATMUL_RUNS_PER_ROUND})
 
-    peak = 2 * MATMUL_N**3 / seconds["matmul"]
+    peak = 2 * mm_n**3 / seconds["matmul"]
     fwd = forward_flops(mcfg, b, t, head_tokens)
     flops = {"forward": fwd, "forward_backward": 3 * fwd, "recompute": 4 * fwd}
     flops.update(a3po=3 * fwd, behav=3 * fwd)
@@ -321,7 +318,7 @@ def main(argv=None) -> dict:
         "temporaries_gb": {k: v / 2**30 for k, v in temporaries.items() if v is not None},
     }
 
-    print(f"matmul {MATMUL_N}^3 {args.dtype}: {peak / 1e9:.1f} GFLOP/s (this run's peak)")
+    print(f"matmul {mm_n}^3 {args.dtype}: {peak / 1e9:.1f} GFLOP/s (this run's peak)")
     print(f"{'program':<18}{'seconds':>10}{'GFLOP/s':>10}{'of peak':>9}{'temp GiB':>10}")
     for name in ("forward", "forward_backward", "layers", "layers_backward", *PROX_MODES):
         temp = results["temporaries_gb"].get(name)
