@@ -88,3 +88,46 @@ def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
         trainer.run()  # and the run still works without them
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("every", [0.05, 0.0])
+def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
+    """`system.trim_heap_every_s` > 0 runs a heap trimmer (training/heap.py) from the trainer's
+    start to its close; 0 runs none; a negative period is refused, naming the field."""
+    from a3po_jax.tasks.toy import LetterTask
+    from a3po_jax.training.config import (
+        ConfigError,
+        ModelSection,
+        RolloutSection,
+        SystemSection,
+        TaskSection,
+        TrainConfig,
+    )
+    from a3po_jax.training.trainer import Trainer, load_policy
+
+    cfg = TrainConfig(
+        model=ModelSection(name="tiny"),
+        task=TaskSection(name="letters"),
+        rollout=RolloutSection(
+            group_size=2, groups_per_step=2, max_new_tokens=4, num_slots=4, prompt_buckets=(64,)
+        ),
+        system=SystemSection(trim_heap_every_s=every),
+        steps=2,
+        run_dir=str(tmp_path / "run"),
+        checkpoint_every=0,
+    )
+    trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
+    trimmer = trainer._trimmer
+    try:
+        trainer.run()
+        if every:
+            assert trimmer is not None and trimmer.period_s == every
+            assert trimmer.trims >= 1  # the run lasts well over 50 ms
+        else:
+            assert trimmer is None
+    finally:
+        trainer.close()
+    if every:
+        assert not trimmer._thread.is_alive()
+    with pytest.raises(ConfigError, match="system.trim_heap_every_s"):
+        SystemSection(trim_heap_every_s=-1.0)

@@ -262,6 +262,9 @@ class SystemSection:
     # Queue order: "completion" (first finished first; long answers train staler, are
     # dropped more) or "admission" (oldest admitted first, waiting for it; README)
     consume_order: str = "completion"  # "completion" or "admission" (rollout/queue.py)
+    # Freed heap memory back to the OS every this many seconds (glibc malloc_trim, a thread;
+    # training/heap.py): a CPU run's RSS stays near its live memory instead of creeping up
+    trim_heap_every_s: float = 1.0  # 0 = never
 
     def __post_init__(self):
         _choice("system", "mode", self.mode, MODES)
@@ -273,6 +276,7 @@ class SystemSection:
         _positive("system", "groups_per_row", self.groups_per_row)
         _positive("system", "rollout_timeout_s", self.rollout_timeout_s)
         _positive("system", "max_nonfinite_steps", self.max_nonfinite_steps)
+        _positive("system", "trim_heap_every_s", self.trim_heap_every_s, allow_zero=True)
         _positive("system", "host_timeout_s", self.host_timeout_s)
         _positive("system", "host_hang_timeout_s", self.host_hang_timeout_s)
         _positive("system", "host_health_interval_s", self.host_health_interval_s)

@@ -52,7 +52,7 @@ from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
-from a3po_jax.training import recording, step_builder
+from a3po_jax.training import heap, recording, step_builder
 from a3po_jax.training.checkpointing import (
     CheckpointManager,
     install_sigterm_handler,
@@ -252,6 +252,9 @@ class Trainer:
             if cfg.checkpoint_every
             else None
         )
+        # Freed heap pages back to the OS while the run goes on (training/heap.py).
+        every = cfg.system.trim_heap_every_s
+        self._trimmer = heap.Trimmer(every) if every > 0 else None
 
     # ------------------------------------------------------------------ jitted pieces
 
@@ -604,6 +607,9 @@ class Trainer:
         if self._eval_host is not None:
             self._eval_host.close()
             self._eval_host = None
+        if self._trimmer is not None:
+            self._trimmer.close()
+            self._trimmer = None
 
     def _embedded_host(self, params: Any, version: int, update_policy: str):
         """A started in-process inference host sized by the rollout settings."""
