@@ -41,3 +41,5 @@ bench infer_smollm2 120 python3 scripts/bench_inference.py --model smollm2 --dty
   --batch-sizes 1,8,32 --no-hf --json "$out/infer_smollm2.json"
 bench infer_qwen1p5b 110 python3 scripts/bench_inference.py --model qwen2.5-1.5b \
   --dtype bfloat16 --batch-sizes 1,8,32 --no-hf --no-profile --json "$out/infer_qwen1p5b.json"
+bench dispatch 100 python3 scripts/bench_decode_dispatch.py --models smollm2,qwen2.5-1.5b \
+  --dtype bfloat16
