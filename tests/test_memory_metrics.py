@@ -54,6 +54,22 @@ def test_step_record_logs_peak_memory():
     assert record["mem/peak_rss_gb"] > 0.0
 
 
+def tiny_run_config(tmp_path, **fields):
+    """A tiny model learning `letters`, 2 groups of 2 per step, no checkpoints."""
+    from a3po_jax.training.config import ModelSection, RolloutSection, TaskSection, TrainConfig
+
+    return TrainConfig(
+        model=ModelSection(name="tiny"),
+        task=TaskSection(name="letters"),
+        rollout=RolloutSection(
+            group_size=2, groups_per_step=2, max_new_tokens=4, num_slots=4, prompt_buckets=(64,)
+        ),
+        run_dir=str(tmp_path / "run"),
+        checkpoint_every=0,
+        **fields,
+    )
+
+
 def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
     """The state and the embedded host hold copies of the initial params, so once the caller
     drops the loaded policy (as the CLI does) its arrays are freed: one whole copy of the
@@ -62,19 +78,9 @@ def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
     import weakref
 
     from a3po_jax.tasks.toy import LetterTask
-    from a3po_jax.training.config import ModelSection, RolloutSection, TaskSection, TrainConfig
     from a3po_jax.training.trainer import Trainer, load_policy
 
-    cfg = TrainConfig(
-        model=ModelSection(name="tiny"),
-        task=TaskSection(name="letters"),
-        rollout=RolloutSection(
-            group_size=2, groups_per_step=2, max_new_tokens=4, num_slots=4, prompt_buckets=(64,)
-        ),
-        steps=1,
-        run_dir=str(tmp_path / "run"),
-        checkpoint_every=0,
-    )
+    cfg = tiny_run_config(tmp_path, steps=1)
     policy = load_policy(cfg.model)
     loaded = [weakref.ref(x) for x in jax.tree.leaves(policy.params)]
     trainer = Trainer(cfg, policy, task=LetterTask(), console=False)
@@ -95,27 +101,10 @@ def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
     """`system.trim_heap_every_s` > 0 runs a heap trimmer (training/heap.py) from the trainer's
     start to its close; 0 runs none; a negative period is refused, naming the field."""
     from a3po_jax.tasks.toy import LetterTask
-    from a3po_jax.training.config import (
-        ConfigError,
-        ModelSection,
-        RolloutSection,
-        SystemSection,
-        TaskSection,
-        TrainConfig,
-    )
+    from a3po_jax.training.config import ConfigError, SystemSection
     from a3po_jax.training.trainer import Trainer, load_policy
 
-    cfg = TrainConfig(
-        model=ModelSection(name="tiny"),
-        task=TaskSection(name="letters"),
-        rollout=RolloutSection(
-            group_size=2, groups_per_step=2, max_new_tokens=4, num_slots=4, prompt_buckets=(64,)
-        ),
-        system=SystemSection(trim_heap_every_s=every),
-        steps=2,
-        run_dir=str(tmp_path / "run"),
-        checkpoint_every=0,
-    )
+    cfg = tiny_run_config(tmp_path, steps=2, system=SystemSection(trim_heap_every_s=every))
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     trimmer = trainer._trimmer
     try:
