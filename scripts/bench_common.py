@@ -112,7 +112,6 @@ def op_profile(run_once: Callable[[], Any], hlo_text: str, *, calls: int = 3) ->
     kernels' events are not named after the instructions (tried on an H200, 2026-11-26:
     neither their names nor an "hlo_op" stat matched), so nothing is found there.
     """
-    import jax
     from jax.profiler import ProfileData
 
     ops = _hlo_ops(hlo_text)
