@@ -682,9 +682,71 @@ def tree_norm(tree: Any) -> jax.Array:
     shards and all-reduces)."""
     total = jnp.zeros((), jnp.float32)
     for x in jax.tree.leaves(tree):
-        axes = "abcdefghijklmnop"[: x.ndim]
-        total = total + jnp.einsum(f"{axes},{axes}->", x, x, preferred_element_type=jnp.float32)
+        total = total + _squared_norm(x)
     return jnp.sqrt(total)
+
+
+def _squared_norm(x: jax.Array) -> jax.Array:
+    axes = "abcdefghijklmnop"[: x.ndim]
+    return jnp.einsum(f"{axes},{axes}->", x, x, preferred_element_type=jnp.float32)
+
+
+def update_leaf_by_leaf(
+    optimizer: optax.GradientTransformation,
+    grads: Params,
+    opt_state: optax.OptState,
+    params: Params,
+) -> tuple[Params, optax.OptState, jax.Array]:
+    """``optimizer.update`` and ``optax.apply_updates`` one parameter leaf at a time, in
+    order, with the global L2 norm of the updates.
+
+    The same values as one call over the whole tree, for an optimizer that acts leaf by
+    leaf (AdamW, Adam, SGD and every other element-wise optax chain; not one with a global
+    transform such as ``clip_by_global_norm`` inside, which :func:`apply_grads` does
+    itself). Why: a norm of the updates is a second reader of every update beside the
+    parameter write, so XLA materialises them; XLA:CPU then schedules every leaf's update
+    before any is applied and holds them all at once (0.64 GiB of temporaries and 0.37 s
+    against 0.13 s without the norm, SmolLM2-135M float32 on the 2-core EPYC; design §6).
+    Here each leaf's gradient carries a zero-valued dependency on the previous leaf's
+    applied update and norm (``g + 0 * dep``: XLA keeps it, as ``x * 0`` is not 0 for a
+    NaN or an infinity, and it drops optimization barriers before scheduling), so one
+    leaf's update is alive at a time (0.21 GiB, 0.25 s). A compiler that folded it would
+    give the same values with the old memory.
+
+    Returns:
+      (new_params, new_opt_state, update_norm).
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    grad_leaves = treedef.flatten_up_to(grads)
+
+    def param_shaped(x: Any) -> bool:
+        return jax.tree.structure(x) == treedef
+
+    # The optimizer state as its parts: params-shaped trees (moments) split into leaves,
+    # anything else (step counts, schedule states) given whole to every leaf's update.
+    parts, parts_def = jax.tree.flatten(opt_state, is_leaf=param_shaped)
+    split = [treedef.flatten_up_to(p) if param_shaped(p) else None for p in parts]
+    new_leaves, new_parts = [], []
+    squares = jnp.zeros((), jnp.float32)
+    for i, (p, g) in enumerate(zip(leaves, grad_leaves, strict=True)):
+        if i:
+            # One element of the previous leaf's new value: its write happens first too.
+            dep = squares + new_leaves[-1][(0,) * new_leaves[-1].ndim].astype(jnp.float32)
+            g = g + (0.0 * dep).astype(g.dtype)
+        state_i = parts_def.unflatten(
+            [s[i] if s is not None else part for s, part in zip(split, parts, strict=True)]
+        )
+        u, new_state_i = optimizer.update(g, state_i, p)
+        squares = squares + _squared_norm(u)
+        new_leaves.append(optax.apply_updates(p, u))
+        new_parts.append(jax.tree.flatten(new_state_i, is_leaf=param_shaped)[0])
+    merged = [
+        treedef.unflatten([leaf_parts[j] for leaf_parts in new_parts])
+        if split[j] is not None
+        else new_parts[0][j]
+        for j in range(len(parts))
+    ]
+    return treedef.unflatten(new_leaves), parts_def.unflatten(merged), jnp.sqrt(squares)
 
 
 def apply_grads(
@@ -717,13 +779,10 @@ def apply_grads(
 
     def update(state: TrainState) -> tuple[TrainState, jax.Array]:
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), acc.grads)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new = TrainState(
-            params=optax.apply_updates(state.params, updates),
-            opt_state=new_opt,
-            step=state.step + 1,
+        params, opt_state, update_norm = update_leaf_by_leaf(
+            optimizer, grads, state.opt_state, state.params
         )
-        return new, tree_norm(updates)
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), update_norm
 
     def skip(state: TrainState) -> tuple[TrainState, jax.Array]:
         return state, jnp.zeros((), jnp.float32)
