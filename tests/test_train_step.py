@@ -494,6 +494,41 @@ def test_update_leaf_by_leaf_equals_one_update_of_the_whole_tree(make):
         np.testing.assert_allclose(norm, optax.tree.norm(updates), rtol=1e-5)
 
 
+def test_apply_grads_updates_an_optimizer_not_known_to_be_leafwise_over_the_whole_tree():
+    """A plain optax chain with a global transform inside (its clip sees every leaf at
+    once): apply_grads does not split it by leaf. Leaf by leaf it would clip each leaf on
+    its own norm, and the second step's params would differ."""
+    assert isinstance(ts.make_optimizer(learning_rate=1e-2), ts.LeafwiseOptimizer)
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    assert not isinstance(opt, ts.LeafwiseOptimizer)
+    params = {"a": jnp.zeros((2,), jnp.float32), "b": jnp.zeros((2,), jnp.float32)}
+    state = ts.TrainState(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
+    ref_params, ref_state = params, opt.init(params)
+    step = jax.jit(functools.partial(ts.apply_grads, optimizer=opt, grad_clip=0.0))
+    for grads in (
+        {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0, 0.0])},
+        {"a": jnp.array([0.1, 0.1]), "b": jnp.array([1.0, 0.0])},
+    ):
+        state, stats = step(
+            state, ts.Accumulated(grads, jnp.float32(0.0), jnp.float32(1.0), ts.Stats())
+        )
+        updates, ref_state = opt.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        np.testing.assert_allclose(
+            float(stats.means["optim/update_norm"][0]), optax.tree.norm(updates), rtol=1e-5
+        )
+    chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-7)
+    # The leaf-by-leaf path would not: the check above can fail.
+    leafwise = params, opt.init(params)
+    for grads in (
+        {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0, 0.0])},
+        {"a": jnp.array([0.1, 0.1]), "b": jnp.array([1.0, 0.0])},
+    ):
+        p, s, _ = ts.update_leaf_by_leaf(opt, grads, leafwise[1], leafwise[0])
+        leafwise = p, s
+    assert not np.allclose(leafwise[0]["b"], ref_params["b"], rtol=1e-3)
+
+
 def test_update_leaf_by_leaf_holds_one_leafs_update_at_a_time():
     """XLA's own memory figure for the compiled update of eight 4 MiB leaves, params and
     state donated as the train step donates them: at most three leaves' worth of

@@ -469,6 +469,17 @@ def _kl_estimate(logp: jax.Array, ref_logp: jax.Array, *, estimate) -> jax.Array
     return estimate(ref_logp.astype(jnp.float32) - logp.astype(jnp.float32))
 
 
+class LeafwiseOptimizer(optax.GradientTransformation):
+    """An optax optimizer that acts leaf by leaf: each parameter's update depends on its own
+    gradient, state and value only (AdamW, Adam, SGD with momentum; not a chain with a
+    global transform such as ``clip_by_global_norm``). :func:`apply_grads` updates such an
+    optimizer one leaf at a time (:func:`update_leaf_by_leaf`), any other one over the whole
+    tree. Wrap an optimizer in it only when that holds: ``LeafwiseOptimizer(*optax.adam(lr))``.
+    """
+
+    __slots__ = ()
+
+
 def make_optimizer(
     *,
     learning_rate: float,
@@ -478,13 +489,13 @@ def make_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
 ) -> optax.GradientTransformation:
-    """AdamW with linear warm-up; gradient clipping happens in :func:`apply_grads` so the
-    pre-clip norm can be reported."""
+    """AdamW with linear warm-up, as a :class:`LeafwiseOptimizer`; gradient clipping
+    happens in :func:`apply_grads` so the pre-clip norm can be reported."""
     if warmup_steps:
         lr = optax.linear_schedule(0.0, learning_rate, warmup_steps)
     else:
         lr = learning_rate
-    return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    return LeafwiseOptimizer(*optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
 def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
@@ -701,17 +712,17 @@ def update_leaf_by_leaf(
     order, with the global L2 norm of the updates.
 
     The same values as one call over the whole tree, for an optimizer that acts leaf by
-    leaf (AdamW, Adam, SGD and every other element-wise optax chain; not one with a global
-    transform such as ``clip_by_global_norm`` inside, which :func:`apply_grads` does
-    itself). Why: a norm of the updates is a second reader of every update beside the
-    parameter write, so XLA materialises them; XLA:CPU then schedules every leaf's update
-    before any is applied and holds them all at once (0.64 GiB of temporaries and 0.37 s
-    against 0.13 s without the norm, SmolLM2-135M float32 on the 2-core EPYC; design §6).
-    Here each leaf's gradient carries a zero-valued dependency on the previous leaf's
-    applied update and norm (``g + 0 * dep``: XLA keeps it, as ``x * 0`` is not 0 for a
-    NaN or an infinity, and it drops optimization barriers before scheduling), so one
-    leaf's update is alive at a time (0.21 GiB, 0.25 s). A compiler that folded it would
-    give the same values with the old memory.
+    leaf (:class:`LeafwiseOptimizer`; not a chain with a global transform such as
+    ``clip_by_global_norm`` inside, which :func:`apply_grads` does itself). Why: a norm of
+    the updates is a second reader of every update beside the parameter write, so XLA
+    materialises them; XLA:CPU then schedules every leaf's update before any is applied and
+    holds them all at once (0.64 GiB of temporaries and 0.37 s against 0.13 s without the
+    norm, SmolLM2-135M float32 on the 2-core EPYC; design §6). Here each leaf's gradient
+    carries a zero-valued dependency on the previous leaf's applied update and norm
+    (``g + 0 * dep``: XLA keeps it, as ``x * 0`` is not 0 for a NaN or an infinity, and it
+    drops optimization barriers before scheduling), so one leaf's update is alive at a time
+    (0.21 GiB, 0.25 s). A compiler that folded it would give the same values with the old
+    memory.
 
     Returns:
       (new_params, new_opt_state, update_norm).
@@ -760,7 +771,9 @@ def apply_grads(
     non-finite.
 
     A skipped step leaves params, optimizer state and version untouched and reports
-    ``step/skipped = 1`` so the host can count and stop after N in a row.
+    ``step/skipped = 1`` so the host can count and stop after N in a row. A
+    :class:`LeafwiseOptimizer` (what :func:`make_optimizer` returns) is applied one leaf at
+    a time, any other optimizer over the whole tree.
 
     Returns:
       (new_state, stats): ``loss/total`` and the ``optim/*`` norms as means (over the
@@ -779,9 +792,13 @@ def apply_grads(
 
     def update(state: TrainState) -> tuple[TrainState, jax.Array]:
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), acc.grads)
-        params, opt_state, update_norm = update_leaf_by_leaf(
-            optimizer, grads, state.opt_state, state.params
-        )
+        if isinstance(optimizer, LeafwiseOptimizer):
+            params, opt_state, update_norm = update_leaf_by_leaf(
+                optimizer, grads, state.opt_state, state.params
+            )
+        else:
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params, update_norm = optax.apply_updates(state.params, updates), tree_norm(updates)
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), update_norm
 
     def skip(state: TrainState) -> tuple[TrainState, jax.Array]:
