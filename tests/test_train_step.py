@@ -518,7 +518,7 @@ def test_apply_grads_updates_an_optimizer_not_known_to_be_leafwise_over_the_whol
             float(stats.means["optim/update_norm"][0]), optax.tree.norm(updates), rtol=1e-5
         )
     chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-7)
-    # The leaf-by-leaf path would not: the check above can fail.
+    # Leaf by leaf, the same chain gives other params: the comparison above can fail.
     leafwise = params, opt.init(params)
     for grads in (
         {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0, 0.0])},
