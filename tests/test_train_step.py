@@ -559,6 +559,17 @@ def test_update_leaf_by_leaf_holds_one_leafs_update_at_a_time():
     print(f"temporaries in leaves: leaf by leaf {leafwise:.2f}, whole tree {whole:.2f}")
     assert leafwise <= 3.0, leafwise
 
+    # And through apply_grads, which takes that path on a CPU only.
+    if jax.default_backend() != "cpu":
+        return
+    train_state = ts.init_train_state(params, opt)
+    acc = ts.Accumulated(grads, jnp.float32(1.0), jnp.float32(2.0), ts.Stats())
+    step = jax.jit(
+        functools.partial(ts.apply_grads, optimizer=opt, grad_clip=1.0), donate_argnums=(0,)
+    )
+    analysis = step.lower(train_state, acc).compile().memory_analysis()
+    assert analysis.temp_size_in_bytes / leaf_bytes <= 3.0
+
 
 def test_apply_grads_skips_a_non_finite_gradient_untouched():
     params = model.init_params(CFG, jax.random.key(0))
