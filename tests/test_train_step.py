@@ -505,10 +505,11 @@ def test_apply_grads_updates_an_optimizer_not_known_to_be_leafwise_over_the_whol
     state = ts.TrainState(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
     ref_params, ref_state = params, opt.init(params)
     step = jax.jit(functools.partial(ts.apply_grads, optimizer=opt, grad_clip=0.0))
-    for grads in (
+    grad_steps = (
         {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0, 0.0])},
         {"a": jnp.array([0.1, 0.1]), "b": jnp.array([1.0, 0.0])},
-    ):
+    )
+    for grads in grad_steps:
         state, stats = step(
             state, ts.Accumulated(grads, jnp.float32(0.0), jnp.float32(1.0), ts.Stats())
         )
@@ -520,10 +521,7 @@ def test_apply_grads_updates_an_optimizer_not_known_to_be_leafwise_over_the_whol
     chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-7)
     # Leaf by leaf, the same chain gives other params: the comparison above can fail.
     leafwise = params, opt.init(params)
-    for grads in (
-        {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0, 0.0])},
-        {"a": jnp.array([0.1, 0.1]), "b": jnp.array([1.0, 0.0])},
-    ):
+    for grads in grad_steps:
         p, s, _ = ts.update_leaf_by_leaf(opt, grads, leafwise[1], leafwise[0])
         leafwise = p, s
     assert not np.allclose(leafwise[0]["b"], ref_params["b"], rtol=1e-3)
