@@ -5,7 +5,9 @@ Two ways of computing ``(logp, entropy)`` of ``softmax(h @ W / T)`` for N = B·T
 * ``plain``: full [B, T, V] float32 logits, then ``losses.token_logprobs`` /
   ``losses.entropy`` (what ``train_step.forward_logprobs`` does after the layer stack);
 * ``chunked``: ``core.logprobs.chunked_token_logprobs``, C tokens at a time (one entry per
-  ``--chunk-sizes`` value).
+  ``--chunk-sizes`` value), its forward taking the vocabulary in blocks of Vb columns (one
+  entry per ``--vocab-chunk-sizes`` value: ``auto`` the library's choice, ``0`` whole rows,
+  i.e. one block of V, the head before 2026-11-26), in the forward and the backward.
 
 Each runs jitted two ways: ``forward`` (the values) and ``grad`` (forward + backward of a
 masked sum of both outputs, gradients w.r.t. h and W, what the policy pass needs). Reported
@@ -19,6 +21,7 @@ model from /proc/cpuinfo.
 
     python scripts/bench_logprobs.py                        # SmolLM2 head, 4096 tokens
     python scripts/bench_logprobs.py --chunk-sizes 256,512,1024,2048
+    python scripts/bench_logprobs.py --batch 10 --vocab-chunk-sizes auto,0,1024,2048,4096
     python scripts/bench_logprobs.py --batch 2 --seq 64 --vocab 4096 --repeats 1   # smoke
 
 Defaults: SmolLM2-135M's head (D=576, V=49152, float32) at B=32, T=128 (4096 tokens).
@@ -63,13 +66,33 @@ def plain_logprobs(hidden, head, targets):
     return losses.token_logprobs(logits, targets), losses.entropy(logits)
 
 
-def chunked_logprobs(chunk_size):
+def chunked_logprobs(chunk_size, vocab_chunk_size=None):
     def fn(hidden, head, targets):
         return chunked_token_logprobs(
-            hidden, head, targets, temperature=TEMPERATURE, chunk_size=chunk_size
+            hidden,
+            head,
+            targets,
+            temperature=TEMPERATURE,
+            chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
         )
 
     return fn
+
+
+def vocab_blocks(spec: str, vocab: int) -> dict[str, int | None]:
+    """``--vocab-chunk-sizes`` as {case suffix: vocab_chunk_size}: auto -> None (the
+    library's choice), 0 -> V (whole rows), n -> n."""
+    out = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if item == "auto":
+            out["auto"] = None
+        elif item.isdigit():
+            out[f"vb{item}" if int(item) else "rows"] = int(item) or vocab
+        else:
+            raise SystemExit(f"--vocab-chunk-sizes: {item!r} is not 'auto' or an integer >= 0")
+    return out
 
 
 def forward_and_grad(fn):
@@ -105,6 +128,12 @@ def main() -> None:
         default=str(DEFAULT_CHUNK_SIZE),
         help=f"comma-separated C values to run (default {DEFAULT_CHUNK_SIZE})",
     )
+    parser.add_argument(
+        "--vocab-chunk-sizes",
+        default="auto,0",
+        help="comma-separated forward vocabulary blocks: auto (the library's), 0 (whole rows), "
+        "or columns (default auto,0)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case")
     args = parser.parse_args()
     chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
@@ -120,7 +149,8 @@ def main() -> None:
 
     cases = {"plain": forward_and_grad(plain_logprobs)}
     for c in chunk_sizes:
-        cases[f"chunked_c{c}"] = forward_and_grad(chunked_logprobs(c))
+        for suffix, vb in vocab_blocks(args.vocab_chunk_sizes, v).items():
+            cases[f"chunked_c{c}_{suffix}"] = forward_and_grad(chunked_logprobs(c, vb))
 
     records = {}
     for name, fns in cases.items():

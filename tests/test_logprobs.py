@@ -13,7 +13,7 @@ import pytest
 from jaxpr_inspect import largest_intermediate
 
 from a3po_jax import model
-from a3po_jax.core import losses
+from a3po_jax.core import logprobs, losses
 from a3po_jax.core.logprobs import chunked_token_logprobs
 
 # Float32 rounding of the same sums taken in another order; a wiring error (a wrong
@@ -89,6 +89,64 @@ def test_values_equal_plain_path(jit, temperature, chunk_size):
     for g, w in zip(got, want, strict=True):
         assert g.shape == (B, T) and g.dtype == jnp.float32
         np.testing.assert_allclose(g, w, **TOL)
+
+
+# The forward's vocabulary blocks (V = 64): four of 16; two of 24 and one of 16 left over;
+# one of 64; one when the block is wider than the vocabulary.
+VOCAB_BLOCKS = [16, 24, 64, 1000]
+
+
+@pytest.mark.parametrize("vocab_chunk_size", VOCAB_BLOCKS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vocabulary_blocks_equal_plain_path(temperature, vocab_chunk_size):
+    hidden, head, targets = _inputs(7)
+    fn = lambda h, w, tgt, temp: chunked_token_logprobs(  # noqa: E731
+        h, w, tgt, temperature=temp, chunk_size=4, vocab_chunk_size=vocab_chunk_size
+    )
+    want = _plain(hidden, head, targets, temperature)
+    got = jax.jit(fn, static_argnums=3)(hidden, head, targets, temperature)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+    mask = _mask()
+    grad = lambda f: jax.grad(_masked_objective(f, targets, mask, temperature), argnums=(0, 1))
+    for g, w in zip(jax.jit(grad(fn))(hidden, head), grad(_plain)(hidden, head), strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+@pytest.mark.parametrize("vocab_chunk_size", [16, 24])
+def test_vocabulary_blocks_rescale_to_a_later_maximum(vocab_chunk_size):
+    """Each row's largest logit sits in the vocabulary's last block, 40 above the rest: the
+    sums of the earlier blocks must be rescaled to it (e^-40 ≈ 4e-18 of their old scale),
+    and a target in an earlier block keeps its tiny probability exactly."""
+    hidden, head, targets = _inputs(8)
+    head = head.at[:, V - 3].set(0.0)
+    hidden = hidden.at[..., 0].set(1.0)
+    head = head.at[0, V - 3].set(40.0)  # z[:, V-3] = 40 + (other logits' O(1) spread)
+    targets = targets.at[0, 0].set(1).at[1, 0].set(V - 3)
+    logp, ent = chunked_token_logprobs(
+        hidden, head, targets, chunk_size=4, vocab_chunk_size=vocab_chunk_size
+    )
+    z = np.einsum("btd,dv->btv", np.asarray(hidden, np.float64), np.asarray(head, np.float64))
+    lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+    logp_all = z - lse[..., None]
+    want_ent = -np.sum(np.exp(logp_all) * logp_all, -1)
+    want_logp = np.take_along_axis(logp_all, np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ent, want_ent, rtol=1e-3, atol=1e-7)
+    assert float(logp[0, 0]) < -30  # the earlier-block target: tiny, not -inf or 0
+
+
+def test_vocabulary_block_size_fits_the_budget(monkeypatch):
+    budget, least = logprobs.VOCAB_BLOCK_BYTES, logprobs.MIN_VOCAB_BLOCK
+    for tokens in (1, 256, 1000, 1280, 3104, 10**6):
+        block = logprobs._vocab_block(tokens, 49152)
+        assert block == 49152 or block & (block - 1) == 0  # a power of two, or all of V
+        assert least <= block <= 49152
+        assert 4 * tokens * block <= budget or block == least
+        assert block == 49152 or 4 * tokens * 2 * block > budget  # the largest that fits
+    assert logprobs._vocab_block(1, 100) == 100  # never wider than the vocabulary
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert logprobs._vocab_block(1280, 49152) == 49152  # accelerators: one block
 
 
 @pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
@@ -312,12 +370,40 @@ def test_compiled_temporaries_far_below_full_logits(which):
     assert temp_bytes(chunked) < full_bytes / 2
 
 
+@pytest.mark.parametrize("which", ["forward", "grad"])
+def test_vocabulary_blocks_hold_less_than_one_chunk_of_logits(which):
+    """With blocks of VM/8 columns neither pass makes a chunk's [C, V] logits: the forward
+    needs less than one chunk of them, the backward less than one beside the [D, V]
+    gradient and its accumulator. Whole rows (one block) need more: the check can fail."""
+    hidden, head, targets = _inputs(6, b=BM, t=TM, d=DM, v=VM)
+    mask = jnp.ones((BM, TM), jnp.float32)
+    chunk_logits, head_bytes = CM * VM * 4, DM * VM * 4
+    bound = chunk_logits if which == "forward" else chunk_logits + 2 * head_bytes
+
+    def temp_bytes(vocab_chunk_size):
+        fn = lambda h, w, tgt, temp: chunked_token_logprobs(  # noqa: E731
+            h, w, tgt, temperature=temp, chunk_size=CM, vocab_chunk_size=vocab_chunk_size
+        )
+        if which == "forward":
+            program = lambda h, w: fn(h, w, targets, 0.7)  # noqa: E731
+        else:
+            program = jax.grad(_masked_objective(fn, targets, mask, 0.7), (0, 1))
+        compiled = jax.jit(program).lower(hidden, head).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(VM) > bound  # whole rows
+    assert temp_bytes(VM // 8) < bound
+
+
 def test_invalid_arguments_are_refused():
     hidden, head, targets = _inputs()
     with pytest.raises(ValueError, match="temperature"):
         chunked_token_logprobs(hidden, head, targets, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_token_logprobs(hidden, head, targets, chunk_size=0)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="vocab_chunk_size"):
+            chunked_token_logprobs(hidden, head, targets, vocab_chunk_size=bad)
     with pytest.raises(ValueError, match="integer"):
         chunked_token_logprobs(hidden, head, targets.astype(jnp.float32))
     with pytest.raises(AssertionError):  # chex: head's D does not match hidden's

@@ -8,10 +8,12 @@ cotangent: 0.8 GB each for 4096 tokens of SmolLM2's 49152-token vocabulary. Here
 are cut into chunks of C; each chunk's [C, V] logits live only inside one iteration of a
 ``lax.scan``, and a ``jax.custom_vjp`` recomputes them in the backward pass instead of
 saving them, so neither pass holds more than one chunk of the vocabulary (plus the [D, V]
-head gradient it accumulates). The values and gradients equal the plain path's to float
-rounding (tests/test_logprobs.py).
+head gradient it accumulates). On a CPU a chunk's logits are further made a block of Vb
+columns at a time (``VOCAB_BLOCK_BYTES``), so no pass holds more than [C, Vb]. The values
+and gradients equal the plain path's to float rounding (tests/test_logprobs.py).
 
-Shape letters: B batch, T time, D model width, V vocab, N = B·T tokens, C chunk, K chunks.
+Shape letters: B batch, T time, D model width, V vocab, N = B·T tokens, C chunk, K chunks,
+Vb vocabulary block.
 """
 
 from __future__ import annotations
@@ -40,6 +42,24 @@ import numpy as np
 # compute-bound at 256. `scripts/bench_logprobs.py --chunk-sizes ...` measures both.
 DEFAULT_CHUNK_SIZE = 1024
 
+# The vocabulary blocks on a CPU. A chunk's whole [C, V] logits (201 MB at C=1024 and
+# SmolLM2's V), and in the backward their cotangent, are fresh memory per call that the
+# kernel zero-fills page by page, and the max, the sums and dz read them back from memory.
+# Taken in blocks of a few MB the logits stay in cache and in memory that malloc reuses:
+# the forward folds each block into running sums with an online maximum
+# (``_online_block``), the backward recomputes a block at a time (``_chunk_backward``).
+# SmolLM2's head, float32, temperature 0.7, on the 2-core AMD EPYC (min of 5, same run),
+# forward only:
+#   1280 tokens: whole rows 746-786 ms; blocks of 1024 columns 385, 2048 401, 4096 463;
+#   3104 tokens: 1501-1573 ms; 512 columns 968, 1024 1167, 2048 1234;
+#    256 tokens:  144-168 ms; 2048 columns 84, 8192 93.
+# About 5-8 MB of logits per block is best, so the block is the largest power of two of
+# columns within VOCAB_BLOCK_BYTES. Forward + backward (scripts/bench_logprobs.py, medians):
+# 1280 tokens 1.65 -> 1.64 s, 3072 tokens 4.50 -> 4.06 s, the temporaries 657 -> 29 MiB and
+# 384 -> 19 MiB. Accelerators keep one block: no page faults there, and not measured.
+VOCAB_BLOCK_BYTES = 8 << 20
+MIN_VOCAB_BLOCK = 128
+
 
 def chunked_token_logprobs(
     hidden: jax.Array,
@@ -48,6 +68,7 @@ def chunked_token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token target log-prob and entropy of ``softmax(hidden @ head / temperature)``,
     computed C tokens at a time so no [B, T, V] array exists in the forward or backward.
@@ -79,6 +100,10 @@ def chunked_token_logprobs(
       temperature: T > 0 (static), the sampling temperature the behaviour log-probs used.
       chunk_size: C > 0 (static), tokens per chunk; see ``DEFAULT_CHUNK_SIZE``. A token
         count that C does not divide ends with one shorter chunk (no padded work).
+      vocab_chunk_size: vocabulary columns per block within a chunk (static), in both
+        passes; None chooses them (``_vocab_block``: on a CPU blocks of
+        ``VOCAB_BLOCK_BYTES`` of logits, elsewhere the whole vocabulary). A vocabulary that
+        the block does not divide ends with one narrower block.
 
     Returns:
       (logp [B, T], entropy [B, T]), float32.
@@ -96,10 +121,23 @@ def chunked_token_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if vocab_chunk_size is not None and (
+        isinstance(vocab_chunk_size, bool)
+        or not isinstance(vocab_chunk_size, int)
+        or vocab_chunk_size <= 0
+    ):
+        raise ValueError(
+            f"vocab_chunk_size must be a positive int or None, got {vocab_chunk_size!r}"
+        )
 
     n = b * t
     logp, ent = _flat_logprobs(
-        hidden.reshape(n, d), head, targets.reshape(n).astype(jnp.int32), temperature, chunk_size
+        hidden.reshape(n, d),
+        head,
+        targets.reshape(n).astype(jnp.int32),
+        temperature,
+        chunk_size,
+        vocab_chunk_size,
     )
     return logp.reshape(b, t), ent.reshape(b, t)
 
@@ -133,64 +171,150 @@ def _chunk_logits(h: jax.Array, w: jax.Array, temperature: float) -> jax.Array:
     return jnp.dot(h, w, preferred_element_type=jnp.float32) / temperature
 
 
-def _pick(z: jax.Array, tgt: jax.Array) -> jax.Array:
-    """[C] z[c, tgt[c]], 0 for an id outside [0, V); a gather of C values (a one-hot select
-    would be one more [C, V] buffer)."""
-    v = z.shape[-1]
-    picked = jnp.take_along_axis(z, jnp.clip(tgt, 0, v - 1)[:, None], axis=-1)[:, 0]
-    return jnp.where((tgt >= 0) & (tgt < v), picked, 0.0)
+def _vocab_block(n_tokens: int, vocab: int) -> int:
+    """Vocabulary columns per block of the forward (static): see ``VOCAB_BLOCK_BYTES``.
+
+    On a CPU, the largest power of two whose [n_tokens, block] float32 logits fit in
+    ``VOCAB_BLOCK_BYTES`` (at least ``MIN_VOCAB_BLOCK``, at most the vocabulary); on an
+    accelerator the whole vocabulary (one block: the forward as it was, measured there).
+    """
+    if jax.default_backend() != "cpu":
+        return vocab
+    fit = max(1, VOCAB_BLOCK_BYTES // (4 * max(1, n_tokens)))
+    return min(vocab, max(MIN_VOCAB_BLOCK, 1 << (fit.bit_length() - 1)))
 
 
-def _chunk_forward(h, w, tgt, temperature):
-    """(logp [C], entropy [C], logsumexp [C]) of one chunk; only z is a [C, V] buffer, the
-    rest are reductions fused over it.
+def _block_for(tokens: int, *, vocab: int, vocab_chunk_size: int | None) -> int:
+    """The block of a chunk of `tokens`: the caller's ``vocab_chunk_size``, or ``_vocab_block``."""
+    return min(vocab, vocab_chunk_size) if vocab_chunk_size else _vocab_block(tokens, vocab)
+
+
+def _online_block(carry, z, col0, tgt):
+    """Fold one vocabulary block's [C, Vb] logits z (columns col0 ...) into a chunk's running
+    (m, S, U, z_target).
+
+    With m' = max(m, max z), the sums are rescaled to the new maximum before the block's
+    terms are added:
+        S' = S·e^(m - m') + Σ e^(z - m'),
+        U' = e^(m - m')·(U + (m - m')·S) + Σ e^(z - m')·(z - m')
+    (U = Σ e·y in the shifted y = z - m, so the entropy keeps a peaked softmax's small
+    value). The first block starts from m = -1e30, S = U = 0, where
+    e^(m - m') = 0 and (m - m')·S = 0 exactly.
+    """
+    m, total, u, picked = carry
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+    rescale = jnp.exp(m - m_new)
+    y = z - m_new[:, None]  # fused with exp into the two sums (no [C, Vb] buffer)
+    e = jnp.exp(y)
+    u = rescale * (u + (m - m_new) * total) + jnp.sum(e * y, axis=-1)
+    total = total * rescale + jnp.sum(e, axis=-1)
+    col = col0 + jnp.arange(z.shape[-1])
+    picked = picked + jnp.sum(jnp.where(col[None, :] == tgt[:, None], z, 0.0), axis=-1)
+    return m_new, total, u, picked
+
+
+def _chunk_forward(h, w, tgt, temperature, vocab_block):
+    """(logp [C], entropy [C], logsumexp [C]) of one chunk of tokens, the vocabulary taken
+    ``vocab_block`` columns at a time (one block: the whole [C, V] logits at once).
 
     One exponential per logit: with m = max z, y = z - m <= 0, e = exp(y), S = Σ e and
     U = Σ e·y,
         lse = m + log S,    H = -Σ p log p = -Σ p (y - log S) = log S - U / S
-    (in the shifted y, so a peaked softmax does not subtract two numbers of z's size).
+    (in the shifted y, so a peaked softmax does not subtract two numbers of z's size),
+    accumulated block by block with the maximum updated online (``_online_block``).
     `jax.nn.logsumexp` and then `losses.entropy`'s -Σ p log p took two passes of exp over
     the [C, V] logits; on XLA:CPU that was a third of the head's forward (SmolLM2 head,
     1024 tokens: 759 -> 631 ms, the matmul alone 370 ms). Equal to those to float rounding
-    (tests/test_logprobs.py).
+    (tests/test_logprobs.py). A target outside [0, V) matches no column: logp = -lse.
     """
-    z = _chunk_logits(h, w, temperature)  # [C, V]
-    m = jnp.max(z, axis=-1)  # [C]
-    y = z - m[:, None]  # [C, V], fused with exp into the two sums (no buffer)
-    e = jnp.exp(y)
-    total = jnp.sum(e, axis=-1)
+    c, v = h.shape[0], w.shape[-1]
+    carry = (jnp.full((c,), -1e30, jnp.float32), *(jnp.zeros((c,), jnp.float32),) * 3)
+    full = v // vocab_block
+    if full:
+
+        def body(carry, j):
+            col0 = j * vocab_block
+            w_block = jax.lax.dynamic_slice_in_dim(w, col0, vocab_block, axis=1)
+            return _online_block(carry, _chunk_logits(h, w_block, temperature), col0, tgt), None
+
+        if full == 1:
+            carry, _ = body(carry, 0)
+        else:
+            carry, _ = jax.lax.scan(body, carry, jnp.arange(full))
+    if v % vocab_block:
+        z = _chunk_logits(h, w[:, full * vocab_block :], temperature)
+        carry = _online_block(carry, z, full * vocab_block, tgt)
+    m, total, u, picked = carry
     log_total = jnp.log(total)
     lse = m + log_total
-    ent = log_total - jnp.sum(e * y, axis=-1) / total
-    logp = _pick(z, tgt) - lse  # as losses.token_logprobs
-    return logp, ent, lse
+    return picked - lse, log_total - u / total, lse
 
 
-def _chunk_backward(h, w, tgt, lse, ent, g_logp, g_ent, temperature):
-    """(dh [C, D] float32, dW [D, V] float32) of one chunk, its logits recomputed.
+def _block_grads(h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature):
+    """(dh [C, D], dW block [D, Vb]) float32 from one vocabulary block's logits, recomputed.
 
     With p = softmax(z), log p = z - lse:
         d logp_t / dz_k = δ_kt - p_k
         d H / dz_k      = -p_k (log p_k + H)
     so dz_k = g_logp δ_kt - p_k (g_logp + g_H (log p_k + H)); z = (h / T)·W gives
-    dW = (h / T)ᵀ·dz and dh = (dz·Wᵀ) / T, wherever the 1/T was applied.
+    dW = (h / T)ᵀ·dz and dh = (dz·Wᵀ) / T, wherever the 1/T was applied. dh sums over the
+    blocks; each block's dW columns are its own.
     """
-    z = _chunk_logits(h, w, temperature)  # [C, V]
+    z = _chunk_logits(h, w_block, temperature)  # [C, Vb]
     logp_all = z - lse[:, None]
     p = jnp.exp(logp_all)
-    is_target = jnp.arange(z.shape[-1])[None, :] == tgt[:, None]
+    is_target = (col0 + jnp.arange(z.shape[-1]))[None, :] == tgt[:, None]
     dz = jnp.where(is_target, g_logp[:, None], 0.0) - p * (
         g_logp[:, None] + g_ent[:, None] * (logp_all + ent[:, None])
-    )  # [C, V]
-    if _scales_states(h, w):
-        h_scaled = _scaled(h, w, temperature)  # [C, D], as in the forward
-        dh = jnp.dot(dz, w.T, preferred_element_type=jnp.float32) / temperature  # [C, D]
-        dw = jnp.dot(h_scaled.T, dz, preferred_element_type=jnp.float32)  # [D, V]
+    )  # [C, Vb]
+    if _scales_states(h, w_block):
+        h_scaled = _scaled(h, w_block, temperature)  # [C, D], as in the forward
+        dh = jnp.dot(dz, w_block.T, preferred_element_type=jnp.float32) / temperature
+        dw = jnp.dot(h_scaled.T, dz, preferred_element_type=jnp.float32)  # [D, Vb]
     else:
-        d_logits = dz / temperature  # [C, V]
-        dh = jnp.dot(d_logits, w.T, preferred_element_type=jnp.float32)
+        d_logits = dz / temperature  # [C, Vb]
+        dh = jnp.dot(d_logits, w_block.T, preferred_element_type=jnp.float32)
         dw = jnp.dot(h.T, d_logits, preferred_element_type=jnp.float32)
     return dh, dw
+
+
+def _chunk_backward(h, w, tgt, lse, ent, g_logp, g_ent, temperature, vocab_block, dw_acc):
+    """(dh [C, D] float32, dw_acc + this chunk's dW [D, V] float32), the chunk's logits
+    recomputed ``vocab_block`` columns at a time (one block: the whole [C, V] at once)."""
+    grads = functools.partial(
+        _block_grads,
+        h,
+        tgt=tgt,
+        lse=lse,
+        ent=ent,
+        g_logp=g_logp,
+        g_ent=g_ent,
+        temperature=temperature,
+    )
+    v = w.shape[-1]
+    if vocab_block >= v:
+        dh, dw = grads(w, col0=0)
+        return dh, dw_acc + dw
+    full = v // vocab_block
+
+    def add_columns(acc, dw, col0):
+        width = dw.shape[-1]
+        old = jax.lax.dynamic_slice_in_dim(acc, col0, width, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(acc, old + dw, col0, axis=1)
+
+    def body(carry, j):
+        dh, acc = carry
+        col0 = j * vocab_block
+        dh_b, dw_b = grads(jax.lax.dynamic_slice_in_dim(w, col0, vocab_block, axis=1), col0=col0)
+        return (dh + dh_b, add_columns(acc, dw_b, col0)), None
+
+    carry = (jnp.zeros((h.shape[0], w.shape[0]), jnp.float32), dw_acc)
+    (dh, dw_acc), _ = jax.lax.scan(body, carry, jnp.arange(full))
+    if v % vocab_block:
+        col0 = full * vocab_block
+        dh_b, dw_b = grads(w[:, col0:], col0=col0)
+        dh, dw_acc = dh + dh_b, add_columns(dw_acc, dw_b, col0)
+    return dh, dw_acc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,40 +333,41 @@ def _split(x: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
     return x[: k * chunk].reshape(k, chunk, *x.shape[1:]), x[k * chunk :]
 
 
-def _forward_all(h, w, tgt, temperature, chunk_size):
+def _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size):
     """(logp [N], entropy [N], logsumexp [N])."""
     n = h.shape[0]
     chunk = _chunk_len(n, chunk_size)
     h_full, h_rest = _split(h, chunk)
     t_full, t_rest = _split(tgt, chunk)
+    block = functools.partial(_block_for, vocab=w.shape[-1], vocab_chunk_size=vocab_chunk_size)
 
     def body(carry, xs):
         h_c, tgt_c = xs
-        return carry, _chunk_forward(h_c, w, tgt_c, temperature)
+        return carry, _chunk_forward(h_c, w, tgt_c, temperature, block(chunk))
 
     _, full = jax.lax.scan(body, None, (h_full, t_full))  # 3 x [K, C]
     outs = [x.reshape(-1) for x in full]
     if h_rest.shape[0]:
-        rest = _chunk_forward(h_rest, w, t_rest, temperature)  # 3 x [R]
+        rest = _chunk_forward(h_rest, w, t_rest, temperature, block(h_rest.shape[0]))  # 3 x [R]
         outs = [jnp.concatenate([a, r]) for a, r in zip(outs, rest, strict=True)]
     return tuple(outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flat_logprobs(h, w, tgt, temperature, chunk_size):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _flat_logprobs(h, w, tgt, temperature, chunk_size, vocab_chunk_size):
     """(logp [N], entropy [N]) of N flattened tokens; h [N, D], w [D, V], tgt [N] int32."""
-    logp, ent, _ = _forward_all(h, w, tgt, temperature, chunk_size)
+    logp, ent, _ = _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size)
     return logp, ent
 
 
-def _flat_logprobs_fwd(h, w, tgt, temperature, chunk_size):
-    logp, ent, lse = _forward_all(h, w, tgt, temperature, chunk_size)
+def _flat_logprobs_fwd(h, w, tgt, temperature, chunk_size, vocab_chunk_size):
+    logp, ent, lse = _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size)
     # Residuals are the inputs (already alive in the caller) and two [N] vectors; the
     # [N, V] logits are recomputed chunk by chunk in the backward, never saved.
     return (logp, ent), (h, w, tgt, lse, ent)
 
 
-def _flat_logprobs_bwd(temperature, chunk_size, residuals, cotangents):
+def _flat_logprobs_bwd(temperature, chunk_size, vocab_chunk_size, residuals, cotangents):
     h, w, tgt, lse, ent = residuals
     g_logp, g_ent = cotangents  # [N] each
     n = h.shape[0]
@@ -250,20 +375,23 @@ def _flat_logprobs_bwd(temperature, chunk_size, residuals, cotangents):
     xs_full, xs_rest = zip(
         *(_split(x, chunk) for x in (h, tgt, lse, ent, g_logp, g_ent)), strict=True
     )
+    block = functools.partial(_block_for, vocab=w.shape[-1], vocab_chunk_size=vocab_chunk_size)
 
     def body(dw_acc, xs):
         h_c, tgt_c, lse_c, ent_c, gl_c, ge_c = xs
-        dh, dw = _chunk_backward(h_c, w, tgt_c, lse_c, ent_c, gl_c, ge_c, temperature)
-        return dw_acc + dw, dh
+        return _chunk_backward(
+            h_c, w, tgt_c, lse_c, ent_c, gl_c, ge_c, temperature, block(chunk), dw_acc
+        )[::-1]
 
     # dW is summed over chunks in float32 in the scan carry ([D, V], the size of the head).
     dw_acc, dh_full = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs_full)
     dh = dh_full.reshape(-1, h.shape[1])
     if xs_rest[0].shape[0]:
         h_r, tgt_r, lse_r, ent_r, gl_r, ge_r = xs_rest
-        dh_r, dw_r = _chunk_backward(h_r, w, tgt_r, lse_r, ent_r, gl_r, ge_r, temperature)
+        dh_r, dw_acc = _chunk_backward(
+            h_r, w, tgt_r, lse_r, ent_r, gl_r, ge_r, temperature, block(h_r.shape[0]), dw_acc
+        )
         dh = jnp.concatenate([dh, dh_r])
-        dw_acc = dw_acc + dw_r
     # Integer targets take a float0 cotangent (no gradient).
     d_tgt = np.zeros(tgt.shape, jax.dtypes.float0)
     return dh.astype(h.dtype), dw_acc.astype(w.dtype), d_tgt
