@@ -5,9 +5,9 @@ Two ways of computing ``(logp, entropy)`` of ``softmax(h @ W / T)`` for N = B·T
 * ``plain``: full [B, T, V] float32 logits, then ``losses.token_logprobs`` /
   ``losses.entropy`` (what ``train_step.forward_logprobs`` does after the layer stack);
 * ``chunked``: ``core.logprobs.chunked_token_logprobs``, C tokens at a time (one entry per
-  ``--chunk-sizes`` value), its forward taking the vocabulary in blocks of Vb columns (one
+  ``--chunk-sizes`` value), both passes taking the vocabulary in blocks of Vb columns (one
   entry per ``--vocab-chunk-sizes`` value: ``auto`` the library's choice, ``0`` whole rows,
-  i.e. one block of V, the head before 2026-11-26), in the forward and the backward.
+  i.e. one block of V, the head before 2026-11-26).
 
 Each runs jitted two ways: ``forward`` (the values) and ``grad`` (forward + backward of a
 masked sum of both outputs, gradients w.r.t. h and W, what the policy pass needs). Reported
@@ -113,7 +113,7 @@ def temp_bytes(jitted, args) -> int:
     return int(stats.temp_size_in_bytes) if stats is not None else -1
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     smollm2 = CONFIGS["smollm2"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--batch", type=int, default=32, help="B (default 32)")
@@ -131,11 +131,11 @@ def main() -> None:
     parser.add_argument(
         "--vocab-chunk-sizes",
         default="auto,0",
-        help="comma-separated forward vocabulary blocks: auto (the library's), 0 (whole rows), "
+        help="comma-separated vocabulary blocks: auto (the library's), 0 (whole rows), "
         "or columns (default auto,0)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
 
     b, t, d, v = args.batch, args.seq, args.d_model, args.vocab
