@@ -171,22 +171,40 @@ def _chunk_logits(h: jax.Array, w: jax.Array, temperature: float) -> jax.Array:
     return jnp.dot(h, w, preferred_element_type=jnp.float32) / temperature
 
 
-def _vocab_block(n_tokens: int, vocab: int) -> int:
-    """Vocabulary columns per block of the forward (static): see ``VOCAB_BLOCK_BYTES``.
+def _vocab_block(n_tokens: int, vocab: int, requested: int | None = None) -> int:
+    """Vocabulary columns per block for a chunk of `n_tokens` (static), in both passes.
 
-    On a CPU, the largest power of two whose [n_tokens, block] float32 logits fit in
-    ``VOCAB_BLOCK_BYTES`` (at least ``MIN_VOCAB_BLOCK``, at most the vocabulary); on an
-    accelerator the whole vocabulary (one block: the forward as it was, measured there).
+    The caller's ``requested`` width (at most the vocabulary) if given; else, on a CPU, the
+    largest power of two whose [n_tokens, block] float32 logits fit in ``VOCAB_BLOCK_BYTES``
+    (at least ``MIN_VOCAB_BLOCK``, at most the vocabulary); on an accelerator the whole
+    vocabulary (one block: the head as it was; blocks were not measured there).
     """
+    if requested:
+        return min(vocab, requested)
     if jax.default_backend() != "cpu":
         return vocab
     fit = max(1, VOCAB_BLOCK_BYTES // (4 * max(1, n_tokens)))
     return min(vocab, max(MIN_VOCAB_BLOCK, 1 << (fit.bit_length() - 1)))
 
 
-def _block_for(tokens: int, *, vocab: int, vocab_chunk_size: int | None) -> int:
-    """The block of a chunk of `tokens`: the caller's ``vocab_chunk_size``, or ``_vocab_block``."""
-    return min(vocab, vocab_chunk_size) if vocab_chunk_size else _vocab_block(tokens, vocab)
+def _over_blocks(step, carry, w: jax.Array, vocab_block: int):
+    """``carry = step(carry, w_block, col0)`` over the head's column blocks in order: the
+    full blocks of ``vocab_block`` columns (a scan when there are several), then the
+    narrower remainder, if any."""
+    v = w.shape[-1]
+    full = v // vocab_block
+
+    def body(carry, j):
+        col0 = j * vocab_block
+        return step(carry, jax.lax.dynamic_slice_in_dim(w, col0, vocab_block, axis=1), col0), None
+
+    if full == 1:
+        carry, _ = body(carry, 0)
+    elif full > 1:
+        carry, _ = jax.lax.scan(body, carry, jnp.arange(full))
+    if v % vocab_block:
+        carry = step(carry, w[:, full * vocab_block :], full * vocab_block)
+    return carry
 
 
 def _online_block(carry, z, col0, tgt):
@@ -227,23 +245,13 @@ def _chunk_forward(h, w, tgt, temperature, vocab_block):
     1024 tokens: 759 -> 631 ms, the matmul alone 370 ms). Equal to those to float rounding
     (tests/test_logprobs.py). A target outside [0, V) matches no column: logp = -lse.
     """
-    c, v = h.shape[0], w.shape[-1]
-    carry = (jnp.full((c,), -1e30, jnp.float32), *(jnp.zeros((c,), jnp.float32),) * 3)
-    full = v // vocab_block
-    if full:
+    c = h.shape[0]
+    start = (jnp.full((c,), -1e30, jnp.float32), *(jnp.zeros((c,), jnp.float32),) * 3)
 
-        def body(carry, j):
-            col0 = j * vocab_block
-            w_block = jax.lax.dynamic_slice_in_dim(w, col0, vocab_block, axis=1)
-            return _online_block(carry, _chunk_logits(h, w_block, temperature), col0, tgt), None
+    def step(carry, w_block, col0):
+        return _online_block(carry, _chunk_logits(h, w_block, temperature), col0, tgt)
 
-        if full == 1:
-            carry, _ = body(carry, 0)
-        else:
-            carry, _ = jax.lax.scan(body, carry, jnp.arange(full))
-    if v % vocab_block:
-        z = _chunk_logits(h, w[:, full * vocab_block :], temperature)
-        carry = _online_block(carry, z, full * vocab_block, tgt)
+    carry = _over_blocks(step, start, w, vocab_block)
     m, total, u, picked = carry
     log_total = jnp.log(total)
     lse = m + log_total
@@ -281,40 +289,17 @@ def _block_grads(h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature):
 def _chunk_backward(h, w, tgt, lse, ent, g_logp, g_ent, temperature, vocab_block, dw_acc):
     """(dh [C, D] float32, dw_acc + this chunk's dW [D, V] float32), the chunk's logits
     recomputed ``vocab_block`` columns at a time (one block: the whole [C, V] at once)."""
-    grads = functools.partial(
-        _block_grads,
-        h,
-        tgt=tgt,
-        lse=lse,
-        ent=ent,
-        g_logp=g_logp,
-        g_ent=g_ent,
-        temperature=temperature,
-    )
-    v = w.shape[-1]
-    if vocab_block >= v:
-        dh, dw = grads(w, col0=0)
-        return dh, dw_acc + dw
-    full = v // vocab_block
 
-    def add_columns(acc, dw, col0):
-        width = dw.shape[-1]
-        old = jax.lax.dynamic_slice_in_dim(acc, col0, width, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(acc, old + dw, col0, axis=1)
-
-    def body(carry, j):
+    def step(carry, w_block, col0):
         dh, acc = carry
-        col0 = j * vocab_block
-        dh_b, dw_b = grads(jax.lax.dynamic_slice_in_dim(w, col0, vocab_block, axis=1), col0=col0)
-        return (dh + dh_b, add_columns(acc, dw_b, col0)), None
+        dh_b, dw_b = _block_grads(
+            h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature
+        )  # dW_b: [D, Vb], this block's own columns
+        old = jax.lax.dynamic_slice_in_dim(acc, col0, dw_b.shape[-1], axis=1)
+        return dh + dh_b, jax.lax.dynamic_update_slice_in_dim(acc, old + dw_b, col0, axis=1)
 
-    carry = (jnp.zeros((h.shape[0], w.shape[0]), jnp.float32), dw_acc)
-    (dh, dw_acc), _ = jax.lax.scan(body, carry, jnp.arange(full))
-    if v % vocab_block:
-        col0 = full * vocab_block
-        dh_b, dw_b = grads(w[:, col0:], col0=col0)
-        dh, dw_acc = dh + dh_b, add_columns(dw_acc, dw_b, col0)
-    return dh, dw_acc
+    start = (jnp.zeros((h.shape[0], w.shape[0]), jnp.float32), dw_acc)
+    return _over_blocks(step, start, w, vocab_block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +324,7 @@ def _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size):
     chunk = _chunk_len(n, chunk_size)
     h_full, h_rest = _split(h, chunk)
     t_full, t_rest = _split(tgt, chunk)
-    block = functools.partial(_block_for, vocab=w.shape[-1], vocab_chunk_size=vocab_chunk_size)
+    block = functools.partial(_vocab_block, vocab=w.shape[-1], requested=vocab_chunk_size)
 
     def body(carry, xs):
         h_c, tgt_c = xs
@@ -375,7 +360,7 @@ def _flat_logprobs_bwd(temperature, chunk_size, vocab_chunk_size, residuals, cot
     xs_full, xs_rest = zip(
         *(_split(x, chunk) for x in (h, tgt, lse, ent, g_logp, g_ent)), strict=True
     )
-    block = functools.partial(_block_for, vocab=w.shape[-1], vocab_chunk_size=vocab_chunk_size)
+    block = functools.partial(_vocab_block, vocab=w.shape[-1], requested=vocab_chunk_size)
 
     def body(dw_acc, xs):
         h_c, tgt_c, lse_c, ent_c, gl_c, ge_c = xs
