@@ -74,12 +74,20 @@ def test_sample_tokens_logprob_is_before_truncation(maybe_jit):
     np.testing.assert_allclose(logprobs[2], np.log(PROBS[int(tokens[2])]), rtol=1e-5)
 
 
+def _vocab_major(logits, keys, temperature, top_k, top_p):
+    # The decode step's entry point, on the [V, N] logits the out-major lm_head gives.
+    return sampling.sample_tokens_vocab_major(logits.T, keys, temperature, top_k, top_p)
+
+
 @JIT_VARIANTS
-def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit):
+@pytest.mark.parametrize("entry", [sampling.sample_tokens, _vocab_major], ids=["rows", "vocab"])
+def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit, entry):
     # sample_tokens reduces the logits to log Z instead of materialising the [N, V]
     # log-softmax (one pass less over the vocabulary each decode step); the log-prob must
     # still be jax.nn.log_softmax(logits / T)[token], greedy (T := 1) and sampled rows
-    # alike, to float32 rounding (jit fuses the divisions differently from eager: 1 ulp).
+    # alike, to float32 rounding: jit fuses the divisions differently from eager (1 ulp),
+    # and Z is summed down the vocabulary-major [V, N] layout, in another order than
+    # log_softmax's row sums (a few ulps of log Z, which is about 7 here: atol 1e-6).
     n, v = 6, 1000
     logits = jax.random.normal(jax.random.key(0), (n, v)) * 4.0
     keys = sampling.sample_keys(
@@ -91,14 +99,19 @@ def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit):
         t = jnp.asarray(temperature, jnp.float32)
         top_k = jnp.asarray([0, 5, 0, 0, 0, 0], jnp.int32)
         top_p = jnp.asarray([1.0, 1.0, 0.8, 1.0, 1.0, 1.0], jnp.float32)
-        tokens, logprobs = maybe_jit(sampling.sample_tokens)(logits, keys, t, top_k, top_p)
+        tokens, logprobs = maybe_jit(entry)(logits, keys, t, top_k, top_p)
         scale = jnp.where(t > 0, t, 1.0)[:, None]
         expected = jax.nn.log_softmax(logits / scale, axis=-1)[jnp.arange(n), tokens]
-        np.testing.assert_allclose(logprobs, expected, rtol=3e-7, atol=0)
+        np.testing.assert_allclose(logprobs, expected, rtol=3e-7, atol=1e-6)
         greedy = np.asarray(t) == 0
         np.testing.assert_array_equal(
             np.asarray(tokens)[greedy], np.argmax(np.asarray(logits), -1)[greedy]
         )
+        # Sampled rows without truncation draw what jax.random.categorical draws at T.
+        for i in np.flatnonzero((np.asarray(t) > 0) & (np.asarray(top_k) == 0)):
+            if float(top_p[i]) == 1.0:
+                ref = jax.random.categorical(keys[i], logits[i] / t[i])
+                assert int(tokens[i]) == int(ref), i
 
 
 @JIT_VARIANTS
@@ -122,6 +135,11 @@ def test_first_argmax_golden_and_equal_to_argmax(maybe_jit):
         got = maybe_jit(sampling.first_argmax)(y)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(got, jnp.argmax(y, axis=-1))
+        # Down the columns of the vocabulary-major layout (the decode step's), likewise.
+        got = maybe_jit(lambda a: sampling.first_argmax(a, axis=0))(y.T)
+        np.testing.assert_array_equal(got, jnp.argmax(y, axis=-1))
+    cols = maybe_jit(lambda a: sampling.first_argmax(a, axis=0))(x.T)
+    np.testing.assert_array_equal(cols, [1, 2, 1, 0])
 
 
 def test_categorical_draws_what_jax_random_categorical_draws():

@@ -504,6 +504,26 @@ def test_apply_decode_window_changes_nothing_but_the_reads(window):
             apply_decode(dparams, tok, pos, window=bad, **step)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_apply_decode_vocab_major_is_the_logits_transposed(tied):
+    """`vocab_major=True` returns the same logits as [V, B·T], column b·T + t for row b's
+    token t (the decode step samples down its columns), for the tied out-major lm_head and
+    an untied one; two tokens per row, so a mixed-up column order shows."""
+    config = ModelConfig.tiny(tie_embeddings=tied)
+    params = _sharp_params(config)
+    dparams = decode_params(params, config)
+    b, t = 3, 2
+    cache = init_kv_cache(config, b, 8)
+    tok = jax.random.randint(jax.random.key(5), (b, t), 0, config.vocab_size)
+    step = dict(config=config, kv_cache=cache)
+    logits, cache_rows = apply_decode(dparams, tok, _arange(b, t), **step)
+    logits_t, cache_cols = apply_decode(dparams, tok, _arange(b, t), vocab_major=True, **step)
+    assert logits_t.shape == (config.vocab_size, b * t)
+    np.testing.assert_allclose(logits_t.T.reshape(b, t, -1), logits, atol=1e-6, rtol=1e-6)
+    for a, b_ in zip(cache_cols, cache_rows, strict=True):
+        np.testing.assert_allclose(a, b_, atol=1e-6, rtol=1e-6)
+
+
 def test_decode_params_layout():
     """Per-layer trees whose fused blocks are the original kernels, transposed (out-major
     `kernel_t` [O, I]); the embedding table is shared with `params` (the tied lm_head reads

@@ -395,7 +395,7 @@ def generate(
     N = state.num_slots
     positions = state.cache.lengths[:, None]  # [N, 1]; the fed token's position
     segment_ids = state.active.astype(jnp.int32)[:, None]  # [N, 1]; 0 keeps lengths as is
-    logits, cache = model_lib.apply_decode(
+    logits_t, cache = model_lib.apply_decode(
         params,
         state.tokens[:, None],
         positions,
@@ -403,11 +403,12 @@ def generate(
         segment_ids=segment_ids,
         kv_cache=state.cache,
         window=window,
-    )  # [N, 1, V]
-    chex.assert_shape(logits, (N, 1, None))
+        vocab_major=True,  # sampled down the vocabulary without a transpose
+    )  # [V, N]
+    chex.assert_shape(logits_t, (None, N))
     keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
-    tokens, logprobs = sampling.sample_tokens(
-        logits[:, 0, :], keys, state.temperature, state.top_k, state.top_p
+    tokens, logprobs = sampling.sample_tokens_vocab_major(
+        logits_t, keys, state.temperature, state.top_k, state.top_p
     )  # [N], [N]
     state = state.replace(
         cache=cache,

@@ -59,22 +59,23 @@ def sample_keys(
     return jax.vmap(one)(seed_hi, seed_lo, sample_index, step)
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
-    """`jnp.argmax(x, axis=-1)` (the first index of each row's maximum; of its first NaN if
-    it has one) as two plain reductions, a max and then a min over the indices that reach
-    it. XLA:CPU runs argmax as one variadic (value, index) reduction, which it does not
+def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """`jnp.argmax(x, axis)` (the first index of each maximum along `axis`; of the first NaN
+    if there is one) as two plain reductions, a max and then a min over the indices that
+    reach it. XLA:CPU runs argmax as one variadic (value, index) reduction, which it does not
     vectorise: over [32, 49152] float32 logits it took 3.5 ms, and these two 0.8 ms (2-core
     AMD EPYC, min of 30). Same result, including ties and NaNs (XLA's max propagates NaN).
 
     Args:
-      x: `[..., V]` floats.
+      x: floats.
+      axis: the axis to reduce (the vocabulary).
     Returns:
-      `[...]` int32 indices.
+      int32 indices, `x`'s shape without `axis`.
     """
-    top = jnp.max(x, axis=-1, keepdims=True)
-    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    top = jnp.max(x, axis=axis, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim)
     hit = (x == top) | jnp.isnan(x)
-    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+    return jnp.min(jnp.where(hit, index, x.shape[axis]), axis=axis)
 
 
 def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
@@ -131,10 +132,43 @@ def sample_tokens(
     top_k: jax.Array,
     top_p: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per slot and returns it with its behaviour log-prob.
+    """Draws one token per slot from `[N, V]` logits and returns it with its behaviour
+    log-prob: `sample_tokens_vocab_major` on the transposed logits (one [N, V] copy; the
+    decode step hands over vocabulary-major logits and skips it).
 
     Args:
       logits: `[N, V]` next-token logits (any float dtype; computed in float32).
+      keys, temperature, top_k, top_p: as in `sample_tokens_vocab_major`.
+
+    Returns:
+      tokens `[N]` int32 and logprobs `[N]` float32 (`sample_tokens_vocab_major`).
+    """
+    chex.assert_rank(logits, 2)
+    return sample_tokens_vocab_major(logits.T, keys, temperature, top_k, top_p)
+
+
+def sample_tokens_vocab_major(
+    logits_t: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per slot and returns it with its behaviour log-prob, from the logits
+    laid out vocabulary-major: `[V, N]`, one column per slot.
+
+    That is the layout the decode step's lm_head produces (the [V, D] table is the GEMM's
+    left operand, `model.apply_decode(..., vocab_major=True)`), and every reduction over
+    the vocabulary then runs down the rows, N contiguous slots at a time, which XLA:CPU
+    vectorises; over `[N, V]` rows it reduced each row alone. At batch 32 and SmolLM2's
+    49152 tokens the greedy max / first-argmax / log-normaliser passes took about 10 ms of
+    an 88 ms decode step from `[N, V]` logits and about 3 ms this way (2-core AMD EPYC; A/B
+    in design §6). Greedy rows take the argmax of the raw logits (T := 1 there, the same
+    index); sampled rows are drawn from `[N, V]` rows (`categorical`'s Gumbel noise is
+    drawn a row per key), transposed only inside that branch.
+
+    Args:
+      logits_t: `[V, N]` next-token logits (any float dtype; computed in float32).
       keys: `[N]` PRNG keys (see `sample_keys`).
       temperature: `[N]` float32; 0 = greedy.
       top_k: `[N]` int32; 0 = off.
@@ -144,33 +178,35 @@ def sample_tokens(
       tokens `[N]` int32 and logprobs `[N]` float32, `log_softmax(logits / T)[token]` before
       truncation (T := 1 for greedy rows).
     """
-    chex.assert_rank(logits, 2)
-    N, _ = logits.shape
+    chex.assert_rank(logits_t, 2)
+    _, N = logits_t.shape
     chex.assert_shape([temperature, top_k, top_p], (N,))
     chex.assert_shape(keys, (N,))
     # Softmax in float32: bfloat16 log-probs are off by ~1e-2, the size of the PPO clip range.
-    logits = logits.astype(jnp.float32)
+    logits_t = logits_t.astype(jnp.float32)
     greedy = temperature <= 0.0  # [N]
     scale = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)  # [N]
-    scaled = logits / scale[:, None]  # [N, V]; == logits on greedy rows
-    greedy_tokens = first_argmax(scaled)  # [N]
+    greedy_tokens = first_argmax(logits_t, axis=0)  # [N]; == that of logits / T on greedy rows
 
-    def draw(s):
+    def draw(x):
+        scaled = (x / scale[None, :]).T  # [N, V]
         # Sorting V per step is the costliest part of sampling: skip it (lax.cond runs one
         # branch) when no sampled slot asks for truncation.
         wants_truncation = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
         candidates = jax.lax.cond(
-            wants_truncation, lambda x: truncate_logits(x, top_k, top_p), lambda x: x, s
+            wants_truncation, lambda x: truncate_logits(x, top_k, top_p), lambda x: x, scaled
         )  # [N, V]
         return categorical(keys, candidates)  # V random numbers a row
 
     # An all-greedy batch (evaluation, the benchmarks) reads the logits only to reduce them.
-    drawn = jax.lax.cond(jnp.all(greedy), lambda s: greedy_tokens, draw, scaled)  # [N]
+    drawn = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, logits_t)  # [N]
     tokens = jnp.where(greedy, greedy_tokens, drawn).astype(jnp.int32)  # [N]
-    # log_softmax(scaled)[token] without the [N, V] log-probs: the same operations as
-    # jax.nn.log_softmax ((x - max) - log(sum(exp(x - max)))), at one index per row.
-    top = jnp.max(scaled, axis=-1, keepdims=True)  # [N, 1]
-    log_z = jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1))  # [N]
-    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)  # [N, 1]
-    logprobs = (picked - top)[:, 0] - log_z  # [N]
+    # log_softmax(logits / T)[token] without the [V, N] log-probs: the same operations as
+    # jax.nn.log_softmax ((x - max) - log(sum(exp(x - max)))) at one index per slot. The
+    # maximum of logits / T is the raw maximum / T exactly (x -> x / T is monotone, and so
+    # is its rounding), so the max pass is shared with the greedy argmax.
+    top = jnp.max(logits_t, axis=0) / scale  # [N]
+    log_z = jnp.log(jnp.sum(jnp.exp(logits_t / scale[None, :] - top[None, :]), axis=0))  # [N]
+    picked = logits_t[tokens, jnp.arange(N)] / scale  # [N]
+    logprobs = (picked - top) - log_z  # [N]
     return tokens, logprobs

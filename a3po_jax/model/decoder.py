@@ -394,7 +394,13 @@ def out_major_dot(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
     itself copies only the [O, M] result. Values are the same products, summed in another
     order: equal to x @ kernel_t.T up to float rounding.
     """
-    return jax.lax.optimization_barrier(jnp.dot(kernel_t, x.T)).T
+    return out_major_product(x, kernel_t).T
+
+
+def out_major_product(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
+    """`out_major_dot` without the transpose back: kernel_t [O, I] x xᵀ [I, M] -> [O, M],
+    behind an optimization barrier (see `out_major_dot`)."""
+    return jax.lax.optimization_barrier(jnp.dot(kernel_t, x.T))
 
 
 def _embed(table: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
@@ -806,6 +812,7 @@ def apply_decode(
     kv_cache: KVCache,
     segment_ids: jax.Array | None = None,
     window: int | None = None,
+    vocab_major: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """`apply` with a KV cache, `decoder_layer` unrolled over `decode_params` weights.
 
@@ -832,8 +839,11 @@ def apply_decode(
         caller guarantees every row's new tokens land inside it (lengths + T <= window);
         the cache is still written at `lengths + t`, and slots past the window are masked
         anyway (they are empty or beyond every row's length), so the logits do not change.
+      vocab_major: return the logits as [V, B·T] (column b·T + t for row b, token t): the
+        tied out-major lm_head's own output, which the decode step samples from
+        (`sampling.sample_tokens_vocab_major`) without transposing it.
     Returns:
-      (logits [B, T, V] float32, new KVCache).
+      (logits [B, T, V] float32, or [V, B·T] with `vocab_major`; new KVCache).
     """
     c = config
     chex.assert_rank([tokens, positions], 2)
@@ -858,13 +868,12 @@ def apply_decode(
         x, (cache_k, cache_v) = decoder_layer(w, x, positions, mask, config=c, cache=cache)
 
     # Final norm and lm_head in float32, as in `apply`.
-    hidden = rms_norm(x.astype(jnp.float32), params.final_norm, c.rms_eps)
+    hidden = rms_norm(x.astype(jnp.float32), params.final_norm, c.rms_eps).reshape(b * t, -1)
     if params.lm_head is None:  # tied: the [V, D] table is already out-major
-        logits = out_major_dot(hidden.reshape(b * t, -1), params.embed.astype(jnp.float32)).reshape(
-            b, t, -1
-        )
+        logits_t = out_major_product(hidden, params.embed.astype(jnp.float32))  # [V, B·T]
     else:
-        logits = jnp.einsum("btd,dv->btv", hidden, params.lm_head.astype(jnp.float32))
+        logits_t = jnp.dot(hidden, params.lm_head.astype(jnp.float32)).T
+    logits = logits_t if vocab_major else logits_t.T.reshape(b, t, -1)
     return logits, _advanced_cache(kv_cache, cache_k, cache_v, segment_ids, b, t)
 
 
