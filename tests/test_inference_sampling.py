@@ -74,20 +74,22 @@ def test_sample_tokens_logprob_is_before_truncation(maybe_jit):
     np.testing.assert_allclose(logprobs[2], np.log(PROBS[int(tokens[2])]), rtol=1e-5)
 
 
-def _vocab_major(logits, keys, temperature, top_k, top_p):
-    # The decode step's entry point, on the [V, N] logits the out-major lm_head gives.
-    return sampling.sample_tokens_vocab_major(logits.T, keys, temperature, top_k, top_p)
-
-
 @JIT_VARIANTS
-@pytest.mark.parametrize("entry", [sampling.sample_tokens, _vocab_major], ids=["rows", "vocab"])
-def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit, entry):
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit, layout, monkeypatch):
     # sample_tokens reduces the logits to log Z instead of materialising the [N, V]
     # log-softmax (one pass less over the vocabulary each decode step); the log-prob must
     # still be jax.nn.log_softmax(logits / T)[token], greedy (T := 1) and sampled rows
     # alike, to float32 rounding: jit fuses the divisions differently from eager (1 ulp),
-    # and Z is summed down the vocabulary-major [V, N] layout, in another order than
-    # log_softmax's row sums (a few ulps of log Z, which is about 7 here: atol 1e-6).
+    # and down the columns of the vocabulary-major [V, N] layout Z is summed in another
+    # order than log_softmax's row sums (a few ulps of log Z, about 7 here: atol 1e-6).
+    # Both reductions are checked: along rows (few slots) and down columns (many).
+    monkeypatch.setattr(sampling, "MIN_VOCAB_MAJOR_SLOTS", 1 if layout == "columns" else 10**9)
+
+    def entry(logits, keys, temperature, top_k, top_p):  # a fresh function: traced anew
+        # The decode step's entry point, on the [V, N] logits the out-major lm_head gives.
+        return sampling.sample_tokens_vocab_major(logits.T, keys, temperature, top_k, top_p)
+
     n, v = 6, 1000
     logits = jax.random.normal(jax.random.key(0), (n, v)) * 4.0
     keys = sampling.sample_keys(

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 
 # Explicit so that keys (and thus samples) do not change with jax's default PRNG config.
 _PRNG_IMPL = "threefry2x32"
+# `sample_tokens_vocab_major` reduces down the vocabulary-major columns from this many slots
+# (batch 8 ran as fast either way, 32 faster this way, one slot slower: design §6).
+MIN_VOCAB_MAJOR_SLOTS = 8
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -163,9 +166,10 @@ def sample_tokens_vocab_major(
     vectorises; over `[N, V]` rows it reduced each row alone. At batch 32 and SmolLM2's
     49152 tokens the greedy max / first-argmax / log-normaliser passes took about 10 ms of
     an 88 ms decode step from `[N, V]` logits and about 3 ms this way (2-core AMD EPYC; A/B
-    in design §6). Greedy rows take the argmax of the raw logits (T := 1 there, the same
-    index); sampled rows are drawn from `[N, V]` rows (`categorical`'s Gumbel noise is
-    drawn a row per key), transposed only inside that branch.
+    in design §6). Below `MIN_VOCAB_MAJOR_SLOTS` slots a column is too narrow to vectorise,
+    and the few rows are reduced instead. Greedy rows take the argmax of the raw logits
+    (T := 1 there, the same index); sampled rows are drawn from `[N, V]` rows
+    (`categorical`'s Gumbel noise is drawn a row per key), transposed only in that branch.
 
     Args:
       logits_t: `[V, N]` next-token logits (any float dtype; computed in float32).
@@ -184,12 +188,21 @@ def sample_tokens_vocab_major(
     chex.assert_shape(keys, (N,))
     # Softmax in float32: bfloat16 log-probs are off by ~1e-2, the size of the PPO clip range.
     logits_t = logits_t.astype(jnp.float32)
+    # The vocabulary axis of `x`: down the columns from MIN_VOCAB_MAJOR_SLOTS slots; with
+    # fewer, a column has too few lanes and each reduction runs one element at a time (one
+    # slot: log Z's sum took 1.2 ms against 0.14 along a row), so the few rows are reduced.
+    if N >= MIN_VOCAB_MAJOR_SLOTS:
+        x, axis = logits_t, 0  # [V, N]
+    else:
+        x, axis = logits_t.T, 1  # [N, V]; a free reshape for one slot
     greedy = temperature <= 0.0  # [N]
     scale = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)  # [N]
-    greedy_tokens = first_argmax(logits_t, axis=0)  # [N]; == that of logits / T on greedy rows
+    scale_x = jnp.expand_dims(scale, axis)  # broadcasts against x
+    greedy_tokens = first_argmax(x, axis=axis)  # [N]; == that of logits / T on greedy rows
 
     def draw(x):
-        scaled = (x / scale[None, :]).T  # [N, V]
+        scaled = x / scale_x
+        scaled = scaled.T if axis == 0 else scaled  # [N, V]
         # Sorting V per step is the costliest part of sampling: skip it (lax.cond runs one
         # branch) when no sampled slot asks for truncation.
         wants_truncation = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
@@ -199,14 +212,14 @@ def sample_tokens_vocab_major(
         return categorical(keys, candidates)  # V random numbers a row
 
     # An all-greedy batch (evaluation, the benchmarks) reads the logits only to reduce them.
-    drawn = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, logits_t)  # [N]
+    drawn = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, draw, x)  # [N]
     tokens = jnp.where(greedy, greedy_tokens, drawn).astype(jnp.int32)  # [N]
     # log_softmax(logits / T)[token] without the [V, N] log-probs: the same operations as
     # jax.nn.log_softmax ((x - max) - log(sum(exp(x - max)))) at one index per slot. The
     # maximum of logits / T is the raw maximum / T exactly (x -> x / T is monotone, and so
     # is its rounding), so the max pass is shared with the greedy argmax.
-    top = jnp.max(logits_t, axis=0) / scale  # [N]
-    log_z = jnp.log(jnp.sum(jnp.exp(logits_t / scale[None, :] - top[None, :]), axis=0))  # [N]
-    picked = logits_t[tokens, jnp.arange(N)] / scale  # [N]
-    logprobs = (picked - top) - log_z  # [N]
+    top = jnp.max(x, axis=axis, keepdims=True) / scale_x
+    log_z = jnp.log(jnp.sum(jnp.exp(x / scale_x - top), axis=axis))  # [N]
+    picked = jnp.take_along_axis(x, jnp.expand_dims(tokens, axis), axis=axis) / scale_x
+    logprobs = jnp.squeeze(picked - top, axis) - log_z  # [N]
     return tokens, logprobs
