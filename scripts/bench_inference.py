@@ -394,13 +394,14 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
     """The decode step at this batch, op by op, as the engine runs it.
 
     * forward: `apply_decode` on the engine's weight layout with the KV cache donated (all
-      layers, final norm, lm_head), seconds per call (min of repeats);
+      layers, final norm, lm_head; vocabulary-major logits, as the engine samples them),
+      seconds per call (min of repeats);
     * ops: the compiled forward's ops, timed by the JAX profiler (`bench_common.op_profile`):
       the 12 largest as {op, shape, count, ms} per call; a dot's shape is its result
       ([O, B] for the out-major weight matmuls, [B, N, S, G] for attention scores), a
       "squeeze" of [B, N, S, K] is the cache window read out for attention;
-    * sampling: `sample_tokens` on [B, V] logits, greedy and at temperature 1, each its own
-      program.
+    * sampling: `sample_tokens_vocab_major` on [V, B] logits, greedy and at temperature 1,
+      each its own program.
     """
     from bench_common import op_profile
 
@@ -418,7 +419,9 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
     # Compiled once, ahead of time: the program timed is the one whose text names the ops.
     forward = (
         jax.jit(
-            lambda p, kv: model_lib.apply_decode(p, tokens, positions, config=c, kv_cache=kv),
+            lambda p, kv: model_lib.apply_decode(
+                p, tokens, positions, config=c, kv_cache=kv, vocab_major=True
+            ),
             donate_argnums=1,
         )
         .lower(split, state["cache"])
@@ -430,20 +433,21 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
         state["cache"] = cache._replace(lengths=lengths())
         jax.block_until_ready(logits)
 
-    def sample(logits, temperature):
-        n = logits.shape[0]
+    def sample(logits_t, temperature):
+        n = logits_t.shape[1]
         keys = sampling.sample_keys(
             *(jnp.zeros((n,), d) for d in (jnp.uint32, jnp.uint32, jnp.int32, jnp.int32))
         )
         t = jnp.full((n,), temperature, jnp.float32)
-        return sampling.sample_tokens(logits, keys, t, jnp.zeros((n,), jnp.int32), jnp.ones((n,)))
+        no_k, no_p = jnp.zeros((n,), jnp.int32), jnp.ones((n,))
+        return sampling.sample_tokens_vocab_major(logits_t, keys, t, no_k, no_p)
 
     def best(fn, *args) -> float:
         jax.block_until_ready(fn(*args))
         return min(_timed(lambda: jax.block_until_ready(fn(*args))) for _ in range(repeats + 2))
 
     step()
-    logits = jnp.zeros((B, c.vocab_size), jnp.float32)
+    logits = jnp.zeros((c.vocab_size, B), jnp.float32)
     return {
         "forward": min(_timed(step) for _ in range(repeats + 2)),
         "sampling_greedy": best(jax.jit(lambda x: sample(x, 0.0)), logits),
