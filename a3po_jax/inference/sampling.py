@@ -136,8 +136,9 @@ def sample_tokens(
     top_p: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per slot from `[N, V]` logits and returns it with its behaviour
-    log-prob: `sample_tokens_vocab_major` on the transposed logits (one [N, V] copy; the
-    decode step hands over vocabulary-major logits and skips it).
+    log-prob: `sample_tokens_vocab_major` on the transposed logits (a copy from
+    `MIN_VOCAB_MAJOR_SLOTS` slots, where the reductions run down the columns; the decode
+    step hands over vocabulary-major logits and makes none).
 
     Args:
       logits: `[N, V]` next-token logits (any float dtype; computed in float32).
@@ -162,7 +163,7 @@ def sample_tokens_vocab_major(
 
     That is the layout the decode step's lm_head produces (the [V, D] table is the GEMM's
     left operand, `model.apply_decode(..., vocab_major=True)`), and every reduction over
-    the vocabulary then runs down the rows, N contiguous slots at a time, which XLA:CPU
+    the vocabulary then runs down the columns, N contiguous slots at a time, which XLA:CPU
     vectorises; over `[N, V]` rows it reduced each row alone. At batch 32 and SmolLM2's
     49152 tokens the greedy max / first-argmax / log-normaliser passes took about 10 ms of
     an 88 ms decode step from `[N, V]` logits and about 3 ms this way (2-core AMD EPYC; A/B
