@@ -404,6 +404,57 @@ def test_engine_step_equals_apply_across_a_weight_swap():
     np.testing.assert_array_equal(state.cache.lengths, [3 + 5, 3 + 5])
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_engine_step_equals_apply_with_many_slots(tied):
+    """With 8 slots (`sampling.MIN_VOCAB_MAJOR_SLOTS`) the engine's step reduces the tied
+    head's vocabulary-major logits down their columns; an untied head's are sampled as rows.
+    Either way each step's tokens and log-probs equal `model.apply` + `sample_tokens` on
+    [N, V] rows, for greedy slots, sampled slots and one with top-k and top-p."""
+    from a3po_jax import model as M
+    from a3po_jax.inference import engine_core
+
+    config = M.ModelConfig.tiny(tie_embeddings=tied)
+    params = jax.tree.map(
+        lambda x: x * 8.0 if x.ndim >= 2 else x, M.init_params(config, jax.random.key(2))
+    )
+    n = sampling.MIN_VOCAB_MAJOR_SLOTS
+
+    @jax.jit
+    def reference(state):
+        logits, _ = M.apply(
+            params,
+            state.tokens[:, None],
+            state.cache.lengths[:, None],
+            config=config,
+            segment_ids=state.active.astype(jnp.int32)[:, None],
+            kv_cache=state.cache,
+        )
+        keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
+        return sampling.sample_tokens(
+            logits[:, 0], keys, state.temperature, state.top_k, state.top_p
+        )
+
+    core = engine_core.EngineCore(config, num_slots=n, capacity=32, prefill_buckets=(8,))
+    state = core.init_decode_state()
+    for slot in range(n):
+        prefix = core.prefill(params, [5 + slot, 6, 7])
+        settings = (
+            engine_core.SlotSampling()  # greedy
+            if slot % 2 == 0
+            else engine_core.SlotSampling(temperature=0.9, seed=slot)
+        )
+        if slot == 3:
+            settings = engine_core.SlotSampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+        state, _, _ = core.insert(prefix, state, slot, settings)
+    for _ in range(4):
+        ref_tokens, ref_logprobs = reference(state)  # state is not donated here
+        state, tokens, lp = core.generate(params, state)
+        np.testing.assert_array_equal(tokens, ref_tokens)
+        # Two programs (scanned apply, unrolled out-major apply_decode) round the logits
+        # differently (2e-5 seen at |log p| = 4); a wrong slot's column is off by O(1).
+        np.testing.assert_allclose(lp, ref_logprobs, atol=1e-4)
+
+
 def test_engine_decode_windows():
     """The windows double from the smallest prefill bucket up to the capacity; a step's
     window is the smallest one past its longest slot, and a step run with it samples what a

@@ -136,9 +136,7 @@ def sample_tokens(
     top_p: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per slot from `[N, V]` logits and returns it with its behaviour
-    log-prob: `sample_tokens_vocab_major` on the transposed logits (a copy from
-    `MIN_VOCAB_MAJOR_SLOTS` slots, where the reductions run down the columns; the decode
-    step hands over vocabulary-major logits and makes none).
+    log-prob: `sample_tokens_vocab_major`'s draw, reduced along the rows as they lie.
 
     Args:
       logits: `[N, V]` next-token logits (any float dtype; computed in float32).
@@ -148,7 +146,10 @@ def sample_tokens(
       tokens `[N]` int32 and logprobs `[N]` float32 (`sample_tokens_vocab_major`).
     """
     chex.assert_rank(logits, 2)
-    return sample_tokens_vocab_major(logits.T, keys, temperature, top_k, top_p)
+    N, _ = logits.shape
+    chex.assert_shape([temperature, top_k, top_p], (N,))
+    chex.assert_shape(keys, (N,))
+    return _sample(logits.astype(jnp.float32), 1, keys, temperature, top_k, top_p)
 
 
 def sample_tokens_vocab_major(
@@ -189,13 +190,24 @@ def sample_tokens_vocab_major(
     chex.assert_shape(keys, (N,))
     # Softmax in float32: bfloat16 log-probs are off by ~1e-2, the size of the PPO clip range.
     logits_t = logits_t.astype(jnp.float32)
-    # The vocabulary axis of `x`: down the columns from MIN_VOCAB_MAJOR_SLOTS slots; with
-    # fewer, a column has too few lanes and each reduction runs one element at a time (one
-    # slot: log Z's sum took 1.2 ms against 0.14 along a row), so the few rows are reduced.
+    # Down the columns from MIN_VOCAB_MAJOR_SLOTS slots; with fewer, a column has too few
+    # lanes and each reduction runs one element at a time (one slot: log Z's sum took 1.2 ms
+    # against 0.14 along a row), so the few rows are reduced.
     if N >= MIN_VOCAB_MAJOR_SLOTS:
-        x, axis = logits_t, 0  # [V, N]
-    else:
-        x, axis = logits_t.T, 1  # [N, V]; a free reshape for one slot
+        return _sample(logits_t, 0, keys, temperature, top_k, top_p)
+    return _sample(logits_t.T, 1, keys, temperature, top_k, top_p)  # free for one slot
+
+
+def _sample(
+    x: jax.Array,
+    axis: int,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The draw and log-prob of `sample_tokens_vocab_major` on float32 logits `x` whose
+    vocabulary axis is `axis` (0: [V, N], 1: [N, V])."""
     greedy = temperature <= 0.0  # [N]
     scale = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)  # [N]
     scale_x = jnp.expand_dims(scale, axis)  # broadcasts against x

@@ -841,7 +841,9 @@ def apply_decode(
         anyway (they are empty or beyond every row's length), so the logits do not change.
       vocab_major: return the logits as [V, B·T] (column b·T + t for row b, token t): the
         tied out-major lm_head's own output, which the decode step samples from
-        (`sampling.sample_tokens_vocab_major`) without transposing it.
+        (`sampling.sample_tokens_vocab_major`) without transposing it. An untied head's
+        are transposed (XLA then multiplies by the [D, V] matrix transposed, a copy of it:
+        the engine asks for them only with a tied head).
     Returns:
       (logits [B, T, V] float32, or [V, B·T] with `vocab_major`; new KVCache).
     """
