@@ -1,5 +1,7 @@
 """Golden-value and invariance tests for a3po_jax.inference.sampling and request types."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -358,6 +360,24 @@ def test_engine_lays_the_decode_weights_out_by_its_slot_count():
     assert set(host._decode_params.layers[0]["mlp"]["down_proj"]) == {"kernel_t"}
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _reference_step(params, state, *, config):
+    """A decode step's (tokens, behaviour log-probs) from `model.apply` (scanned layers,
+    stacked params, [N, V] logits) and `sample_tokens`; the state is not donated."""
+    from a3po_jax import model as M
+
+    logits, _ = M.apply(
+        params,
+        state.tokens[:, None],
+        state.cache.lengths[:, None],
+        config=config,
+        segment_ids=state.active.astype(jnp.int32)[:, None],
+        kv_cache=state.cache,
+    )
+    keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
+    return sampling.sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
+
+
 def test_engine_step_equals_apply_across_a_weight_swap():
     """Each decode step's tokens and behaviour log-probs equal `model.apply` (scanned
     layers, stacked params) run on the same state with the weights of that step, before
@@ -365,23 +385,9 @@ def test_engine_step_equals_apply_across_a_weight_swap():
     the old weights after the swap and give other log-probs."""
     from inference_reference import CFG, scaled_params
 
-    from a3po_jax import model as M
     from a3po_jax.inference import engine_core
 
-    @jax.jit
-    def reference(params, state):
-        logits, _ = M.apply(
-            params,
-            state.tokens[:, None],
-            state.cache.lengths[:, None],
-            config=CFG,
-            segment_ids=state.active.astype(jnp.int32)[:, None],
-            kv_cache=state.cache,
-        )
-        keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
-        return sampling.sample_tokens(
-            logits[:, 0], keys, state.temperature, state.top_k, state.top_p
-        )
+    reference = functools.partial(_reference_step, config=CFG)
 
     core = engine_core.EngineCore(CFG, num_slots=2, capacity=32, prefill_buckets=(8,))
     a, b = scaled_params(0), scaled_params(1)
@@ -419,21 +425,6 @@ def test_engine_step_equals_apply_with_many_slots(tied):
     )
     n = sampling.MIN_VOCAB_MAJOR_SLOTS
 
-    @jax.jit
-    def reference(state):
-        logits, _ = M.apply(
-            params,
-            state.tokens[:, None],
-            state.cache.lengths[:, None],
-            config=config,
-            segment_ids=state.active.astype(jnp.int32)[:, None],
-            kv_cache=state.cache,
-        )
-        keys = sampling.sample_keys(state.seed_hi, state.seed_lo, state.sample_index, state.step)
-        return sampling.sample_tokens(
-            logits[:, 0], keys, state.temperature, state.top_k, state.top_p
-        )
-
     core = engine_core.EngineCore(config, num_slots=n, capacity=32, prefill_buckets=(8,))
     state = core.init_decode_state()
     for slot in range(n):
@@ -447,7 +438,7 @@ def test_engine_step_equals_apply_with_many_slots(tied):
             settings = engine_core.SlotSampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
         state, _, _ = core.insert(prefix, state, slot, settings)
     for _ in range(4):
-        ref_tokens, ref_logprobs = reference(state)  # state is not donated here
+        ref_tokens, ref_logprobs = _reference_step(params, state, config=config)
         state, tokens, lp = core.generate(params, state)
         np.testing.assert_array_equal(tokens, ref_tokens)
         # Two programs (scanned apply, unrolled out-major apply_decode) round the logits
