@@ -145,11 +145,7 @@ def sample_tokens(
     Returns:
       tokens `[N]` int32 and logprobs `[N]` float32 (`sample_tokens_vocab_major`).
     """
-    chex.assert_rank(logits, 2)
-    N, _ = logits.shape
-    chex.assert_shape([temperature, top_k, top_p], (N,))
-    chex.assert_shape(keys, (N,))
-    return _sample(logits.astype(jnp.float32), 1, keys, temperature, top_k, top_p)
+    return _sample(logits, 1, keys, temperature, top_k, top_p)
 
 
 def sample_tokens_vocab_major(
@@ -185,15 +181,10 @@ def sample_tokens_vocab_major(
       truncation (T := 1 for greedy rows).
     """
     chex.assert_rank(logits_t, 2)
-    _, N = logits_t.shape
-    chex.assert_shape([temperature, top_k, top_p], (N,))
-    chex.assert_shape(keys, (N,))
-    # Softmax in float32: bfloat16 log-probs are off by ~1e-2, the size of the PPO clip range.
-    logits_t = logits_t.astype(jnp.float32)
     # Down the columns from MIN_VOCAB_MAJOR_SLOTS slots; with fewer, a column has too few
     # lanes and each reduction runs one element at a time (one slot: log Z's sum took 1.2 ms
     # against 0.14 along a row), so the few rows are reduced.
-    if N >= MIN_VOCAB_MAJOR_SLOTS:
+    if logits_t.shape[1] >= MIN_VOCAB_MAJOR_SLOTS:
         return _sample(logits_t, 0, keys, temperature, top_k, top_p)
     return _sample(logits_t.T, 1, keys, temperature, top_k, top_p)  # free for one slot
 
@@ -206,8 +197,14 @@ def _sample(
     top_k: jax.Array,
     top_p: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """The draw and log-prob of `sample_tokens_vocab_major` on float32 logits `x` whose
-    vocabulary axis is `axis` (0: [V, N], 1: [N, V])."""
+    """The draw and log-prob of `sample_tokens_vocab_major` on logits `x` whose vocabulary
+    axis is `axis` (0: [V, N], 1: [N, V])."""
+    chex.assert_rank(x, 2)
+    N = x.shape[1 - axis]
+    chex.assert_shape([temperature, top_k, top_p], (N,))
+    chex.assert_shape(keys, (N,))
+    # Softmax in float32: bfloat16 log-probs are off by ~1e-2, the size of the PPO clip range.
+    x = x.astype(jnp.float32)
     greedy = temperature <= 0.0  # [N]
     scale = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)  # [N]
     scale_x = jnp.expand_dims(scale, axis)  # broadcasts against x
