@@ -6,12 +6,16 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_common import op_profile  # noqa: E402
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="the profile reads XLA:CPU's trace (op_profile)"
+)
 def test_op_profile_names_and_times_the_programs_matmul():
     a = jnp.ones((256, 512), jnp.float32)
     b = jnp.ones((512, 128), jnp.float32)
