@@ -22,7 +22,9 @@ Per batch size B, on the same model, prompts and device:
   read before the next, as a simple driver would), tokens/s and steps/s. Decode steps run
   `model.apply_decode` on the weights split per layer (`model.decode_params`), made once per
   weight update: its time is printed separately ("weight split"), not counted in the steps;
-* host: the same through `InferenceHost` (its serving thread, queues and Python included);
+* host: the same through `InferenceHost` (its serving thread, queues and Python included),
+  timed in rounds that alternate with the engine's, so that drift in the machine's speed
+  during the run moves both figures alike (`bench_engine_and_host`);
 * hf: transformers' PyTorch `generate` (greedy, KV cache) with the same weights (converted
   from the JAX params; the script checks logits and greedy tokens agree);
 * host, engine and hf decode tok/s count the tokens after the first per sample. hf and host
@@ -63,6 +65,7 @@ host memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -168,7 +171,94 @@ def bench_hf(model, prompts: np.ndarray, new_tokens: int, repeats: int):
 # ----------------------------------------------------------------------------- a3po_jax
 
 
-def bench_engine(
+class EngineLoop:
+    """Decode steps of `EngineCore` with every slot busy, each step attending to the window
+    its longest slot needs (as `InferenceHost` does) or, with `windowed=False`, to the whole
+    capacity. One `round()` starts the B samples (prefill + insert, not timed) and times
+    their `new_tokens - 1` steps twice: each step's tokens read before the next is
+    dispatched, as a simple driver does, and the same steps dispatched back to back with the
+    tokens read at the end ("pipelined": the device's own rate, what a driver that overlaps
+    reading with the next step can reach). The first round compiles."""
+
+    def __init__(
+        self,
+        config,
+        params,
+        prompts: np.ndarray,
+        new_tokens: int,
+        capacity: int,
+        windowed: bool = True,
+    ):
+        B, P = prompts.shape
+        self.core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
+        self.params, self.prompts = params, prompts
+        self.windows = [
+            self.core.window_for(P + i) if windowed else self.core.capacity
+            for i in range(new_tokens - 1)
+        ]
+
+    def _started(self):
+        state = self.core.init_decode_state()
+        first = []
+        for b in range(self.prompts.shape[0]):
+            prefix = self.core.prefill(self.params, self.prompts[b].tolist())
+            state, token, _ = self.core.insert(prefix, state, b, SlotSampling(temperature=0.0))
+            first.append(int(token))
+        return jax.block_until_ready(state), first
+
+    def round(self) -> tuple[float, np.ndarray, float]:
+        """(seconds read step by step, the [B, new_tokens] tokens, seconds pipelined)."""
+        state, first = self._started()
+        steps = []
+        t0 = time.perf_counter()
+        for window in self.windows:  # all slots hold the same length: P + steps so far
+            state, tokens, _ = self.core.generate(self.params, state, window)
+            steps.append(np.asarray(tokens))  # read every step, as a simple driver does
+        read_each = time.perf_counter() - t0
+        tokens = np.stack([np.asarray(first)] + steps, axis=1)
+        state, _ = self._started()
+        t0 = time.perf_counter()
+        pending = []
+        for window in self.windows:
+            state, tokens_dev, _ = self.core.generate(self.params, state, window)
+            pending.append(tokens_dev)
+        jax.block_until_ready(pending)
+        return read_each, tokens, time.perf_counter() - t0
+
+
+class HostLoop:
+    """A started `InferenceHost` over the same prompts; `run(n)` submits the B requests of
+    `n` new tokens and returns the seconds until all are back (submit, prefill, Python and
+    queues included). Close it (a context manager) to stop the host."""
+
+    def __init__(self, config, params, prompts: np.ndarray, capacity: int):
+        B, P = prompts.shape
+        self.prompts = prompts
+        self.host = InferenceHost(
+            config, params, num_slots=B, prefill_buckets=(P,), max_cache_len=capacity
+        )
+        self.host.warmup()
+        self.host.start()
+        self._ids = iter(range(1 << 30))
+
+    def run(self, n: int) -> float:
+        s = SamplingParams(temperature=0.0, max_new_tokens=n)
+        t0 = time.perf_counter()
+        for prompt in self.prompts:
+            self.host.submit(GenerateRequest(f"{next(self._ids)}", tuple(prompt.tolist()), 1, s))
+        done = 0
+        while done < len(self.prompts):
+            done += len(self.host.poll(timeout=60))
+        return time.perf_counter() - t0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.host.close()
+
+
+def bench_engine_and_host(
     config,
     params,
     prompts: np.ndarray,
@@ -176,48 +266,62 @@ def bench_engine(
     repeats: int,
     capacity: int,
     windowed: bool = True,
+    host: bool = True,
 ):
-    """Decode steps/s of EngineCore with every slot busy, each step attending to the window
-    its longest slot needs (as `InferenceHost` does) or, with `windowed=False`, to the whole
-    capacity, each step's tokens read before the next is dispatched; and the same steps
-    dispatched back to back, tokens read at the end ("pipelined": the device's own rate,
-    what a driver that overlaps reading with the next step can reach). Returns (tok/s,
-    steps/s, pipelined steps/s, tokens, mean window)."""
-    B, P = prompts.shape
-    core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
-    windows = [core.window_for(P + i) if windowed else core.capacity for i in range(new_tokens - 1)]
+    """The engine's decode (`EngineLoop`) and the host's (`HostLoop`, timed as HF's is: B
+    requests of N new tokens minus B requests of 1, so the prefill drops out of the
+    difference), in alternating rounds: engine round, host N = 1, host N = new_tokens, then
+    again, so a machine that slows down or speeds up during the benchmark moves both the
+    same way and host / engine compares like with like. Each figure is the best of its
+    `repeats` rounds.
 
-    def started():
-        state = core.init_decode_state()
-        first = []
-        for b in range(B):
-            prefix = core.prefill(params, prompts[b].tolist())
-            state, token, _ = core.insert(prefix, state, b, SlotSampling(temperature=0.0))
-            first.append(int(token))
-        return jax.block_until_ready(state), first
-
-    best, best_pipelined = None, float("inf")
-    for _ in range(repeats + 1):  # the first round compiles
-        state, first = started()
-        steps = []
-        t0 = time.perf_counter()
-        for window in windows:  # all slots hold the same length: P + steps so far
-            state, tokens, _ = core.generate(params, state, window)
-            steps.append(np.asarray(tokens))  # read every step, as a simple driver does
-        dt = time.perf_counter() - t0
-        if best is None or dt < best[0]:
-            best = (dt, np.stack([np.asarray(first)] + steps, axis=1))
-        state, _ = started()
-        t0 = time.perf_counter()
-        pending = []
-        for window in windows:
-            state, tokens, _ = core.generate(params, state, window)
-            pending.append(tokens)
-        jax.block_until_ready(pending)
-        best_pipelined = min(best_pipelined, time.perf_counter() - t0)
-    dt, tokens = best
+    Returns a dict: engine tok/s, steps/s and pipelined steps/s, the engine's tokens and
+    mean window; with `host`, the host's decode tok/s, its end-to-end tok/s of the N run,
+    and the serving loop's seconds per decode step by part
+    (`InferenceHost.stats()["loop_s"]` over the timed runs)."""
+    B = prompts.shape[0]
     n = new_tokens - 1
-    return B * n / dt, n / dt, n / best_pipelined, tokens, float(np.mean(windows))
+    engine = EngineLoop(config, params, prompts, new_tokens, capacity, windowed)
+    engine.round()  # compiles
+    out = {"window": float(np.mean(engine.windows))}
+    best, best_pipelined, t1, tn = None, float("inf"), float("inf"), float("inf")
+    with contextlib.ExitStack() as stack:
+        loop = stack.enter_context(HostLoop(config, params, prompts, capacity)) if host else None
+        if loop is not None:
+            loop.run(new_tokens)  # warms the serving loop up
+            before = loop.host.stats()
+        for _ in range(repeats):
+            read_each, tokens, pipelined = engine.round()
+            if best is None or read_each < best[0]:
+                best = (read_each, tokens)
+            best_pipelined = min(best_pipelined, pipelined)
+            if loop is not None:
+                t1 = min(t1, loop.run(1))
+                tn = min(tn, loop.run(new_tokens))
+        if loop is not None:
+            after = loop.host.stats()
+    out.update(
+        engine_tok_s=B * n / best[0],
+        steps_per_s=n / best[0],
+        pipelined_steps_per_s=n / best_pipelined,
+        tokens=best[1],
+        host_tok_s=float("nan"),
+        host_end_to_end_tok_s=float("nan"),
+        host_loop={},
+    )
+    if loop is None:
+        return out
+    # On a loaded machine the difference can vanish; then there is no figure, not a huge one.
+    out["host_tok_s"] = B * n / (tn - t1) if tn > t1 else float("nan")
+    out["host_end_to_end_tok_s"] = B * new_tokens / tn
+    # Where the serving loop's time went over the timed runs, per decode step: host work
+    # (everything but waiting on the device) is what the pipelined loop must hide.
+    steps = max(after["decode_steps"] - before["decode_steps"], 1)
+    loop_s = {k: (v - before["loop_s"].get(k, 0.0)) / steps for k, v in after["loop_s"].items()}
+    parts = ("inbox_and_swap", "admit", "dispatch", "collect")
+    loop_s["host_work"] = sum(loop_s.get(k, 0.0) for k in parts) - loop_s.get("wait", 0.0)
+    out["host_loop"] = loop_s
+    return out
 
 
 def bench_swap_recompute(
@@ -243,46 +347,6 @@ def bench_swap_recompute(
         state = jax.block_until_ready(core.recompute_cache(params, state, tokens))
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def bench_host(config, params, prompts: np.ndarray, new_tokens: int, capacity: int, repeats: int):
-    """Decode tokens/s through a started InferenceHost, timed as HF's is: B requests of N
-    new tokens minus B requests of 1 (submit, prefill, Python and queues included in both;
-    the difference is the decode). Returns (decode tok/s, end-to-end tok/s of the N run, the
-    serving loop's seconds per decode step by part, `InferenceHost.stats()["loop_s"]`)."""
-    B, P = prompts.shape
-    host = InferenceHost(config, params, num_slots=B, prefill_buckets=(P,), max_cache_len=capacity)
-    host.warmup()
-    host.start()
-    counter = iter(range(1 << 30))
-
-    def run(n: int) -> float:
-        s = SamplingParams(temperature=0.0, max_new_tokens=n)
-        t0 = time.perf_counter()
-        for b in range(B):
-            host.submit(GenerateRequest(f"{next(counter)}", tuple(prompts[b].tolist()), 1, s))
-        done = 0
-        while done < B:
-            done += len(host.poll(timeout=60))
-        return time.perf_counter() - t0
-
-    try:
-        run(new_tokens)  # warms the loop up
-        before = host.stats()
-        t1 = min(run(1) for _ in range(repeats))
-        tn = min(run(new_tokens) for _ in range(repeats))
-        after = host.stats()
-    finally:
-        host.close()
-    # On a loaded machine the difference can vanish; then there is no figure, not a huge one.
-    decode = B * (new_tokens - 1) / (tn - t1) if tn > t1 else float("nan")
-    # Where the serving loop's time went over the timed runs, per decode step: host work
-    # (everything but waiting on the device) is what the pipelined loop must hide.
-    steps = max(after["decode_steps"] - before["decode_steps"], 1)
-    loop = {k: (v - before["loop_s"].get(k, 0.0)) / steps for k, v in after["loop_s"].items()}
-    parts = ("inbox_and_swap", "admit", "dispatch", "collect")
-    loop["host_work"] = sum(loop.get(k, 0.0) for k in parts) - loop.get("wait", 0.0)
-    return decode, B * new_tokens / tn, loop
 
 
 def bench_prefill(config, params, prompts: np.ndarray, group: int, repeats: int, capacity: int):
@@ -656,18 +720,28 @@ def main() -> None:
         G = max(1, min(args.group_size, B))
         while B % G:
             G -= 1
-        engine_tps, steps_per_s, pipelined_steps_per_s, engine_tokens, window = bench_engine(
-            config, params, prompts, new_tokens, args.repeats, capacity, not args.no_window
+        timed = bench_engine_and_host(
+            config,
+            params,
+            prompts,
+            new_tokens,
+            args.repeats,
+            capacity,
+            windowed=not args.no_window,
+            host=not args.no_host,
+        )
+        engine_tps, steps_per_s = timed["engine_tok_s"], timed["steps_per_s"]
+        pipelined_steps_per_s, engine_tokens = timed["pipelined_steps_per_s"], timed["tokens"]
+        window = timed["window"]
+        host_tps, host_e2e_tps, host_loop = (
+            timed["host_tok_s"],
+            timed["host_end_to_end_tok_s"],
+            timed["host_loop"],
         )
         prefill_indep_s, prefill_rl_s = bench_prefill(
             config, params, prompts, G, args.repeats, capacity
         )
         swap_s = bench_swap_recompute(config, params, prompts, new_tokens, args.repeats, capacity)
-        host_tps, host_e2e_tps, host_loop = (
-            (float("nan"), float("nan"), {})
-            if args.no_host
-            else bench_host(config, params, prompts, new_tokens, capacity, args.repeats)
-        )
         naive_tps, agree = float("nan"), []
         if B <= naive_max_batch:
             naive_tps, naive_out = bench_naive(config, params, prompts, new_tokens, naive_tokens)
