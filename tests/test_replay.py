@@ -232,3 +232,38 @@ def test_periodic_run_replays_in_fold_order_and_resumes(tmp_path):
     assert_losses_equal(rec_dir, replay_cfg.run_dir)
     assert_params_close(jax.device_get(trainer.state.params), params)
     assert recording.compare_runs(rec_dir, replay_cfg.run_dir)["match"]
+
+
+@pytest.mark.parametrize(
+    "backend, flags, warns",
+    [
+        ("cpu", "", False),
+        ("tpu", "", False),
+        ("gpu", "", True),
+        ("gpu", "--xla_gpu_autotune_level=0", True),
+        ("gpu", "--xla_gpu_deterministic_ops=false", True),
+        ("gpu", "--xla_gpu_deterministic_ops=true", False),
+        ("gpu", "--xla_gpu_autotune_level=0  --xla_gpu_deterministic_ops", False),
+        ("gpu", "--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", True),
+    ],
+)
+def test_nondeterministic_gpu_is_named_with_the_flag_that_fixes_it(backend, flags, warns):
+    reason = recording.nondeterminism_warning(backend, flags)
+    assert (reason is not None) == warns
+    if warns:
+        assert recording.GPU_DETERMINISM_FLAG in reason and "GPU" in reason
+
+
+def test_a_replay_on_a_gpu_without_deterministic_ops_warns(tmp_path, monkeypatch, caplog):
+    rollouts = tmp_path / "rec" / recording.ROLLOUTS_DIR
+    recording.write_step(rollouts, 1, groups_fixture(), trainer_version=0)
+    cfg = apply_overrides(load_experiment(SMOKE), [f"run_dir={tmp_path / 'replay'}", "steps=1"])
+    policy = load_policy(cfg.model)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    for backend, warned in (("cpu", False), ("gpu", True)):
+        caplog.clear()
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", lambda b=backend: b)
+            Trainer(cfg, policy, console=False, replay_dir=tmp_path / "rec")
+        messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(recording.GPU_DETERMINISM_FLAG in msg for msg in messages) == warned, messages

@@ -80,6 +80,26 @@ NOT_IN_REPLAY = (
 )
 
 
+# XLA:GPU sums scatter-adds (the embedding's gradient) and some reductions with atomics, in
+# no fixed order, unless told otherwise: without this flag two runs of the same step on the
+# same GPU can differ in the last bits, which AdamW can carry past float tolerance.
+GPU_DETERMINISM_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def nondeterminism_warning(backend: str, xla_flags: str) -> str | None:
+    """Why a recording or a replay on `backend` (``jax.default_backend()``) with these
+    ``XLA_FLAGS`` may not reproduce its steps, or None when it should."""
+    name = GPU_DETERMINISM_FLAG.split("=")[0]
+    values = [f.partition("=")[2] for f in xla_flags.split() if f.partition("=")[0] == name]
+    if backend != "gpu" or (values and values[-1] in ("", "true", "1")):  # the last one counts
+        return None
+    return (
+        "recording or replaying on a GPU without deterministic ops: XLA:GPU sums scatter-adds "
+        "(the embedding's gradient) in no fixed order, so a replay may not match its "
+        f"recording; set XLA_FLAGS={GPU_DETERMINISM_FLAG} for both runs"
+    )
+
+
 def step_path(directory: str | Path, step: int) -> Path:
     """The file of logged step ``step`` (1-based) in a ``rollouts/`` directory."""
     return Path(directory) / f"step_{step:06d}.npz"

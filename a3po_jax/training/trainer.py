@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -240,6 +241,12 @@ class Trainer:
             if cfg.system.record_rollouts and self.leader
             else None
         )
+        if self.recorder is not None or self.replay_dir is not None:
+            reason = recording.nondeterminism_warning(
+                jax.default_backend(), os.environ.get("XLA_FLAGS", "")
+            )
+            if reason:
+                log.warning(reason)
         self._nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self.ledger: Ledger | None = None  # opened by run() once the run is accepted
