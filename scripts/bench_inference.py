@@ -40,7 +40,8 @@ Per batch size B, on the same model, prompts and device:
   sampling greedy and at temperature 1 (`--no-profile` skips it; on a CPU only, see
   `bench_common.op_profile`);
 * matmul: the decode step's FLOP/s (2 * B * matmul params per step; attention left out) as
-  a fraction of the measured matmul peak ("of peak");
+  a fraction of the matmul peak ("of peak") measured in the same rounds as the steps (the
+  highest of them; the one printed at the start is the first measurement);
 * swap: what an in-flight weight update costs the host (update policy "in_flight"): every
   running sample's KV cache is recomputed under the new weights, one batched prefill of the
   B slots at prompt + new_tokens / 2 tokens (mid-sample), in ms per swap and in decode steps;
@@ -71,6 +72,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -267,24 +269,28 @@ def bench_engine_and_host(
     capacity: int,
     windowed: bool = True,
     host: bool = True,
+    peak: Callable[[], float] | None = None,
 ):
     """The engine's decode (`EngineLoop`) and the host's (`HostLoop`, timed as HF's is: B
     requests of N new tokens minus B requests of 1, so the prefill drops out of the
     difference), in alternating rounds: engine round, host N = 1, host N = new_tokens, then
     again, so a machine that slows down or speeds up during the benchmark moves both the
-    same way and host / engine compares like with like. Each figure is the best of its
-    `repeats` rounds.
+    same way and host / engine compares like with like. With `peak` (a `matmul_peak_meter`)
+    each round also measures the matmul peak, so that the step's fraction of the peak does
+    not compare figures taken minutes apart. Each figure is the best of its `repeats` rounds
+    (the fastest run; for the peak, the highest).
 
     Returns a dict: engine tok/s, steps/s and pipelined steps/s, the engine's tokens and
-    mean window; with `host`, the host's decode tok/s, its end-to-end tok/s of the N run,
-    and the serving loop's seconds per decode step by part
-    (`InferenceHost.stats()["loop_s"]` over the timed runs)."""
+    mean window; with `peak`, the matmul peak in FLOP/s; with `host`, the host's decode
+    tok/s, its end-to-end tok/s of the N run, and the serving loop's seconds per decode step
+    by part (`InferenceHost.stats()["loop_s"]` over the timed runs)."""
     B = prompts.shape[0]
     n = new_tokens - 1
     engine = EngineLoop(config, params, prompts, new_tokens, capacity, windowed)
     engine.round()  # compiles
     out = {"window": float(np.mean(engine.windows))}
     best, best_pipelined, t1, tn = None, float("inf"), float("inf"), float("inf")
+    best_peak = 0.0
     with contextlib.ExitStack() as stack:
         loop = stack.enter_context(HostLoop(config, params, prompts, capacity)) if host else None
         if loop is not None:
@@ -295,6 +301,8 @@ def bench_engine_and_host(
             if best is None or read_each < best[0]:
                 best = (read_each, tokens)
             best_pipelined = min(best_pipelined, pipelined)
+            if peak is not None:
+                best_peak = max(best_peak, peak())
             if loop is not None:
                 t1 = min(t1, loop.run(1))
                 tn = min(tn, loop.run(new_tokens))
@@ -305,6 +313,7 @@ def bench_engine_and_host(
         steps_per_s=n / best[0],
         pipelined_steps_per_s=n / best_pipelined,
         tokens=best[1],
+        matmul_peak_flops=best_peak if peak is not None else float("nan"),
         host_tok_s=float("nan"),
         host_end_to_end_tok_s=float("nan"),
         host_loop={},
@@ -431,16 +440,24 @@ def describe_machine() -> dict:
     }
 
 
-def measure_matmul_peak(dtype=jnp.float32, n: int | None = None, repeats: int = 5) -> float:
-    """FLOP/s of a jitted n x n x n matmul in `dtype` on the default device (min of repeats):
-    the peak a decode step's matmuls are compared with. n defaults to 2048 on a CPU and 8192
-    on an accelerator."""
+def matmul_peak_meter(dtype=jnp.float32, n: int | None = None, repeats: int = 5):
+    """A function that measures the FLOP/s of a jitted n x n x n matmul in `dtype` on the
+    default device (the fastest of `repeats` runs), compiled once: the peak a decode step's
+    matmuls are compared with. n defaults to 2048 on a CPU and 8192 on an accelerator."""
     n = n or matmul_size()
     a = jax.device_put(jnp.ones((n, n), dtype), jax.devices()[0])
     mm = jax.jit(lambda x: x @ x)
     jax.block_until_ready(mm(a))
-    best = min(_timed(lambda: jax.block_until_ready(mm(a))) for _ in range(repeats))
-    return 2 * n**3 / best
+
+    def measure() -> float:
+        return 2 * n**3 / min(_timed(lambda: jax.block_until_ready(mm(a))) for _ in range(repeats))
+
+    return measure
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int | None = None, repeats: int = 5) -> float:
+    """`matmul_peak_meter` measured once."""
+    return matmul_peak_meter(dtype, n, repeats)()
 
 
 def matmul_flops_per_token(config) -> int:
@@ -645,7 +662,8 @@ def main() -> None:
         f"jax {machine['jax']}"
     )
     bandwidth = measure_bandwidth()
-    peak = measure_matmul_peak(jnp.dtype(config.compute_dtype))
+    peak_meter = matmul_peak_meter(jnp.dtype(config.compute_dtype))
+    peak = peak_meter()
     print(
         f"model: {args.model} ({source}), {config.n_params / 1e6:.1f} M params, "
         f"{config.param_dtype}; prompt {P}, {new_tokens} new tokens, greedy; cache "
@@ -729,6 +747,7 @@ def main() -> None:
             capacity,
             windowed=not args.no_window,
             host=not args.no_host,
+            peak=peak_meter,
         )
         engine_tps, steps_per_s = timed["engine_tok_s"], timed["steps_per_s"]
         pipelined_steps_per_s, engine_tokens = timed["pipelined_steps_per_s"], timed["tokens"]
@@ -770,7 +789,9 @@ def main() -> None:
             "prefill_grouped_tok_s": B * P / prefill_rl_s,
             "decode_step_s": 1 / steps_per_s,
             "decode_step_flops": step_flops,
-            "decode_step_of_matmul_peak": step_flops * steps_per_s / peak,
+            # Against the peak measured in this batch's own rounds, beside its steps.
+            "matmul_peak_flops": timed["matmul_peak_flops"],
+            "decode_step_of_matmul_peak": step_flops * steps_per_s / timed["matmul_peak_flops"],
             "naive_tok_s": naive_tps,
             "steps_per_s": steps_per_s,
             "pipelined_steps_per_s": pipelined_steps_per_s,
@@ -823,7 +844,8 @@ def main() -> None:
         "engine steps/s dispatched back to back, tokens read at the end). prefill tok/s = B * "
         "prompt tokens per second of one "
         "batched prefill + insert (indep: B prompts; G: B/G prompts, G samples each). of "
-        "peak = 2 * B * matmul params per step / step time / matmul peak. bound = copy "
+        "peak = 2 * B * matmul params per step / step time / matmul peak (measured in the "
+        "batch's own rounds). bound = copy "
         "bandwidth / (weights + KV cache bytes per step, the cache up to the window the step "
         "attends to); xla bound uses the XLA weight-read rate instead. Above 100% the working "
         "set sits in CPU caches (tiny model). swap = the cache recompute of one in-flight "
