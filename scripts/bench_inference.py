@@ -455,11 +455,6 @@ def matmul_peak_meter(dtype=jnp.float32, n: int | None = None, repeats: int = 5)
     return measure
 
 
-def measure_matmul_peak(dtype=jnp.float32, n: int | None = None, repeats: int = 5) -> float:
-    """`matmul_peak_meter` measured once."""
-    return matmul_peak_meter(dtype, n, repeats)()
-
-
 def matmul_flops_per_token(config) -> int:
     """2 x the parameters a decode step multiplies with per token: every layer weight and
     the lm_head (the embedding lookup is a gather, not a matmul, when the head is untied)."""
