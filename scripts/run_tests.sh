@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 .venv/bin/python -m ruff check a3po_jax tests scripts experiments
-exec .venv/bin/python -m pytest -q --timeout=1200 "$@"
+# --durations: the slowest tests, printed at the end, so that CI shows where its minutes go.
+exec .venv/bin/python -m pytest -q --timeout=1200 --durations=25 "$@"
