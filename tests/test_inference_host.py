@@ -576,3 +576,32 @@ def test_compiles_a_handful_of_shapes(params):
     assert h._core.prefill_rows == (1, 2, 4)
     most = len(BUCKETS) * len(h._core.prefill_rows)
     assert grown["insert"] <= most and grown["prefill"] <= most, grown
+
+
+def test_host_holds_one_copy_of_the_weights_per_version(params, params_v1):
+    # The host serves prefill, the cache recompute and the decode step from its per-layer
+    # split alone: a serving version costs one copy of the weights, a staged update beside
+    # it one more (a stacked copy beside each split doubled both).
+    import gc
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    gc.collect()
+    before = jax.live_arrays()  # held, so that no new array can reuse an old one's id
+    seen = {id(a) for a in before}
+
+    def new_bytes():
+        gc.collect()
+        return sum(a.nbytes for a in jax.live_arrays() if id(a) not in seen)
+
+    h = _host(params)
+    assert new_bytes() == pytest.approx(weight_bytes, rel=0.01)
+    h.update_weights(params_v1, 1)
+    assert new_bytes() == pytest.approx(2 * weight_bytes, rel=0.01)
+    h.submit(GenerateRequest("v1", PROMPTS["short"], sampling=greedy(3)))
+    r = drive(h, 1)[("v1", 0)]  # swaps, then serves on the new split
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(h._state))
+    assert new_bytes() <= weight_bytes * 1.01 + state_bytes
+    h.close()
+    np.testing.assert_array_equal(r.versions, [1] * 3)
+    np.testing.assert_array_equal(r.tokens, recompute_greedy(params_v1, PROMPTS["short"], 3))
+    del before

@@ -27,6 +27,7 @@ from a3po_jax.model import (
     init_kv_cache,
     init_params,
     lm_head_kernel,
+    lm_head_logits,
     logical_axes,
     out_major_dot,
 )
@@ -611,3 +612,77 @@ def test_apply_decode_traces_once_and_writes_the_cache_in_place():
     hlo = step.lower(dp, tok, cache.lengths[:, None], cache).compile().as_text()
     cache_shape = f"f32[{config.n_layers},2,8,{config.n_kv_heads},{config.head_dim}]"
     assert not [line for line in hlo.splitlines() if cache_shape in line and " copy(" in line]
+
+
+# `hidden_states` over a `decode_params` split: what an inference engine's prefill and cache
+# recompute run, so that it holds one copy of the weights.
+
+
+@pytest.mark.parametrize("many_rows", [False, True], ids=["out_major_dot", "gemm_nt"])
+@pytest.mark.parametrize("out_major", [True, False], ids=["out_major", "in_major"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hidden_states_over_a_split_equal_the_stacked_path(name, out_major, many_rows, monkeypatch):
+    """The same hidden states, cache and lengths as over the stacked params, for Llama, Qwen2
+    (bias, untied head) and Qwen3 (q/k norm), in both split layouts, with a right-padded
+    cache prefill, a second prefill on top of it and a plain forward over packed segments;
+    and the same logits through `lm_head_logits`. `many_rows` lowers the row count above
+    which an out-major kernel multiplies as x @ kernel_tᵀ, so both products are checked. A
+    layer taken out of order, a missing cache write or a wrong head is off by O(0.1)."""
+    from a3po_jax.model import decoder
+
+    if many_rows:
+        monkeypatch.setattr(decoder, "OUT_MAJOR_GEMM_MAX_ROWS", 0)
+    config = CONFIGS[name]
+    params = _sharp_params(config)
+    split = decode_params(params, config, out_major=out_major)
+    b, t = 2, 6
+    tokens = jax.random.randint(jax.random.key(3), (b, t), 0, config.vocab_size)
+    seg = (jnp.arange(t)[None, :] < jnp.array([[6], [4]])).astype(jnp.int32)
+    run = jax.jit(functools.partial(hidden_states, config=config))
+    head = jax.jit(functools.partial(lm_head_logits, config=config))
+    ref_cache = got_cache = init_kv_cache(config, b, 16)
+    for step in range(2):  # two prefills: the second attends to the first's cache
+        pos = _arange(b, t) + ref_cache.lengths[:, None]
+        ref, ref_cache = run(params, tokens + step, pos, segment_ids=seg, kv_cache=ref_cache)
+        got, got_cache = run(split, tokens + step, pos, segment_ids=seg, kv_cache=got_cache)
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(got_cache.k, ref_cache.k, atol=1e-5)
+        np.testing.assert_allclose(got_cache.v, ref_cache.v, atol=1e-5)
+        np.testing.assert_array_equal(got_cache.lengths, ref_cache.lengths)
+        np.testing.assert_allclose(
+            head(split, got.reshape(b * t, -1)),
+            head(params, ref.reshape(b * t, -1)),
+            atol=1e-4,
+            rtol=1e-5,
+        )
+    np.testing.assert_array_equal(got_cache.lengths, [12, 8])
+    packed = jnp.array([[1, 1, 1, 2, 2, 0]], jnp.int32)
+    ref, none = run(params, tokens[:1], _arange(1, t), segment_ids=packed)
+    got, _ = run(split, tokens[:1], _arange(1, t), segment_ids=packed)
+    assert none is None
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_hidden_states_over_a_split_compile_one_layer():
+    """The split path loops over the layers: its compiled program does not grow with depth
+    (an unrolled loop over L layers held L copies of the layer's dots)."""
+    sizes = {}
+    for n_layers in (2, 6):
+        config = ModelConfig.tiny(n_layers=n_layers)
+        split = decode_params(init_params(config, jax.random.key(0)), config)
+        tokens = jnp.zeros((1, 4), jnp.int32)
+        hlo = (
+            jax.jit(functools.partial(hidden_states, config=config))
+            .lower(split, tokens, _arange(1, 4))
+            .as_text()
+        )
+        sizes[n_layers] = hlo.count("dot_general")
+    assert sizes[2] == sizes[6], sizes
+
+
+def test_hidden_states_rejects_a_split_of_another_depth():
+    config = ModelConfig.tiny()
+    split = decode_params(init_params(config, jax.random.key(0)), config)
+    deeper = ModelConfig.tiny(n_layers=config.n_layers + 1)
+    with pytest.raises(ValueError, match="DecodeParams has"):
+        hidden_states(split, jnp.zeros((1, 2), jnp.int32), _arange(1, 2), config=deeper)

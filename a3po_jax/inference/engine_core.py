@@ -139,7 +139,7 @@ def prefill(
     """Runs a right-padded prompt through the model, filling a KV cache of the bucket length.
 
     Args:
-      params: model parameters.
+      params: model parameters, stacked or a `model.decode_params` split.
       tokens: `[Tb]` int32 prompt, right-padded to its bucket length Tb.
       true_length: int32 scalar, number of real tokens (1 <= true_length <= Tb).
       config: the model's config (static).
@@ -154,16 +154,17 @@ def prefill(
     t = jnp.arange(Tb, dtype=jnp.int32)  # [T]
     segment_ids = (t < true_length).astype(jnp.int32)[None, :]  # [1, T]; 0 marks padding
     cache = model_lib.init_kv_cache(config, 1, Tb, dtype=cache_dtype)
-    logits, cache = model_lib.apply(
+    hidden, cache = model_lib.hidden_states(
         params,
         tokens[None, :].astype(jnp.int32),
         t[None, :],
         config=config,
         segment_ids=segment_ids,
         kv_cache=cache,
-    )  # [1, T, V]
-    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=False)
-    return Prefix(cache=cache, last_logits=last.astype(jnp.float32))
+    )  # [1, T, D] float32; only the last real position goes through the lm_head
+    last = jax.lax.dynamic_slice_in_dim(hidden[0], true_length - 1, 1, axis=0)  # [1, D]
+    logits = model_lib.lm_head_logits(params, last, config)[0]
+    return Prefix(cache=cache, last_logits=logits.astype(jnp.float32))
 
 
 def insert(
@@ -260,7 +261,7 @@ def prefill_batch(
     Rows are independent; padding rows (any `true_length` >= 1) cost compute only.
 
     Args:
-      params: model parameters.
+      params: model parameters, stacked or a `model.decode_params` split.
       tokens: `[R, Tb]` int32 prompts, right-padded to the bucket length Tb.
       true_lengths: `[R]` int32 real tokens per row (1 <= true_length <= Tb).
       config: the model's config (static).
@@ -285,7 +286,7 @@ def prefill_batch(
         kv_cache=cache,
     )  # [R, T, D] float32 (after the final norm)
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
-    logits = jnp.einsum("rd,dv->rv", last, model_lib.lm_head_kernel(params, config))
+    logits = model_lib.lm_head_logits(params, last, config)
     return PrefixBatch(cache=cache, last_logits=logits.astype(jnp.float32))
 
 
@@ -456,8 +457,8 @@ def recompute_cache(
     coordinates are unchanged; inactive slots keep their cache as it is.
 
     Args:
-      params: the (new) model parameters, not split per layer (`model.hidden_states` runs
-        them, as `prefill` runs `model.apply`).
+      params: the (new) model parameters, stacked or split per layer (`model.hidden_states`
+        runs either, as `prefill` does).
       state: the decode state (donated by the jitted wrapper).
       tokens: `[N, W]` int32, row n = the tokens in slot n's cache (prompt + generated
         tokens already fed), right-padded; W >= every active slot's length (static shape).
@@ -529,8 +530,9 @@ class EngineCore:
     with those weights. A caller that wants it off the decode loop (in its weight-update
     path) can pass `split_params(params)` to `generate` instead. The split's layer matrices
     are out-major (the faster layout from two rows up) unless the engine has a single slot
-    (`model.decode_params`' `out_major`). The decode state is donated to each step, so its
-    KV cache is updated in place.
+    (`model.decode_params`' `out_major`). Prefill and the cache recompute take either form:
+    a caller that holds only the split (`InferenceHost`) keeps one copy of the weights. The
+    decode state is donated to each step, so its KV cache is updated in place.
 
     Attention reads every cache slot it covers at every step, so a step attends to a window
     of the first W slots, W from `decode_windows` (the smallest prefill bucket doubled up to

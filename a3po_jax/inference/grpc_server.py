@@ -131,7 +131,7 @@ class InferenceServicer(pb_grpc.InferenceHostServicer):
 
     def UpdateWeights(self, request_iterator, context):
         self._authorize(context)
-        assembler = weight_sync.TensorAssembler(self._host.params)
+        assembler = weight_sync.TensorAssembler(self._host.params_spec)
         version = None
         try:
             for message in request_iterator:
@@ -147,7 +147,7 @@ class InferenceServicer(pb_grpc.InferenceHostServicer):
             if version is None:
                 raise ValueError("weights rejected: the stream ended without a commit")
             flat = assembler.finish()
-            params = weight_sync.unflatten_params(flat, self._host.params)
+            params = weight_sync.unflatten_params(flat, self._host.params_spec)
             self._host.update_weights(params, int(version))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -16,8 +16,9 @@ over stacked parameters (leading axis L), so compile time does not grow with dep
 steps use `apply_decode` instead: the same `decoder_layer` unrolled over per-layer weights
 (`decode_params`, split once per weight update), because XLA:CPU copies each scanned
 layer's weight slice before the matmuls read it, so a memory-bound decode step moved the
-layer weights three times (read, write, read) instead of once. Flax only draws the initial
-weights (`init_params`).
+layer weights three times (read, write, read) instead of once. `hidden_states` also runs
+over that split (a loop over its layers), so an inference engine prefills from the copy it
+decodes from and holds no other. Flax only draws the initial weights (`init_params`).
 The model names logical axes only (`logical_axes`); `parallel/sharding.py` maps them to
 mesh axes.
 
@@ -369,8 +370,12 @@ def _linear(equation: str, x: jax.Array, w: Params, dtype: Any) -> jax.Array:
     if "kernel_t" in w:  # `decode_params` layout: [O, I], one output axis
         if len(out) != len(lhs) - n_in + 1:
             raise ValueError(f"an out-major kernel has one output axis, got {equation!r}")
-        kernel_t = w["kernel_t"]
-        y = out_major_dot(x2, kernel_t.astype(dtype)).reshape(*lead, kernel_t.shape[0])
+        kernel_t = w["kernel_t"].astype(dtype)
+        if x2.shape[0] > OUT_MAJOR_GEMM_MAX_ROWS:  # a prefill's many rows: x @ kernel_tᵀ
+            y = jax.lax.dot_general(x2, kernel_t, (((1,), (1,)), ((), ())))
+        else:
+            y = out_major_dot(x2, kernel_t)
+        y = y.reshape(*lead, kernel_t.shape[0])
     else:
         kernel = w["kernel"]
         y = jnp.dot(x2, kernel.reshape(n_inputs, -1).astype(dtype)).reshape(
@@ -379,6 +384,15 @@ def _linear(equation: str, x: jax.Array, w: Params, dtype: Any) -> jax.Array:
     if "bias" in w:
         y = y + w["bias"].astype(dtype)
     return y
+
+
+# Rows above which `_linear` multiplies an out-major kernel as x [M, I] x kernel_tᵀ (one GEMM
+# with a transposed right operand) instead of `out_major_dot`. 30 SmolLM2 layers' matrices on
+# the 2-core AMD EPYC (min of 21, 2026-11-26), out_major_dot vs x @ kernel_tᵀ: 32 rows 43 vs
+# 69 ms, 128 rows 170 vs 198, 512 rows 641 vs 669, 1024 rows 1308 vs 1252-1257 (the
+# in-major x @ kernel 1224-1264): the weight as the left operand pays off up to a few hundred
+# rows; a long prefill's product is a plain GEMM either way, without the transpose back.
+OUT_MAJOR_GEMM_MAX_ROWS = 512
 
 
 def out_major_dot(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
@@ -597,7 +611,7 @@ def _advanced_cache(
 
 
 def hidden_states(
-    params: Params,
+    params: Params | DecodeParams,
     tokens: jax.Array,
     positions: jax.Array,
     *,
@@ -610,6 +624,10 @@ def hidden_states(
     multiply them with `lm_head_kernel` themselves (chunked-vocab log-probs, or only the
     positions they need) instead of materialising [B, T, V] logits.
 
+    `params` may also be a `DecodeParams` split (what an inference engine holds, so that it
+    keeps one copy of the weights): its layers then run in `_loop_split_layers`, for inference
+    only (no checkpoint policy), with the same values up to float rounding.
+
     Arguments as in `apply`.
     Returns:
       (hidden [B, T, D] float32, new KVCache or None), the cache as `apply` returns it.
@@ -620,7 +638,14 @@ def hidden_states(
     b, t = tokens.shape
     if segment_ids is not None:
         chex.assert_shape(segment_ids, (b, t))
-    chex.assert_shape(params["embed"]["embedding"], (c.vocab_size, c.d_model))
+    split = isinstance(params, DecodeParams)
+    if split:
+        if len(params.layers) != c.n_layers:
+            raise ValueError(f"DecodeParams has {len(params.layers)} layers, config {c.n_layers}")
+        embedding, final_scale = params.embed, params.final_norm
+    else:
+        embedding, final_scale = params["embed"]["embedding"], params["final_norm"]["scale"]
+    chex.assert_shape(embedding, (c.vocab_size, c.d_model))
 
     if kv_cache is None:
         if attention_mask is not None:
@@ -655,17 +680,58 @@ def hidden_states(
         else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     )
     one_layer = jax.checkpoint(one_layer, prevent_cse=False, policy=policy)
-    x = _embed(params["embed"]["embedding"], tokens, jnp.dtype(c.compute_dtype))  # [B, T, D]
-    # One scan over the stacked [L, ...] weights, so compile time does not grow with depth.
-    # The cache rides in the carry (not as scanned input/output) so it is updated in place;
-    # scanned outputs would rebuild the whole [L, B, S, N, K] cache every call.
-    (x, kv, _), _ = jax.lax.scan(one_layer, (x, kv, jnp.zeros((), jnp.int32)), params["layers"])
+    x = _embed(embedding, tokens, jnp.dtype(c.compute_dtype))  # [B, T, D]
+    if split:
+        x, kv = _loop_split_layers(params.layers, x, kv, positions, mask, write_pos, c)
+    else:
+        # One scan over the stacked [L, ...] weights, so compile time does not grow with
+        # depth. The cache rides in the carry (not as scanned input/output) so it is updated
+        # in place; scanned outputs would rebuild the whole [L, B, S, N, K] cache every call.
+        init = (x, kv, jnp.zeros((), jnp.int32))
+        (x, kv, _), _ = jax.lax.scan(one_layer, init, params["layers"])
 
     # Final norm (and lm_head) in float32: log-probs feed importance ratios exp(a - b),
     # where bfloat16 rounding of logits would show up directly.
-    hidden = rms_norm(x.astype(jnp.float32), params["final_norm"]["scale"], c.rms_eps)
+    hidden = rms_norm(x.astype(jnp.float32), final_scale, c.rms_eps)
     new_cache = None if kv_cache is None else _advanced_cache(kv_cache, *kv, segment_ids, b, t)
     return hidden, new_cache
+
+
+def _loop_split_layers(
+    layers: tuple[Params, ...],
+    x: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    positions: jax.Array,
+    mask: jax.Array,
+    write_pos: jax.Array | None,
+    config: ModelConfig,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """`decoder_layer` over per-layer weight trees (`DecodeParams.layers`), as a loop.
+
+    A `fori_loop` whose body picks layer i's tree with `lax.switch`, so the layer is traced
+    and compiled once (unrolling a prefill over 30 layers compiled 6x slower). The switch
+    copies the chosen layer's weights, as the stacked path's scan copies its slice, so a
+    prefill costs what it costs over stacked weights (30 SmolLM2 layers' matmuls at 64 /
+    256 / 1024 rows: 106-110 / 339-369 / 1131-1176 ms against 105-108 / 317-390 / 1129-1166
+    scanned, 2-core AMD EPYC) while the engine holds only the split.
+    """
+    branches = [functools.partial(lambda i, ls: ls[i], i) for i in range(len(layers))]
+
+    def body(i, carry):
+        x, kv = carry
+        w = jax.lax.switch(i, branches, layers)
+        cache = None if kv is None else LayerCache(*kv, i, write_pos)
+        return decoder_layer(w, x, positions, mask, config=config, cache=cache)
+
+    return jax.lax.fori_loop(0, len(layers), body, (x, kv))
+
+
+def lm_head_logits(params: Params | DecodeParams, hidden: jax.Array, config: ModelConfig):
+    """[M, D] float32 final hidden states -> [M, V] float32 logits, from either layout (a
+    `DecodeParams`' tied head multiplies with the [V, D] table as `apply_decode` does)."""
+    if isinstance(params, DecodeParams):
+        return _decode_logits_t(params, hidden).T
+    return jnp.dot(hidden, lm_head_kernel(params, config))
 
 
 def apply(
@@ -785,8 +851,9 @@ def _decode_layers(stacked: Params, out_major: bool = True) -> tuple[Params, ...
 
 def decode_params(params: Params, config: ModelConfig, *, out_major: bool = True) -> DecodeParams:
     """`params` as `apply_decode` takes them: the layer weights copied once into L per-layer
-    trees (one more copy of the layers in memory); embedding, final norm and lm_head are
-    shared with `params`. Run it once per weight update, not per step.
+    trees (one more copy of the layers in memory while `params` live); embedding, final norm
+    and lm_head are shared with `params`. Run it once per weight update, not per step.
+    `hidden_states` (so prefill and the cache recompute) takes the split too.
 
     `out_major=False` keeps the layer matrices in `apply`'s [I, O] layout (`kernel`), for
     one-row decode steps: a [1, I] x [I, O] product streams the weight about 12 % faster
@@ -871,12 +938,17 @@ def apply_decode(
 
     # Final norm and lm_head in float32, as in `apply`.
     hidden = rms_norm(x.astype(jnp.float32), params.final_norm, c.rms_eps).reshape(b * t, -1)
-    if params.lm_head is None:  # tied: the [V, D] table is already out-major
-        logits_t = out_major_product(hidden, params.embed.astype(jnp.float32))  # [V, B·T]
-    else:
-        logits_t = jnp.dot(hidden, params.lm_head.astype(jnp.float32)).T
+    logits_t = _decode_logits_t(params, hidden)  # [V, B·T]
     logits = logits_t if vocab_major else logits_t.T.reshape(b, t, -1)
     return logits, _advanced_cache(kv_cache, cache_k, cache_v, segment_ids, b, t)
+
+
+def _decode_logits_t(params: DecodeParams, hidden: jax.Array) -> jax.Array:
+    """[M, D] float32 hidden -> [V, M] float32 logits: a tied head multiplies with the [V, D]
+    table as the left operand (`out_major_product`), an untied one as `apply` does."""
+    if params.lm_head is None:  # tied: the [V, D] table is already out-major
+        return out_major_product(hidden, params.embed.astype(jnp.float32))
+    return jnp.dot(hidden, params.lm_head.astype(jnp.float32)).T
 
 
 # ---------------------------------------------------------------------------------------------
