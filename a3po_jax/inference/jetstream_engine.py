@@ -135,7 +135,9 @@ class JetStreamEngine(engine_api.Engine):
             config, num_slots=num_slots, capacity=max_cache_len, prefill_buckets=buckets
         )
         self._device = jax.devices()[0]
-        self._params = jax.device_put(params, self._device)
+        # The weights as the engine serves them: split per layer, the one copy that prefill
+        # and the decode step both run on (what `load_params` hands JetStream).
+        self._params = self._core.split_params(jax.device_put(params, self._device))
         self._sampling = sampling or engine_core.SlotSampling()  # greedy
         self._tokenizer = TokenIdTokenizer(
             bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, hf_tokenizer=hf_tokenizer
