@@ -477,10 +477,7 @@ class InferenceHost:
             return None if x is None else jax.device_put(x, self._device, may_alias=False)
 
         return split._replace(
-            embed=copy(split.embed),
-            layers=jax.device_put(split.layers, self._device),  # new arrays: moved, not copied
-            final_norm=copy(split.final_norm),
-            lm_head=copy(split.lm_head),
+            embed=copy(split.embed), final_norm=copy(split.final_norm), lm_head=copy(split.lm_head)
         )
 
     def _check_alive(self) -> None:

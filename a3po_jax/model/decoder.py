@@ -387,12 +387,13 @@ def _linear(equation: str, x: jax.Array, w: Params, dtype: Any) -> jax.Array:
 
 
 # Rows above which `_linear` multiplies an out-major kernel as x [M, I] x kernel_tᵀ (one GEMM
-# with a transposed right operand) instead of `out_major_dot`. 30 SmolLM2 layers' matrices on
-# the 2-core AMD EPYC (min of 21, 2026-11-26), out_major_dot vs x @ kernel_tᵀ: 32 rows 43 vs
-# 69 ms, 128 rows 170 vs 198, 512 rows 641 vs 669, 1024 rows 1308 vs 1252-1257 (the
-# in-major x @ kernel 1224-1264): the weight as the left operand pays off up to a few hundred
-# rows; a long prefill's product is a plain GEMM either way, without the transpose back.
-OUT_MAJOR_GEMM_MAX_ROWS = 512
+# with a transposed right operand) instead of `out_major_dot`. 30 SmolLM2 layers' matrices
+# alone on the 2-core AMD EPYC (min of 21, 2026-11-26), out_major_dot vs x @ kernel_tᵀ: 32
+# rows 43 vs 69 ms, 128 rows 170 vs 198, 256 rows 337 vs 339, 1024 rows 1308 vs 1252-1257
+# (the in-major x @ kernel 1224-1264). In whole layers the transpose back costs more: the
+# cache recompute of 8 slots x 64 tokens (512 rows) over the split took 730 ms this way and
+# 656 ms as x @ kernel_tᵀ, against 642-647 ms over the stacked in-major weights.
+OUT_MAJOR_GEMM_MAX_ROWS = 256
 
 
 def out_major_dot(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
