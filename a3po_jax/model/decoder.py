@@ -660,10 +660,37 @@ def hidden_states(
         kv = (kv_cache.k, kv_cache.v)
     positions = positions.astype(jnp.int32)
 
+    x = _embed(embedding, tokens, jnp.dtype(c.compute_dtype))  # [B, T, D]
+    if split:
+        x, kv = _loop_split_layers(params.layers, x, kv, positions, mask, write_pos, c)
+    else:
+        x, kv = _scan_stacked_layers(params["layers"], x, kv, positions, mask, write_pos, c)
+
+    # Final norm (and lm_head) in float32: log-probs feed importance ratios exp(a - b),
+    # where bfloat16 rounding of logits would show up directly.
+    hidden = rms_norm(x.astype(jnp.float32), final_scale, c.rms_eps)
+    new_cache = None if kv_cache is None else _advanced_cache(kv_cache, *kv, segment_ids, b, t)
+    return hidden, new_cache
+
+
+def _scan_stacked_layers(
+    layers: Params,
+    x: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    positions: jax.Array,
+    mask: jax.Array,
+    write_pos: jax.Array | None,
+    config: ModelConfig,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """`decoder_layer` as one scan over the stacked [L, ...] weights, so compile time does not
+    grow with depth. The cache rides in the carry (not as scanned input/output) so it is
+    updated in place; scanned outputs would rebuild the whole [L, B, S, N, K] cache every
+    call."""
+
     def one_layer(carry, w):
         x, kv, layer = carry
         cache = None if kv is None else LayerCache(*kv, layer, write_pos)
-        x, kv = decoder_layer(w, x, positions, mask, config=c, cache=cache)
+        x, kv = decoder_layer(w, x, positions, mask, config=config, cache=cache)
         return (x, kv, layer + 1), None
 
     # What the backward pass keeps of each layer (no effect without a gradient). By default
@@ -677,25 +704,12 @@ def hidden_states(
     # `remat=True` saves only each layer's input (least memory, one more forward).
     policy = (
         jax.checkpoint_policies.nothing_saveable
-        if c.remat
+        if config.remat
         else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     )
     one_layer = jax.checkpoint(one_layer, prevent_cse=False, policy=policy)
-    x = _embed(embedding, tokens, jnp.dtype(c.compute_dtype))  # [B, T, D]
-    if split:
-        x, kv = _loop_split_layers(params.layers, x, kv, positions, mask, write_pos, c)
-    else:
-        # One scan over the stacked [L, ...] weights, so compile time does not grow with
-        # depth. The cache rides in the carry (not as scanned input/output) so it is updated
-        # in place; scanned outputs would rebuild the whole [L, B, S, N, K] cache every call.
-        init = (x, kv, jnp.zeros((), jnp.int32))
-        (x, kv, _), _ = jax.lax.scan(one_layer, init, params["layers"])
-
-    # Final norm (and lm_head) in float32: log-probs feed importance ratios exp(a - b),
-    # where bfloat16 rounding of logits would show up directly.
-    hidden = rms_norm(x.astype(jnp.float32), final_scale, c.rms_eps)
-    new_cache = None if kv_cache is None else _advanced_cache(kv_cache, *kv, segment_ids, b, t)
-    return hidden, new_cache
+    (x, kv, _), _ = jax.lax.scan(one_layer, (x, kv, jnp.zeros((), jnp.int32)), layers)
+    return x, kv
 
 
 def _loop_split_layers(
@@ -780,7 +794,7 @@ def apply(
     # gradient transposed the [B, T, V] cotangent first. SmolLM2's head, tokens 8x128, grad
     # of the log-softmax target sum: 0.95 s as the einsum, 0.66 s as the 2-D matmul.
     b, t, d = hidden.shape
-    logits = jnp.dot(hidden.reshape(b * t, d), lm_head_kernel(params, config)).reshape(b, t, -1)
+    logits = lm_head_logits(params, hidden.reshape(b * t, d), config).reshape(b, t, -1)
     return logits, new_cache
 
 
