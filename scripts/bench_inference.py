@@ -31,8 +31,9 @@ Per batch size B, on the same model, prompts and device:
   are timed as (time for N new tokens) - (time for 1 new token), which leaves out the
   prefill in both; the engine's steps are timed directly. Ratios host/engine, host/hf and
   engine/hf follow;
-* prefill: prompt tokens/s of one batched prefill + insert of the B samples, for
-  independent prompts (B prompts) and for the RL case (B / G prompts, each prefilled once
+* prefill: prompt tokens/s of one batched prefill + insert of the B samples, over the
+  per-layer split the host serves from (`EngineCore.split_params`), for independent
+  prompts (B prompts) and for the RL case (B / G prompts, each prefilled once
   and inserted into its G samples' slots, `--group-size`), counted per sample (B * P tokens);
 * step profile: the decode step's forward at each batch as the engine runs it (cache
   donated), with its largest ops timed by the JAX profiler and named by the compiled
@@ -43,8 +44,9 @@ Per batch size B, on the same model, prompts and device:
   a fraction of the matmul peak ("of peak") measured in the same rounds as the steps (the
   highest of them; the one printed at the start is the first measurement);
 * swap: what an in-flight weight update costs the host (update policy "in_flight"): every
-  running sample's KV cache is recomputed under the new weights, one batched prefill of the
-  B slots at prompt + new_tokens / 2 tokens (mid-sample), in ms per swap and in decode steps;
+  running sample's KV cache is recomputed under the new weights (over the split, as the
+  host does), one batched prefill of the B slots at prompt + new_tokens / 2 tokens
+  (mid-sample), in ms per swap and in decode steps;
 * naive: a jitted full forward over the whole padded sequence per token (no KV cache);
 * bound: decode steps/s allowed by memory bandwidth, bandwidth / bytes read per step
   (all weights + the KV cache as the engine reads it: every slot up to the attention window
@@ -338,10 +340,11 @@ def bench_swap_recompute(
     config, params, prompts: np.ndarray, new_tokens: int, repeats: int, capacity: int
 ) -> float:
     """Seconds one in-flight swap spends recomputing the caches of B running samples, each
-    half way through its generation (`EngineCore.recompute_cache`, as `InferenceHost` runs
-    it at a swap; the first call compiles and is not timed)."""
+    half way through its generation (`EngineCore.recompute_cache` over the per-layer split,
+    as `InferenceHost` runs it at a swap; the first call compiles and is not timed)."""
     B, P = prompts.shape
     core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
+    params = core.split_params(params)  # what InferenceHost serves from (one copy, per layer)
     state = core.init_decode_state()
     for b in range(B):
         prefix = core.prefill(params, prompts[b].tolist())
@@ -360,11 +363,13 @@ def bench_swap_recompute(
 
 
 def bench_prefill(config, params, prompts: np.ndarray, group: int, repeats: int, capacity: int):
-    """Seconds to start B samples with one batched prefill + insert, reading their first
-    tokens: independent prompts (B rows prefilled) and the RL case (B / group prompts, each
+    """Seconds to start B samples with one batched prefill + insert over the per-layer split
+    (as `InferenceHost` runs it), reading their first tokens: independent prompts (B
+    rows prefilled) and the RL case (B / group prompts, each
     inserted into `group` slots). Returns (independent s, grouped s)."""
     B, P = prompts.shape
     core = EngineCore(config, num_slots=B, capacity=capacity, prefill_buckets=(P,))
+    params = core.split_params(params)  # what InferenceHost serves from (one copy, per layer)
     greedy = SlotSampling(temperature=0.0)
 
     def start(rows: list[list[int]], per_row: int) -> float:
