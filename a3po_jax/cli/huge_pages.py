@@ -1,5 +1,8 @@
 """Transparent huge pages for XLA:CPU's buffers: the entry points restart once with them on.
 
+CLI layer (entry points): only the entry points (and the benchmarks) import it; nothing in
+the rest of the package does.
+
 XLA:CPU maps each program's temporaries afresh at every execution and unmaps them after it
 (one ``mmap`` of 1.26 GiB per quickstart train step), and every array it allocates is a
 fresh mapping too. Where the kernel's transparent huge pages are in ``madvise`` mode (the
