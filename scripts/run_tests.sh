@@ -5,12 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 .venv/bin/python -m ruff check a3po_jax tests scripts experiments
-# Huge pages for XLA:CPU's buffers, as a3po-train runs (a3po_jax/cli/huge_pages.py): glibc
-# reads the tunable at start-up; older glibc and other C libraries ignore it. A hugetlb
-# setting of the caller's own is kept.
-case "${GLIBC_TUNABLES:-}" in
-  *glibc.malloc.hugetlb=*) ;;
-  *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
-esac
 # --durations: the slowest tests, printed at the end, so that CI shows where its minutes go.
 exec .venv/bin/python -m pytest -q --timeout=1200 --durations=25 "$@"
