@@ -82,7 +82,6 @@ import numpy as np
 from bench_common import CONFIGS, matmul_size  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model as model_lib
-from a3po_jax.cli import huge_pages
 from a3po_jax.inference import EngineCore, GenerateRequest, InferenceHost, SamplingParams
 from a3po_jax.inference.engine_core import SlotSampling
 
@@ -443,7 +442,6 @@ def describe_machine() -> dict:
         "isa": [flag for flag in listed if flag in flags],
         "device": f"{device.device_kind} ({device.platform})",
         "jax": jax.__version__,
-        "huge_pages": huge_pages.status(),
     }
 
 
@@ -661,7 +659,7 @@ def main() -> None:
     print(
         f"machine: {machine['cpu']} ({machine['cpu_arch']}, {machine['cores']} cores, "
         f"{' '.join(machine['isa']) or 'no listed ISA flags'}); device: {machine['device']}; "
-        f"jax {machine['jax']}; {machine['huge_pages']}"
+        f"jax {machine['jax']}"
     )
     bandwidth = measure_bandwidth()
     peak_meter = matmul_peak_meter(jnp.dtype(config.compute_dtype))
@@ -862,6 +860,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # As a3po-train runs: huge pages for XLA:CPU's buffers (A3PO_HUGE_PAGES=0 to compare).
-    huge_pages.reexec_with_huge_pages()
     main()

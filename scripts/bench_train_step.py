@@ -72,7 +72,6 @@ import jax.numpy as jnp
 from bench_common import CONFIGS, matmul_size, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
-from a3po_jax.cli import huge_pages
 from a3po_jax.core import packing
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
@@ -102,12 +101,7 @@ def machine() -> dict[str, str]:
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma") if f in flags]
     if flags & {"asimd", "neon"}:
         isa.append("neon")
-    return {
-        "backend": "cpu",
-        "device": model_name,
-        "isa": " ".join(isa) or "none listed",
-        "huge_pages": huge_pages.status(),
-    }
+    return {"backend": "cpu", "device": model_name, "isa": " ".join(isa) or "none listed"}
 
 
 def forward_flops(cfg: model.ModelConfig, b: int, t: int, head_tokens: int | None = None) -> float:
@@ -216,7 +210,7 @@ def main(argv=None) -> dict:
     info = machine()
     print(
         f"device: {info['device']} ({info['backend']}"
-        + (f"; {info['isa']}; {info['huge_pages']}" if "isa" in info else "")
+        + (f"; {info['isa']}" if "isa" in info else "")
         + f"); model {args.config} ({mcfg.n_params / 1e6:.1f}M params, {args.dtype}); "
         f"{'packed rows' if args.packed else 'batch'} {b}x{t} ({n_tok} completion tokens"
         + (f", head on {head_tokens}" if args.packed else "")
@@ -354,6 +348,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    # As a3po-train runs: huge pages for XLA:CPU's buffers (A3PO_HUGE_PAGES=0 to compare).
-    huge_pages.reexec_with_huge_pages()
     main()

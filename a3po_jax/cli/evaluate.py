@@ -26,7 +26,6 @@ import sys
 from collections.abc import Sequence
 
 from a3po_jax.analysis.evaluation import EVAL_SPLIT, EvalSpec, evaluate, host_generate_fn
-from a3po_jax.cli import huge_pages
 from a3po_jax.tasks import make_task, render_prompt
 from a3po_jax.training.config import ConfigError, ModelSection, config_from_dict
 
@@ -68,8 +67,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None:  # run as a program: huge pages for XLA:CPU's buffers (see huge_pages)
-        huge_pages.reexec_with_huge_pages()
     args = parse_args(argv)
     if args.step is not None and not args.run_dir:
         return _fail("--step needs --run-dir")

@@ -16,7 +16,6 @@ import argparse
 import logging
 import sys
 
-from a3po_jax.cli import huge_pages
 from a3po_jax.inference import grpc_server
 from a3po_jax.inference.grpc_messages import TOKEN_ENV
 from a3po_jax.inference.host import UPDATE_POLICIES, InferenceHost
@@ -25,8 +24,6 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:  # run as a program: huge pages for XLA:CPU's buffers (see huge_pages)
-        huge_pages.reexec_with_huge_pages()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model", default="tiny", help="tiny | smollm2 | HF checkpoint dir | .gguf file"

@@ -36,7 +36,6 @@ import os
 import sys
 from pathlib import Path
 
-from a3po_jax.cli import huge_pages
 from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
 
 log = logging.getLogger(__name__)
@@ -84,12 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``a3po-train``; returns the exit code (2 for a run that was refused).
-
-    Run as a program (``argv`` None), it first restarts itself once with huge pages for
-    XLA:CPU's buffers where that helps (`huge_pages`; ``A3PO_HUGE_PAGES=0`` to skip)."""
-    if argv is None:
-        huge_pages.reexec_with_huge_pages()
+    """Run ``a3po-train``; returns the exit code (2 for a run that was refused)."""
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
