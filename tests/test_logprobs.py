@@ -412,3 +412,109 @@ def test_invalid_arguments_are_refused():
         chunked_token_logprobs(hidden, head, targets.astype(jnp.float32))
     with pytest.raises(AssertionError):  # chex: head's D does not match hidden's
         chunked_token_logprobs(hidden, head[1:], targets)
+
+
+# --- a [V, D] table read as it is stored (head_is_table; tied models) ------------------------
+
+
+def _table_fn(chunk_size, vocab_chunk_size=None):
+    """The chunked path given the [V, D] table, as a function of the [D, V] head, so that its
+    values and gradients compare with the plain path's directly (dW comes back transposed)."""
+
+    def fn(h, w, tgt, temp):
+        return chunked_token_logprobs(
+            h,
+            w.T,
+            tgt,
+            temperature=temp,
+            chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
+            head_is_table=True,
+        )
+
+    return fn
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size, vocab_chunk_size", [(4, None), (7, 24), (64, 16), (4, 1000)])
+def test_table_layout_equals_plain_path(temperature, chunk_size, vocab_chunk_size):
+    """Values and both gradients, with a chunk remainder (N = 14, C = 4), a vocabulary
+    remainder (blocks of 24 in V = 64), one whole chunk, and a block wider than V."""
+    hidden, head, targets = _inputs(11)
+    fn = _table_fn(chunk_size, vocab_chunk_size)
+    got = jax.jit(fn, static_argnums=3)(hidden, head, targets, temperature)
+    for g, w in zip(got, _plain(hidden, head, targets, temperature), strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+    mask = _mask()
+    grad = lambda f: jax.grad(_masked_objective(f, targets, mask, temperature), argnums=(0, 1))
+    for g, w in zip(jax.jit(grad(fn))(hidden, head), grad(_plain)(hidden, head), strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_table_layout_with_bfloat16_states():
+    """bf16 hidden states with a float32 table: the logits divided after the matmul, as in the
+    kernel layout, and both layouts agree."""
+    hidden, head, targets = _inputs(12)
+    hidden16 = hidden.astype(jnp.bfloat16)
+    want = chunked_token_logprobs(hidden16, head, targets, temperature=0.7, chunk_size=4)
+    got = _table_fn(4)(hidden16, head, targets, 0.7)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_table_layout_checks_the_table_shape():
+    hidden, head, targets = _inputs()
+    with pytest.raises(AssertionError):
+        chunked_token_logprobs(hidden, head, targets, head_is_table=True)  # [D, V], not [V, D]
+
+
+def test_tied_model_gradient_through_the_table_equals_the_transposed_kernel():
+    """The tied embedding's gradient through the train step's head (lm_head_for_logprobs, the
+    table as stored) equals the one through lm_head_kernel (its transpose), lookups included."""
+    cfg = model.ModelConfig.tiny(vocab_size=96)
+    assert cfg.tie_embeddings
+    params = model.init_params(cfg, jax.random.key(3))
+    tokens = jax.random.randint(jax.random.key(4), (2, 9), 0, cfg.vocab_size, jnp.int32)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def objective(prm, as_table):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        hidden = model.hidden_states(prm, tokens, positions, config=cfg)[0]
+        if as_table:
+            head, is_table = model.lm_head_for_logprobs(prm, cfg)
+            assert is_table and head.shape == (cfg.vocab_size, cfg.d_model)
+        else:
+            head, is_table = model.lm_head_kernel(prm, cfg), False
+        logp, ent = chunked_token_logprobs(
+            hidden, head, targets, temperature=0.7, chunk_size=8, head_is_table=is_table
+        )
+        return jnp.sum(logp) - 0.1 * jnp.sum(ent)
+
+    got = jax.grad(objective)(params, True)
+    want = jax.grad(objective)(params, False)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_table_layout_needs_no_transposed_copy_of_the_table():
+    """A tied head given as its table holds at least one [D, V] float32 buffer less in the
+    forward + backward than the same head transposed into a kernel inside the program (the
+    copy XLA makes for the transpose, and the transpose of its gradient). The check can
+    fail: drop head_is_table and the two programs are the same."""
+    d, v = 64, 4096
+    hidden, _, targets = _inputs(13, b=2, t=64, d=d, v=v)
+    table = 0.1 * jax.random.normal(jax.random.key(14), (v, d), jnp.float32)
+    mask = jnp.ones(targets.shape, jnp.float32)
+
+    def temp_bytes(as_table):
+        def objective(h, tab):
+            head = tab if as_table else tab.T
+            logp, ent = chunked_token_logprobs(
+                h, head, targets, temperature=0.7, chunk_size=32, head_is_table=as_table
+            )
+            return jnp.sum(mask * (logp - 0.1 * ent))
+
+        program = jax.jit(jax.grad(objective, argnums=(0, 1)))
+        return program.lower(hidden, table).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(True) <= temp_bytes(False) - d * v * 4

@@ -69,6 +69,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_chunk_size: int | None = None,
+    head_is_table: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token target log-prob and entropy of ``softmax(hidden @ head / temperature)``,
     computed C tokens at a time so no [B, T, V] array exists in the forward or backward.
@@ -93,9 +94,10 @@ def chunked_token_logprobs(
     Args:
       hidden: [B, T, D] final-norm hidden states (float32 or bfloat16); position t predicts
         ``targets[:, t]``.
-      head: [D, V] output projection. Untied models pass ``params["lm_head"]["kernel"]``;
-        tied ones the embedding table transposed; ``model.lm_head_kernel(params, config)``
-        returns either, as float32, and its gradient flows back to the parameter.
+      head: [D, V] output projection, or with ``head_is_table`` the [V, D] table of a tied
+        model as the embedding stores it. ``model.lm_head_for_logprobs(params, config)``
+        returns (head, head_is_table) for either kind of model, as float32, and its
+        gradient flows back to the parameter.
       targets: [B, T] integer token ids.
       temperature: T > 0 (static), the sampling temperature the behaviour log-probs used.
       chunk_size: C > 0 (static), tokens per chunk; see ``DEFAULT_CHUNK_SIZE``. A token
@@ -104,6 +106,11 @@ def chunked_token_logprobs(
         passes; None chooses them (``_vocab_block``: on a CPU blocks of
         ``VOCAB_BLOCK_BYTES`` of logits, elsewhere the whole vocabulary). A vocabulary that
         the block does not divide ends with one narrower block.
+      head_is_table: (static) ``head`` is [V, D] and is read as it is stored: the logits
+        contract its D axis, and its gradient is written in the same layout. For a tied
+        model this saves a transposed copy of the table in the forward and a transpose of
+        its gradient in the backward (two [D, V] float32 buffers). Values are equal to the
+        [D, V] path's to float rounding.
 
     Returns:
       (logp [B, T], entropy [B, T]), float32.
@@ -112,7 +119,7 @@ def chunked_token_logprobs(
     chex.assert_rank(head, 2)
     chex.assert_rank(targets, 2)
     b, t, d = hidden.shape
-    chex.assert_shape(head, (d, None))
+    chex.assert_shape(head, (None, d) if head_is_table else (d, None))
     chex.assert_shape(targets, (b, t))
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids, got dtype {targets.dtype}")
@@ -138,6 +145,7 @@ def chunked_token_logprobs(
         temperature,
         chunk_size,
         vocab_chunk_size,
+        bool(head_is_table),
     )
     return logp.reshape(b, t), ent.reshape(b, t)
 
@@ -164,11 +172,21 @@ def _scaled(h: jax.Array, w: jax.Array, temperature: float) -> jax.Array:
     return h.astype(jnp.result_type(h, w)) / temperature
 
 
-def _chunk_logits(h: jax.Array, w: jax.Array, temperature: float) -> jax.Array:
+def _times_head(x: jax.Array, w: jax.Array, table: bool) -> jax.Array:
+    """[C, D] x times the head, float32: x·W for a [D, V] kernel, x·Wᵀ for a [V, D] table
+    (contracted on D as it is stored: no transposed copy of the table)."""
+    if table:
+        return jax.lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _chunk_logits(h: jax.Array, w: jax.Array, temperature: float, table: bool) -> jax.Array:
     """[C, V] float32 z = h·W / temperature."""
     if _scales_states(h, w):
-        return jnp.dot(_scaled(h, w, temperature), w, preferred_element_type=jnp.float32)
-    return jnp.dot(h, w, preferred_element_type=jnp.float32) / temperature
+        return _times_head(_scaled(h, w, temperature), w, table)
+    return _times_head(h, w, table) / temperature
 
 
 def _vocab_block(n_tokens: int, vocab: int, requested: int | None = None) -> int:
@@ -187,23 +205,32 @@ def _vocab_block(n_tokens: int, vocab: int, requested: int | None = None) -> int
     return min(vocab, max(MIN_VOCAB_BLOCK, 1 << (fit.bit_length() - 1)))
 
 
-def _over_blocks(step, carry, w: jax.Array, vocab_block: int):
-    """``carry = step(carry, w_block, col0)`` over the head's column blocks in order: the
-    full blocks of ``vocab_block`` columns (a scan when there are several), then the
-    narrower remainder, if any."""
-    v = w.shape[-1]
+def _vocab_axis(table: bool) -> int:
+    """The head's vocabulary axis: 0 for a [V, D] table, 1 for a [D, V] kernel."""
+    return 0 if table else 1
+
+
+def _over_blocks(step, carry, w: jax.Array, vocab_block: int, table: bool):
+    """``carry = step(carry, w_block, col0)`` over the head's vocabulary blocks in order
+    (columns of a [D, V] kernel, rows of a [V, D] table): the full blocks of
+    ``vocab_block`` entries (a scan when there are several), then the narrower remainder,
+    if any."""
+    axis = _vocab_axis(table)
+    v = w.shape[axis]
     full = v // vocab_block
 
     def body(carry, j):
         col0 = j * vocab_block
-        return step(carry, jax.lax.dynamic_slice_in_dim(w, col0, vocab_block, axis=1), col0), None
+        w_block = jax.lax.dynamic_slice_in_dim(w, col0, vocab_block, axis=axis)
+        return step(carry, w_block, col0), None
 
     if full == 1:
         carry, _ = body(carry, 0)
     elif full > 1:
         carry, _ = jax.lax.scan(body, carry, jnp.arange(full))
     if v % vocab_block:
-        carry = step(carry, w[:, full * vocab_block :], full * vocab_block)
+        rest = jax.lax.slice_in_dim(w, full * vocab_block, v, axis=axis)
+        carry = step(carry, rest, full * vocab_block)
     return carry
 
 
@@ -231,7 +258,7 @@ def _online_block(carry, z, col0, tgt):
     return m_new, total, u, picked
 
 
-def _chunk_forward(h, w, tgt, temperature, vocab_block):
+def _chunk_forward(h, w, tgt, temperature, vocab_block, table):
     """(logp [C], entropy [C], logsumexp [C]) of one chunk of tokens, the vocabulary taken
     ``vocab_block`` columns at a time (one block: the whole [C, V] logits at once).
 
@@ -249,17 +276,18 @@ def _chunk_forward(h, w, tgt, temperature, vocab_block):
     start = (jnp.full((c,), -1e30, jnp.float32), *(jnp.zeros((c,), jnp.float32),) * 3)
 
     def step(carry, w_block, col0):
-        return _online_block(carry, _chunk_logits(h, w_block, temperature), col0, tgt)
+        return _online_block(carry, _chunk_logits(h, w_block, temperature, table), col0, tgt)
 
-    carry = _over_blocks(step, start, w, vocab_block)
+    carry = _over_blocks(step, start, w, vocab_block, table)
     m, total, u, picked = carry
     log_total = jnp.log(total)
     lse = m + log_total
     return picked - lse, log_total - u / total, lse
 
 
-def _block_grads(h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature):
-    """(dh [C, D], dW block [D, Vb]) float32 from one vocabulary block's logits, recomputed.
+def _block_grads(h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature, table):
+    """(dh [C, D], dW block) float32 from one vocabulary block's logits, recomputed; the
+    block's gradient in the head's own layout ([D, Vb] of a kernel, [Vb, D] of a table).
 
     With p = softmax(z), log p = z - lse:
         d logp_t / dz_k = δ_kt - p_k
@@ -268,38 +296,47 @@ def _block_grads(h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature):
     dW = (h / T)ᵀ·dz and dh = (dz·Wᵀ) / T, wherever the 1/T was applied. dh sums over the
     blocks; each block's dW columns are its own.
     """
-    z = _chunk_logits(h, w_block, temperature)  # [C, Vb]
+    z = _chunk_logits(h, w_block, temperature, table)  # [C, Vb]
     logp_all = z - lse[:, None]
     p = jnp.exp(logp_all)
     is_target = (col0 + jnp.arange(z.shape[-1]))[None, :] == tgt[:, None]
     dz = jnp.where(is_target, g_logp[:, None], 0.0) - p * (
         g_logp[:, None] + g_ent[:, None] * (logp_all + ent[:, None])
     )  # [C, Vb]
-    if _scales_states(h, w_block):
-        h_scaled = _scaled(h, w_block, temperature)  # [C, D], as in the forward
-        dh = jnp.dot(dz, w_block.T, preferred_element_type=jnp.float32) / temperature
-        dw = jnp.dot(h_scaled.T, dz, preferred_element_type=jnp.float32)  # [D, Vb]
-    else:
-        d_logits = dz / temperature  # [C, Vb]
-        dh = jnp.dot(d_logits, w_block.T, preferred_element_type=jnp.float32)
-        dw = jnp.dot(h.T, d_logits, preferred_element_type=jnp.float32)
+    scaled_states = _scales_states(h, w_block)
+    if scaled_states:  # z = (h / T)·W: dW from the scaled states, dh divided by T
+        d_logits, h_used = dz, _scaled(h, w_block, temperature)
+    else:  # z = (h·W) / T: both from dz / T
+        d_logits, h_used = dz / temperature, h
+    f32 = jnp.float32
+    if table:  # w_block [Vb, D]
+        dh = jnp.dot(d_logits, w_block, preferred_element_type=f32)
+        contract_tokens = (((0,), (0,)), ((), ()))
+        dw = jax.lax.dot_general(d_logits, h_used, contract_tokens, preferred_element_type=f32)
+    else:  # w_block [D, Vb]
+        dh = jnp.dot(d_logits, w_block.T, preferred_element_type=f32)
+        dw = jnp.dot(h_used.T, d_logits, preferred_element_type=f32)
+    if scaled_states:
+        dh = dh / temperature
     return dh, dw
 
 
-def _chunk_backward(h, w, tgt, lse, ent, g_logp, g_ent, temperature, vocab_block, dw_acc):
-    """(dh [C, D] float32, dw_acc + this chunk's dW [D, V] float32), the chunk's logits
-    recomputed ``vocab_block`` columns at a time (one block: the whole [C, V] at once)."""
+def _chunk_backward(h, w, tgt, lse, ent, g_logp, g_ent, temperature, vocab_block, table, dw_acc):
+    """(dh [C, D] float32, dw_acc + this chunk's dW float32, in the head's layout), the
+    chunk's logits recomputed ``vocab_block`` entries at a time (one block: the whole
+    [C, V] at once)."""
+    axis = _vocab_axis(table)
 
     def step(carry, w_block, col0):
         dh, acc = carry
         dh_b, dw_b = _block_grads(
-            h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature
-        )  # dW_b: [D, Vb], this block's own columns
-        old = jax.lax.dynamic_slice_in_dim(acc, col0, dw_b.shape[-1], axis=1)
-        return dh + dh_b, jax.lax.dynamic_update_slice_in_dim(acc, old + dw_b, col0, axis=1)
+            h, w_block, col0, tgt, lse, ent, g_logp, g_ent, temperature, table
+        )  # dW_b: this block's own vocabulary entries
+        old = jax.lax.dynamic_slice_in_dim(acc, col0, dw_b.shape[axis], axis=axis)
+        return dh + dh_b, jax.lax.dynamic_update_slice_in_dim(acc, old + dw_b, col0, axis=axis)
 
-    start = (jnp.zeros((h.shape[0], w.shape[0]), jnp.float32), dw_acc)
-    return _over_blocks(step, start, w, vocab_block)
+    start = (jnp.zeros((h.shape[0], h.shape[1]), jnp.float32), dw_acc)
+    return _over_blocks(step, start, w, vocab_block, table)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,41 +355,43 @@ def _split(x: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
     return x[: k * chunk].reshape(k, chunk, *x.shape[1:]), x[k * chunk :]
 
 
-def _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size):
+def _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size, table):
     """(logp [N], entropy [N], logsumexp [N])."""
     n = h.shape[0]
     chunk = _chunk_len(n, chunk_size)
     h_full, h_rest = _split(h, chunk)
     t_full, t_rest = _split(tgt, chunk)
-    block = functools.partial(_vocab_block, vocab=w.shape[-1], requested=vocab_chunk_size)
+    vocab = w.shape[_vocab_axis(table)]
+    block = functools.partial(_vocab_block, vocab=vocab, requested=vocab_chunk_size)
 
     def body(carry, xs):
         h_c, tgt_c = xs
-        return carry, _chunk_forward(h_c, w, tgt_c, temperature, block(chunk))
+        return carry, _chunk_forward(h_c, w, tgt_c, temperature, block(chunk), table)
 
     _, full = jax.lax.scan(body, None, (h_full, t_full))  # 3 x [K, C]
     outs = [x.reshape(-1) for x in full]
     if h_rest.shape[0]:
-        rest = _chunk_forward(h_rest, w, t_rest, temperature, block(h_rest.shape[0]))  # 3 x [R]
+        rest = _chunk_forward(h_rest, w, t_rest, temperature, block(h_rest.shape[0]), table)
         outs = [jnp.concatenate([a, r]) for a, r in zip(outs, rest, strict=True)]
     return tuple(outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _flat_logprobs(h, w, tgt, temperature, chunk_size, vocab_chunk_size):
-    """(logp [N], entropy [N]) of N flattened tokens; h [N, D], w [D, V], tgt [N] int32."""
-    logp, ent, _ = _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _flat_logprobs(h, w, tgt, temperature, chunk_size, vocab_chunk_size, table):
+    """(logp [N], entropy [N]) of N flattened tokens; h [N, D], w [D, V] (a kernel) or
+    [V, D] (``table``), tgt [N] int32."""
+    logp, ent, _ = _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size, table)
     return logp, ent
 
 
-def _flat_logprobs_fwd(h, w, tgt, temperature, chunk_size, vocab_chunk_size):
-    logp, ent, lse = _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size)
+def _flat_logprobs_fwd(h, w, tgt, temperature, chunk_size, vocab_chunk_size, table):
+    logp, ent, lse = _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size, table)
     # Residuals are the inputs (already alive in the caller) and two [N] vectors; the
     # [N, V] logits are recomputed chunk by chunk in the backward, never saved.
     return (logp, ent), (h, w, tgt, lse, ent)
 
 
-def _flat_logprobs_bwd(temperature, chunk_size, vocab_chunk_size, residuals, cotangents):
+def _flat_logprobs_bwd(temperature, chunk_size, vocab_chunk_size, table, residuals, cotangents):
     h, w, tgt, lse, ent = residuals
     g_logp, g_ent = cotangents  # [N] each
     n = h.shape[0]
@@ -360,21 +399,32 @@ def _flat_logprobs_bwd(temperature, chunk_size, vocab_chunk_size, residuals, cot
     xs_full, xs_rest = zip(
         *(_split(x, chunk) for x in (h, tgt, lse, ent, g_logp, g_ent)), strict=True
     )
-    block = functools.partial(_vocab_block, vocab=w.shape[-1], requested=vocab_chunk_size)
+    vocab = w.shape[_vocab_axis(table)]
+    block = functools.partial(_vocab_block, vocab=vocab, requested=vocab_chunk_size)
 
     def body(dw_acc, xs):
         h_c, tgt_c, lse_c, ent_c, gl_c, ge_c = xs
         return _chunk_backward(
-            h_c, w, tgt_c, lse_c, ent_c, gl_c, ge_c, temperature, block(chunk), dw_acc
+            h_c, w, tgt_c, lse_c, ent_c, gl_c, ge_c, temperature, block(chunk), table, dw_acc
         )[::-1]
 
-    # dW is summed over chunks in float32 in the scan carry ([D, V], the size of the head).
+    # dW is summed over chunks in float32 in the scan carry (the head's shape and layout).
     dw_acc, dh_full = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs_full)
     dh = dh_full.reshape(-1, h.shape[1])
     if xs_rest[0].shape[0]:
         h_r, tgt_r, lse_r, ent_r, gl_r, ge_r = xs_rest
         dh_r, dw_acc = _chunk_backward(
-            h_r, w, tgt_r, lse_r, ent_r, gl_r, ge_r, temperature, block(h_r.shape[0]), dw_acc
+            h_r,
+            w,
+            tgt_r,
+            lse_r,
+            ent_r,
+            gl_r,
+            ge_r,
+            temperature,
+            block(h_r.shape[0]),
+            table,
+            dw_acc,
         )
         dh = jnp.concatenate([dh, dh_r])
     # Integer targets take a float0 cotangent (no gradient).

@@ -480,11 +480,13 @@ def packed_token_logprobs(
     h = jnp.take_along_axis(hidden, row_pred_pos[:, :, None], axis=1)  # [N, K, D]
     # Same float32 head as model.apply, chunked over tokens (no [N, K, V] logits in either
     # pass); temperature as in forward_logprobs.
+    head, is_table = model.lm_head_for_logprobs(params, model_config)
     logp_k, ent_k = logprobs.chunked_token_logprobs(
         h,
-        model.lm_head_kernel(params, model_config),
+        head,
         jnp.asarray(packed["row_targets"]),
         temperature=temperature,
+        head_is_table=is_table,
     )  # [N, K] each
     to_rows = lambda v: row_completions_to_rows(  # noqa: E731
         v,

@@ -539,8 +539,10 @@ def forward_logprobs(
       (logp [B, T], entropy [B, T]) float32.
     """
     hidden = batch_hidden(params, batch, model_config=model_config)  # [B, T, D] float32
-    head = model.lm_head_kernel(params, model_config)  # [D, V]
-    return logprobs.chunked_token_logprobs(hidden, head, batch["targets"], temperature=temperature)
+    head, is_table = model.lm_head_for_logprobs(params, model_config)  # [V, D] tied, [D, V]
+    return logprobs.chunked_token_logprobs(
+        hidden, head, batch["targets"], temperature=temperature, head_is_table=is_table
+    )
 
 
 def _no_grad_logprobs(params, micro_batches, *, algo, model_config):

@@ -332,6 +332,16 @@ def lm_head_kernel(params: Params, config: ModelConfig) -> jax.Array:
     return params["lm_head"]["kernel"].astype(jnp.float32)
 
 
+def lm_head_for_logprobs(params: Params, config: ModelConfig) -> tuple[jax.Array, bool]:
+    """(head, head_is_table) for `core.logprobs.chunked_token_logprobs`, float32: a tied
+    model's [V, D] embedding table as it is stored (True), an untied model's [D, V] kernel
+    (False). The table read as stored spares the train step a transposed [D, V] copy of it
+    and a transpose of its gradient."""
+    if config.tie_embeddings:
+        return params["embed"]["embedding"].astype(jnp.float32), True
+    return params["lm_head"]["kernel"].astype(jnp.float32), False
+
+
 # ---------------------------------------------------------------------------------------------
 # The layer: the only place its maths is written.
 
