@@ -517,4 +517,7 @@ def test_table_layout_needs_no_transposed_copy_of_the_table():
         program = jax.jit(jax.grad(objective, argnums=(0, 1)))
         return program.lower(hidden, table).compile().memory_analysis().temp_size_in_bytes
 
-    assert temp_bytes(True) <= temp_bytes(False) - d * v * 4
+    transposed = temp_bytes(False)
+    if jax.default_backend() != "cpu" and transposed < d * v * 4:
+        pytest.skip(f"{jax.default_backend()} reads the transposed table without a copy")
+    assert temp_bytes(True) <= transposed - d * v * 4

@@ -210,6 +210,13 @@ def _vocab_axis(table: bool) -> int:
     return 0 if table else 1
 
 
+def _block_widths(w: jax.Array, table: bool, requested: int | None):
+    """``block(n_tokens)``: the vocabulary block width for a chunk of that many tokens, over
+    this head's vocabulary (``_vocab_block``)."""
+    vocab = w.shape[_vocab_axis(table)]
+    return functools.partial(_vocab_block, vocab=vocab, requested=requested)
+
+
 def _over_blocks(step, carry, w: jax.Array, vocab_block: int, table: bool):
     """``carry = step(carry, w_block, col0)`` over the head's vocabulary blocks in order
     (columns of a [D, V] kernel, rows of a [V, D] table): the full blocks of
@@ -361,8 +368,7 @@ def _forward_all(h, w, tgt, temperature, chunk_size, vocab_chunk_size, table):
     chunk = _chunk_len(n, chunk_size)
     h_full, h_rest = _split(h, chunk)
     t_full, t_rest = _split(tgt, chunk)
-    vocab = w.shape[_vocab_axis(table)]
-    block = functools.partial(_vocab_block, vocab=vocab, requested=vocab_chunk_size)
+    block = _block_widths(w, table, vocab_chunk_size)
 
     def body(carry, xs):
         h_c, tgt_c = xs
@@ -399,8 +405,7 @@ def _flat_logprobs_bwd(temperature, chunk_size, vocab_chunk_size, table, residua
     xs_full, xs_rest = zip(
         *(_split(x, chunk) for x in (h, tgt, lse, ent, g_logp, g_ent)), strict=True
     )
-    vocab = w.shape[_vocab_axis(table)]
-    block = functools.partial(_vocab_block, vocab=vocab, requested=vocab_chunk_size)
+    block = _block_widths(w, table, vocab_chunk_size)
 
     def body(dw_acc, xs):
         h_c, tgt_c, lse_c, ent_c, gl_c, ge_c = xs

@@ -326,10 +326,9 @@ def abstract_params(config: ModelConfig) -> Params:
 
 def lm_head_kernel(params: Params, config: ModelConfig) -> jax.Array:
     """[D, V] float32 output projection (the embedding table's transpose when tied): what
-    `apply` multiplies `hidden_states` with; for chunked-vocab log-probs."""
-    if config.tie_embeddings:
-        return params["embed"]["embedding"].astype(jnp.float32).T
-    return params["lm_head"]["kernel"].astype(jnp.float32)
+    `apply` multiplies `hidden_states` with."""
+    head, is_table = lm_head_for_logprobs(params, config)
+    return head.T if is_table else head
 
 
 def lm_head_for_logprobs(params: Params, config: ModelConfig) -> tuple[jax.Array, bool]:
@@ -632,7 +631,7 @@ def hidden_states(
     kv_cache: KVCache | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """`apply` without the lm_head: the float32 final-norm hidden states, for callers that
-    multiply them with `lm_head_kernel` themselves (chunked-vocab log-probs, or only the
+    multiply them with the head themselves (chunked-vocab log-probs, or only the
     positions they need) instead of materialising [B, T, V] logits.
 
     `params` may also be a `DecodeParams` split (what an inference engine holds, so that it
