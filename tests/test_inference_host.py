@@ -605,3 +605,55 @@ def test_host_holds_one_copy_of_the_weights_per_version(params, params_v1):
     np.testing.assert_array_equal(r.versions, [1] * 3)
     np.testing.assert_array_equal(r.tokens, recompute_greedy(params_v1, PROMPTS["short"], 3))
     del before
+
+
+def test_wait_serving_returns_once_the_new_weights_serve_and_the_old_are_released(
+    params, params_v1
+):
+    # The embedded host's caller waits for the swap, then trims the heap (training/trainer.py):
+    # when `wait_serving` says the new weights serve, the split they replaced must be gone.
+    import weakref
+
+    h = _host(params)  # not started: nothing swaps until it runs
+    old = [weakref.ref(x) for x in jax.tree.leaves(h._decode_params)]
+    assert not h.wait_serving(1, timeout=0.01)  # version 0 serves
+    assert h.wait_serving(0, timeout=0.0)
+    h.update_weights(params_v1, 1)
+    assert not h.wait_serving(1, timeout=0.01)  # staged, not serving
+    assert all(r() is not None for r in old)
+    h.submit(GenerateRequest("r", PROMPTS["short"], sampling=greedy(4)))
+    h.start()
+    try:
+        assert h.wait_serving(1, timeout=30)
+        assert h.version == 1
+        assert all(r() is None for r in old), "the replaced split is still referenced"
+        assert h.wait_serving(1, timeout=0.0)
+    finally:
+        h.close()
+
+
+def test_wait_serving_under_drain_waits_for_older_requests_and_ends_at_close(params, params_v1):
+    h = _host(params, update_policy="drain", num_slots=2)
+    h.submit(GenerateRequest("old", PROMPTS["short"], sampling=greedy(10)))
+    for _ in range(3):
+        h.serve_once()
+    h.update_weights(params_v1, 1)
+    h.serve_once()  # "old" still runs on version 0: no swap under drain
+    assert not h.wait_serving(1, timeout=0.01)
+    assert h.version == 0
+
+    # A waiter blocked on a version that never comes is woken by close, not by its timeout.
+    out = {}
+
+    def wait():
+        t0 = time.monotonic()
+        out["served"] = h.wait_serving(5, timeout=60)
+        out["s"] = time.monotonic() - t0
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    h.close()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert out["served"] is False and out["s"] < 30

@@ -120,3 +120,37 @@ def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
         assert not trimmer._thread.is_alive()
     with pytest.raises(ConfigError, match="system.trim_heap_every_s"):
         SystemSection(trim_heap_every_s=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("mode", "every", "trims_at_push"),
+    [("async", 3600.0, True), ("sync", 3600.0, False), ("async", 0.0, False)],
+)
+def test_a_weight_push_trims_once_the_embedded_host_serves_it(
+    tmp_path, monkeypatch, mode, every, trims_at_push
+):
+    """The embedded host frees its replaced weights at the swap; glibc keeps those pages until
+    a trim, so each push waits for the swap and trims then, before the next step's
+    temporaries stack on top (design §6). Not under "drain" (the swap waits for older
+    requests) and not with trimming off (`system.trim_heap_every_s=0`)."""
+    from a3po_jax.tasks.toy import LetterTask
+    from a3po_jax.training import heap
+    from a3po_jax.training.config import SystemSection
+    from a3po_jax.training.trainer import Trainer, load_policy
+
+    cfg = tiny_run_config(
+        tmp_path, steps=2, system=SystemSection(mode=mode, trim_heap_every_s=every)
+    )
+    trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
+    seen = []  # (host's serving version, trainer's version) at each trim
+    monkeypatch.setattr(
+        heap, "trim", lambda: seen.append((trainer.host.version, int(trainer.state.step)))
+    )
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    if trims_at_push:  # one per step's push (the 1-hour trimmer never fires)
+        assert seen == [(1, 1), (2, 2)]
+    else:
+        assert seen == []

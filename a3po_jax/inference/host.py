@@ -220,6 +220,8 @@ class InferenceHost:
         self._results: queue.Queue[SampleResult] = queue.Queue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the fields below
+        # Notified when new weights start serving, and when the host closes or dies.
+        self._swapped = threading.Condition(self._lock)
         self._staged: tuple[model_lib.DecodeParams, int] | None = None
         # Submit order: every request gets the next number; a staged update records the
         # number the next request would get ("drain" finishes all requests below it first).
@@ -320,6 +322,7 @@ class InferenceHost:
         """Stops the serving thread; unfinished samples come back as error results."""
         with self._lock:
             self._closing = True
+            self._swapped.notify_all()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
@@ -406,6 +409,22 @@ class InferenceHost:
                 self._staged_seq = self._submit_seq
             self._staged = (split, int(version))
         self._wake.set()
+
+    def wait_serving(self, version: int, timeout: float) -> bool:
+        """Blocks until weights stamped `version` or newer serve, the host closes or dies, or
+        `timeout` seconds pass; returns whether they serve.
+
+        When it returns True the weights they replaced are released: an embedded host's
+        caller can hand their memory back (`training.heap.trim`) before it allocates more.
+        Under "in_flight" the swap comes at the next decode-step boundary (milliseconds, or
+        a prefill); under "drain" only once the older requests have finished.
+        """
+        with self._lock:
+            self._swapped.wait_for(
+                lambda: self._version >= version or self._closing or bool(self._dead),
+                timeout=max(0.0, timeout),
+            )
+            return self._version >= version
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -528,6 +547,7 @@ class InferenceHost:
             log.error("inference host died:\n%s", traceback.format_exc())
             with self._lock:
                 self._dead = f"{type(e).__name__}: {e}"
+                self._swapped.notify_all()
             self._fail_everything(f"inference host died: {type(e).__name__}: {e}")
 
     def _iteration(self, pipelined: bool = False) -> bool:
@@ -608,7 +628,11 @@ class InferenceHost:
         # The pending step ran on the old weights: read it (its tokens carry the old
         # version) so that the recompute sees every running sample's tokens.
         self._flush()
-        self._decode_params, self._version = staged
+        with self._lock:
+            # Rebinding releases the old copy: the step that ran on it was just read, and
+            # nothing else here refers to it. So `wait_serving` wakes with it released.
+            self._decode_params, self._version = staged
+            self._swapped.notify_all()
         self._weight_updates += 1
         # Prefixes were computed with the old weights; a sample started from one would
         # carry old-weight KV (and, under "drain", span two versions). Recompute instead.

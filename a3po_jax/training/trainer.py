@@ -66,6 +66,10 @@ from a3po_jax.training.metrics import MetricsLogger, ProgressBar, step_record
 
 log = logging.getLogger(__name__)
 
+# How long a weight push waits for the embedded host to start serving the new weights (a
+# decode step, or a prefill, under the in-flight policies) before it trims the heap.
+SWAP_WAIT_S = 1.0
+
 CONSOLE_KEYS = (
     "reward/mean",
     "reward/correct",
@@ -374,7 +378,26 @@ class Trainer:
         if self.multi_process:
             params = distributed.gather_params(params)
         if self.leader and self.host is not None:  # None: a replay, nothing to serve
-            self.host.update_weights(params, int(self.state.step))
+            version = int(self.state.step)
+            self.host.update_weights(params, version)
+            if self._own_host:
+                self._release_replaced_weights(version)
+
+    def _release_replaced_weights(self, version: int) -> None:
+        """Hands the embedded host's previous copy of the weights back to the OS before the
+        next train step allocates its temporaries.
+
+        The host frees that copy when the new weights start serving (its next decode step
+        under the in-flight policies), but glibc keeps the freed pages until the heap trimmer
+        comes by, up to `system.trim_heap_every_s` later: by then the next step's temporaries
+        are resident too, and the run's peak holds both (0.3-0.4 GiB on the quickstart;
+        design §6). So wait for the swap, briefly, and trim. Under "drain" the swap waits
+        for older requests to finish: nothing to wait for here.
+        """
+        if self._trimmer is None or self.host.update_policy == "drain":
+            return
+        if self.host.wait_serving(version, timeout=SWAP_WAIT_S):
+            heap.trim()
 
     def _train_periodic(self, version: int, timings: dict) -> tuple[list, TrainBatch, dict]:
         """Periodic Asynchrony: consume groups as they finish, fold each into the gradient,
