@@ -257,3 +257,59 @@ def test_train_state_round_trip_with_version_and_extra(tmp_path):
     assert got_extra["queue"] == {"consumed_groups": 4} and got_extra["skipped_steps"] == 1
     assert_trees_identical(restored.params, params)
     assert_trees_identical(restored.opt_state, opt_state)
+
+
+def test_async_saves_pay_on_accelerators_only():
+    from types import SimpleNamespace
+
+    from a3po_jax.training.checkpointing import async_save_pays
+
+    dev = lambda platform: SimpleNamespace(platform=platform)  # noqa: E731
+    assert not async_save_pays([dev("cpu")])
+    assert not async_save_pays([dev("cpu"), dev("cpu")])
+    assert async_save_pays([dev("gpu")])
+    assert async_save_pays([dev("tpu"), dev("tpu")])
+    assert async_save_pays(jax.devices()) == (jax.default_backend() != "cpu")
+
+
+def test_writes_arrays_unencoded_and_reads_compressed_checkpoints(tmp_path):
+    """Saves write the arrays' bytes without zstd (float weights barely compress, and a
+    compressing write buffered the whole encoded state: design §6). A checkpoint from
+    before, written by orbax's StandardCheckpointHandler with its default compression,
+    still restores."""
+    import orbax.checkpoint as ocp
+
+    params, opt_state, _ = make_state(0)
+    old_dir = tmp_path / "old"
+    with ocp.CheckpointManager(
+        old_dir, item_names=("params", "opt_state", "extra")
+    ) as old:  # the layout and handlers this module used until 2026-11-26
+        old.save(
+            3,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                extra=ocp.args.JsonSave({"version": 3}),
+            ),
+        )
+        old.wait_until_finished()
+    with CheckpointManager(old_dir) as manager:
+        got_params, got_opt, extra = manager.restore(
+            3, params_template=params, opt_state_template=opt_state
+        )
+    assert extra == {"version": 3}
+    assert_trees_identical(got_params, params)
+    assert_trees_identical(got_opt, opt_state)
+
+    def disk_bytes(directory):
+        return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+    zeros = {"w": jnp.zeros((512, 512), jnp.float32)}  # 1 MiB that zstd makes ~nothing of
+    with CheckpointManager(tmp_path / "new") as manager:
+        manager.save(1, params=zeros, opt_state={"n": jnp.zeros(())}, extra={}, force=True)
+        manager.wait_until_finished()
+    with ocp.CheckpointManager(tmp_path / "ref", item_names=("params",)) as reference:
+        reference.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(zeros)))
+        reference.wait_until_finished()
+    assert disk_bytes(tmp_path / "ref") < 2**18, "orbax's default should compress zeros"
+    assert disk_bytes(tmp_path / "new") >= 2**20  # the bytes as they are

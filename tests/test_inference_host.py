@@ -657,3 +657,35 @@ def test_wait_serving_under_drain_waits_for_older_requests_and_ends_at_close(par
     waiter.join(timeout=30)
     assert not waiter.is_alive()
     assert out["served"] is False and out["s"] < 30
+
+
+def test_insert_batch_writes_each_entry_row_into_its_slot_and_nothing_else(params):
+    # Entries in any slot order, two sharing one prefix row, and fewer entries than slots
+    # (the rest is padding): each written slot holds its row's prompt cache, every other
+    # cache position keeps what it held.
+    core = engine_core.EngineCore(CFG, num_slots=SLOTS, capacity=CAPACITY, prefill_buckets=BUCKETS)
+    split = core.split_params(params)
+    state = core.init_decode_state()
+    state = state.replace(
+        cache=state.cache._replace(
+            k=state.cache.k + 7.0,
+            v=state.cache.v - 3.0,  # "what was there" is not zeros
+        )
+    )
+    before_k, before_v = np.asarray(state.cache.k).copy(), np.asarray(state.cache.v).copy()
+    prefixes = core.prefill_batch(split, [PROMPTS["short"], PROMPTS["bucket"]])
+    pk, pv = np.asarray(prefixes.cache.k), np.asarray(prefixes.cache.v)
+    tb = pk.shape[2]
+    entries = [
+        (1, 3, engine_core.SlotSampling()),
+        (0, 0, engine_core.SlotSampling()),
+        (1, 2, engine_core.SlotSampling()),
+    ]  # slot 1 stays free
+    state, _ = core.insert_batch(prefixes, state, entries)
+    want_k, want_v = before_k.copy(), before_v.copy()
+    for row, slot, _ in entries:
+        want_k[:, slot, :tb], want_v[:, slot, :tb] = pk[:, row], pv[:, row]
+    np.testing.assert_array_equal(np.asarray(state.cache.k), want_k)
+    np.testing.assert_array_equal(np.asarray(state.cache.v), want_v)
+    lengths = np.asarray(state.cache.lengths)
+    assert [lengths[s] for s in (0, 2, 3)] == [3, 8, 8]

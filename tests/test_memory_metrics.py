@@ -2,7 +2,10 @@
 resident memory (``mem/peak_rss_gb``), and ``mem/device_peak_gb`` where the backend has
 device memory statistics."""
 
+import dataclasses
 import resource
+import signal
+import threading
 from types import SimpleNamespace
 
 import jax
@@ -142,10 +145,13 @@ def test_a_weight_push_trims_once_the_embedded_host_serves_it(
         tmp_path, steps=2, system=SystemSection(mode=mode, trim_heap_every_s=every)
     )
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
-    seen = []  # (host's serving version, trainer's version) at each trim
-    monkeypatch.setattr(
-        heap, "trim", lambda: seen.append((trainer.host.version, int(trainer.state.step)))
-    )
+    seen = []  # (host's serving version, trainer's version) at each trim by the trainer
+
+    def trim():  # (a trimmer thread another test left running may trim too: not counted)
+        if threading.current_thread() is threading.main_thread():
+            seen.append((trainer.host.version, int(trainer.state.step)))
+
+    monkeypatch.setattr(heap, "trim", trim)
     try:
         trainer.run()
     finally:
@@ -154,3 +160,39 @@ def test_a_weight_push_trims_once_the_embedded_host_serves_it(
         assert seen == [(1, 1), (2, 2)]
     else:
         assert seen == []
+
+
+def test_a_cpu_trainer_saves_checkpoints_in_place_and_trims_after(tmp_path, monkeypatch):
+    """On a CPU an asynchronous save holds the state's buffers while the next step donates
+    them, so that step copies the whole state (checkpointing.async_save_pays): the trainer
+    saves in place instead, complete when `_checkpoint` returns, and trims the write's
+    buffers before the next step."""
+    from a3po_jax.tasks.toy import LetterTask
+    from a3po_jax.training import heap
+    from a3po_jax.training.config import SystemSection
+    from a3po_jax.training.trainer import Trainer, load_policy
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("accelerators save asynchronously")
+    cfg = tiny_run_config(tmp_path, steps=1, system=SystemSection(trim_heap_every_s=3600.0))
+    cfg = dataclasses.replace(cfg, checkpoint_every=1)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
+    trims = []
+    monkeypatch.setattr(
+        heap,
+        "trim",
+        lambda: (
+            threading.current_thread() is threading.main_thread()
+            and trims.append(trainer.checkpoints.latest_step())
+        ),
+    )
+    try:
+        assert trainer.checkpoints.async_save is False
+        trainer._checkpoint(1, force=True)
+        assert trainer.checkpoints.latest_step() == 1  # on disk, no wait
+        assert trims == [1]
+    finally:
+        trainer.close()
+    # A closed trainer puts back the SIGTERM handler it replaced.
+    assert signal.getsignal(signal.SIGTERM) is handler_before

@@ -343,8 +343,22 @@ def insert_batch(
     )  # [N], [N]
 
     def write(dst, src):  # dst [L, N, S, Hkv, K], src [L, R, Tb, Hkv, K]
-        # Positions past each prompt keep stale values, which attention never reads.
-        return dst.at[:, slots, :Tb].set(src[:, rows].astype(dst.dtype), mode="drop")
+        # Positions past each prompt keep stale values, which attention never reads. One
+        # entry at a time, in place: `dst.at[:, slots, :Tb].set(src[:, rows])` first
+        # gathered every entry's rows into an [L, N, Tb, Hkv, K] temporary (45 MiB per
+        # cache at SmolLM2's 16 slots and 128-token prompts, 21 ms; this way none, 5 ms),
+        # alive beside a train step's temporaries in an embedded host.
+        L, _, _, Hkv, K = dst.shape
+        src = src.astype(dst.dtype)
+
+        def one(m, out):
+            slot = jnp.minimum(slots[m], N - 1)  # padding (slot N) writes back what is there
+            piece = jax.lax.dynamic_slice_in_dim(src, rows[m], 1, axis=1)  # [L, 1, Tb, ..]
+            here = jax.lax.dynamic_slice(out, (0, slot, 0, 0, 0), (L, 1, Tb, Hkv, K))
+            piece = jnp.where(slots[m] < N, piece, here)
+            return jax.lax.dynamic_update_slice(out, piece, (0, slot, 0, 0, 0))
+
+        return jax.lax.fori_loop(0, N, one, dst)
 
     set_at = lambda arr, value: arr.at[slots].set(value.astype(arr.dtype), mode="drop")
     cache = state.cache._replace(

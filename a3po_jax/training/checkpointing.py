@@ -20,9 +20,12 @@ dirs without the commit marker (a partial copy, a crash on a filesystem without 
 rename), which are moved aside to ``<step>.incomplete-<time>`` so the previous complete
 step is the latest one and the step number can be saved again.
 
-Saves are asynchronous: ``save`` copies the arrays to host memory and returns while the
-files are written, so the next train step may donate the saved buffers. Call
-``wait_until_finished`` (or ``close``) before the process exits.
+Saves are asynchronous by default: ``save`` copies the arrays to host memory and returns
+while the files are written, so the next train step may donate the saved buffers. Call
+``wait_until_finished`` (or ``close``) before the process exits. On a CPU that does not pay
+(:func:`async_save_pays`): the arrays already live in host memory, the save keeps them
+referenced while the files are written, and a step that donates them meanwhile must copy
+the whole state instead, while the write shares its cores.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
 
-ITEM_NAMES = ("params", "opt_state", "extra")
 # Written by orbax (>= 0.11) into every step before it becomes final; a step dir without it
 # (or, for older orbax, without a commit time in its step metadata) was never finished.
 COMMIT_MARKER = "commit_success.txt"
@@ -100,9 +102,20 @@ class CheckpointManager:
             cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save,
         )
+        # The arrays' bytes as they are, not zstd-compressed: float weights and Adam moments
+        # barely compress, and a compressing write buffers every encoded chunk (SmolLM2's
+        # trained state: +1.40 GiB of RSS for 3.4 s, against +0.01 GiB for 2.3 s unencoded).
+        tree = lambda: ocp.PyTreeCheckpointHandler(use_compression=False)  # noqa: E731
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=ITEM_NAMES
+            self.directory,
+            options=options,
+            item_handlers={
+                "params": tree(),
+                "opt_state": tree(),
+                "extra": ocp.JsonCheckpointHandler(),
+            },
         )
+        self.async_save = bool(async_save)
 
     def save(
         self,
@@ -124,8 +137,8 @@ class CheckpointManager:
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
+                params=ocp.args.PyTreeSave(params),
+                opt_state=ocp.args.PyTreeSave(opt_state),
                 extra=ocp.args.JsonSave(dict(extra)),
             ),
             force=force,
@@ -166,8 +179,8 @@ class CheckpointManager:
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(params_template),
-                opt_state=ocp.args.StandardRestore(opt_state_template),
+                params=_tree_restore(params_template),
+                opt_state=_tree_restore(opt_state_template),
                 extra=ocp.args.JsonRestore(),
             ),
         )
@@ -178,7 +191,7 @@ class CheckpointManager:
         without building an optimizer state."""
         step = self._complete_step(step)
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(params_template))
+            step, args=ocp.args.Composite(params=_tree_restore(params_template))
         )
         return restored.params
 
@@ -216,6 +229,29 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _tree_restore(template: Any) -> ocp.args.PyTreeRestore:
+    """Restores a saved pytree into ``template``'s structure, shapes, dtypes and shardings
+    (arrays or ``jax.ShapeDtypeStruct`` leaves)."""
+    return ocp.args.PyTreeRestore(
+        template, restore_args=ocp.checkpoint_utils.construct_restore_args(template)
+    )
+
+
+def async_save_pays(devices: Iterable[jax.Device]) -> bool:
+    """Whether a state on ``devices`` should be saved asynchronously: yes on accelerators
+    (the copy to host frees the device's buffers for the next step, and the write runs on
+    otherwise idle host cores), no on a CPU.
+
+    On a CPU the save holds the state's own buffers while it writes; the next train step,
+    which donates them, then copies the whole state, and the write competes with the step
+    for the same cores. SmolLM2-135M's state (1.5 GiB) saved and then donated by a step:
+    +1.91 GiB of peak RSS asynchronously against +0.34 GiB saved in place, 1.41 against
+    0.84 s in all (2-core AMD EPYC, 2026-11-26); on the quickstart the step after each
+    asynchronous save took 10 s instead of 5.
+    """
+    return any(d.platform != "cpu" for d in devices)
 
 
 def save_train_state(

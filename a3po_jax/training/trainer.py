@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training import heap, recording, step_builder
 from a3po_jax.training.checkpointing import (
     CheckpointManager,
+    async_save_pays,
     install_sigterm_handler,
     restore_train_state,
     save_train_state,
@@ -258,7 +260,9 @@ class Trainer:
 
         self.checkpoints = (
             CheckpointManager(
-                self.run_dir / "checkpoints", save_interval_steps=cfg.checkpoint_every
+                self.run_dir / "checkpoints",
+                save_interval_steps=cfg.checkpoint_every,
+                async_save=async_save_pays(self.mesh.devices.flat),
             )
             if cfg.checkpoint_every
             else None
@@ -439,7 +443,9 @@ class Trainer:
         if self.checkpoints is None:
             return
         extra = {**self.workers.state(), "skipped_steps": self.skipped_steps}
-        save_train_state(self.checkpoints, step, self.state, extra=extra, force=force)
+        saved = save_train_state(self.checkpoints, step, self.state, extra=extra, force=force)
+        if saved and not self.checkpoints.async_save and self._trimmer is not None:
+            heap.trim()  # the write's buffers, before the next step's temporaries
 
     def _resume(self) -> int:
         """Restore the newest complete checkpoint; returns the step to continue from."""
@@ -640,6 +646,8 @@ class Trainer:
         if self._trimmer is not None:
             self._trimmer.close()
             self._trimmer = None
+        if threading.current_thread() is threading.main_thread():  # (signal's rule)
+            self._sigterm.uninstall()  # the handlers from before this trainer, back
 
     def _embedded_host(self, params: Any, version: int, update_policy: str):
         """A started in-process inference host sized by the rollout settings."""
