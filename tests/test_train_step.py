@@ -133,8 +133,10 @@ def test_micro_batched_grads_equal_full_batch(case):
     # Every metric, reduced once from its sums, is the full batch's (not a mean of means).
     m1, m4 = ts.finalize(one.stats), ts.finalize(four.stats)
     assert m1.keys() == m4.keys()
+    # atol: dpo's rewards are β times a difference of two float32 sums of log-probs (tens of
+    # nats), whose rounding in two differently compiled programs reaches a few 1e-7.
     for key in m1:
-        np.testing.assert_allclose(m1[key], m4[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(m1[key], m4[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_recompute_equals_a3po_at_zero_staleness_with_one_minibatch():

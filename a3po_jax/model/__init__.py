@@ -5,6 +5,7 @@
 
 * :mod:`a3po_jax.model.decoder`: the decoder (one layer function), its KV cache, the decode
   path, logical axes and the flat weight names.
+* :mod:`a3po_jax.model.attention`: grouped-query attention with its own backward pass.
 * :mod:`a3po_jax.model.loader`: `load_model`, the one way to build a model by name.
 * :mod:`a3po_jax.model.checkpoint_io`: Hugging Face safetensors and GGUF reading/writing.
 * :mod:`a3po_jax.model.assets`: the offline SmolLM2-135M-Instruct cache.

@@ -39,13 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from a3po_jax.model import attention
+
 Params = dict[str, Any]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_TYPES = ("default", "llama3")
-# A finite "minus infinity": a fully masked row (a padding query) then softmaxes to a
-# uniform distribution instead of NaN.
-_MASK_VALUE = float(np.finfo(np.float32).min)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,23 +480,6 @@ def _write_slots(
     return cache.at[layer, rows, write_pos].set(new.astype(cache.dtype), mode="drop")
 
 
-def _attend(
-    q: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array, config: ModelConfig
-) -> jax.Array:
-    """Grouped-query attention: q [B,T,H,K], key/value [B,S,N,K], mask [B,T,S] bool ->
-    [B,T,H,K] in the compute dtype."""
-    b, t, h, k = q.shape
-    n = key.shape[2]
-    g = h // n
-    q = q.reshape(b, t, n, g, k)  # query head h = n * G + g, as HF's repeat_kv implies
-    # Scores and softmax in float32 whatever the compute dtype.
-    scores = jnp.einsum("btngk,bsnk->bngts", q, key, preferred_element_type=jnp.float32)
-    scores = scores * (k**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(jnp.dtype(config.compute_dtype))  # [B,N,G,T,S]
-    return jnp.einsum("bngts,bsnk->btngk", probs, value).reshape(b, t, h, k)
-
-
 class LayerCache(NamedTuple):
     """What one layer needs of the KV cache: the whole cache, its layer and the write slots."""
 
@@ -559,7 +541,7 @@ def decoder_layer(
         value = cache_v[cache.layer, :, :window].astype(cdt)
         written = (cache_k, cache_v)
 
-    out = _attend(q, key, value, mask, c)  # [B, T, H, K]
+    out = attention.attend(q, key, value, mask)  # [B, T, H, K]
     x = x + _linear("bthk,hkd->btd", out, attn["o_proj"], cdt)
     gate, up = _project_gate_up(w["mlp"], rms_norm(x, w["post_attn_norm"]["scale"], c.rms_eps), c)
     x = x + _linear("btf,fd->btd", jax.nn.silu(gate) * up, w["mlp"]["down_proj"], cdt)
