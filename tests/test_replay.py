@@ -264,6 +264,8 @@ def test_a_replay_on_a_gpu_without_deterministic_ops_warns(tmp_path, monkeypatch
         caplog.clear()
         with monkeypatch.context() as m:
             m.setattr(jax, "default_backend", lambda b=backend: b)
-            Trainer(cfg, policy, console=False, replay_dir=tmp_path / "rec")
+            # Closed at once: an open Trainer leaves its heap-trimmer thread and its SIGTERM
+            # handler to the tests that follow.
+            Trainer(cfg, policy, console=False, replay_dir=tmp_path / "rec").close()
         messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert any(recording.GPU_DETERMINISM_FLAG in msg for msg in messages) == warned, messages
