@@ -60,6 +60,7 @@ def _masked_scores(qg: jax.Array, kn: jax.Array, mask: jax.Array) -> tuple[jax.A
 
 
 def _attend_fwd(q, key, value, mask):
+    _check(q, key, value, mask)
     n = key.shape[2]
     qg = _grouped(q, n)  # [B, N, G·T, K]
     kn = key.transpose(0, 2, 1, 3)  # [B, N, S, K]
@@ -99,16 +100,10 @@ def _attend_bwd(residuals, d_out):
 def attend(q: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention: q [B,T,H,K], key/value [B,S,N,K], mask [B,T,S] bool ->
     [B,T,H,K] in q's dtype (H a multiple of N). See the module docstring."""
-    _check(q, key, value, mask)
     return _attend_fwd(q, key, value, mask)[0]
 
 
-def _attend_fwd_checked(q, key, value, mask):
-    _check(q, key, value, mask)
-    return _attend_fwd(q, key, value, mask)
-
-
-attend.defvjp(_attend_fwd_checked, _attend_bwd)
+attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _check(q, key, value, mask) -> None:
