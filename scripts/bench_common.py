@@ -8,6 +8,7 @@ the real architectures' shapes and random token rollouts (`synthetic_groups`, fr
 from __future__ import annotations
 
 import collections
+import math
 import re
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from factories import synthetic_groups  # noqa: E402
 from a3po_jax import model  # noqa: E402
 from a3po_jax.model.assets import smollm2_config  # noqa: E402
 
-__all__ = ["CONFIGS", "matmul_size", "op_profile", "synthetic_groups"]
+__all__ = ["CONFIGS", "dot_flops", "matmul_size", "op_profile", "synthetic_groups"]
 
 CONFIGS = {
     "tiny": model.ModelConfig.tiny(max_seq_len=4096),
@@ -134,3 +135,81 @@ def op_profile(run_once: Callable[[], Any], hlo_text: str, *, calls: int = 3) ->
         {"op": key[0], "shape": key[1], "count": count[key] // calls, "ms": t / calls / 1e6}
         for key, t in ns.most_common()
     ]
+
+
+# A computation's header line ("%name (params) -> result {", "ENTRY %name ... {"), an
+# instruction line ("%name = type op(operands), attributes"; a tuple type has spaces), and
+# an array type's dimensions.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+_DIMS = re.compile(r"^\w+\[([\d,]*)\]")
+
+
+def _dims(shape: str) -> list[int] | None:
+    m = _DIMS.match(shape)
+    return None if m is None else [int(d) for d in m.group(1).split(",") if d]
+
+
+def dot_flops(hlo_text: str) -> float:
+    """Matmul FLOPs a compiled program executes: 2 · |output| · |contracted dims| summed over
+    every dot instruction (in fusions too), each loop body counted `known_trip_count` times.
+
+    What the program really multiplies, recomputation included (rematerialised layers, a
+    chunked lm_head's logits recomputed in its backward pass), unlike an analytical count
+    of the model's matmuls; elementwise work is not counted. Of a conditional's branches
+    the costliest is counted. `hlo_text` is `jitted.lower(...).compile().as_text()`.
+    Raises ValueError on a loop without a known trip count (its count would be a guess).
+    """
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+            entry = header.group(1) if line.startswith("ENTRY") else entry
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            current.append(line)
+    if entry is None:
+        raise ValueError("dot_flops: no ENTRY computation in the HLO text")
+
+    def called(name: str, op: str, rest: str) -> list[tuple[float, list[str]]]:
+        """(multiplier, computations) this instruction runs."""
+        if op == "while":
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+            if trips is None:
+                raise ValueError(f"dot_flops: loop {name} has no known trip count")
+            return [(float(trips.group(1)), re.findall(r"body=%([\w.\-]+)", rest))]
+        branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        if branches:
+            return [(1.0, [max(re.findall(r"%([\w.\-]+)", branches.group(1)), key=total)])]
+        pair = re.findall(r"(?:true|false)_computation=%([\w.\-]+)", rest)
+        if pair:
+            return [(1.0, [max(pair, key=total)])]
+        # fusion (calls=), call (to_apply=; a reduce's to_apply holds no dot and adds 0)
+        return [(1.0, re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest))]
+
+    memo: dict[str, float] = {}
+
+    def total(comp: str) -> float:
+        if comp in memo:
+            return memo[comp]
+        shapes, flops = {}, 0.0
+        for line in computations[comp]:
+            m = _INSTRUCTION.match(line)
+            if m is None:
+                continue
+            name, shape, op, rest = m.groups()
+            shapes[name] = _dims(shape)
+            if op == "dot":
+                lhs = shapes[re.match(r"%([\w.\-]+)", rest).group(1)]
+                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
+                k = math.prod(lhs[int(d)] for d in contracting.split(",") if d)
+                flops += 2.0 * math.prod(shapes[name]) * k
+            for times, callees in called(name, op, rest):
+                flops += times * sum(total(c) for c in callees)
+        memo[comp] = flops
+        return flops
+
+    return total(entry)
