@@ -867,10 +867,13 @@ def plot_mismatch(runs: Sequence[Run], *, smooth: int = 1):
 
 
 def _legend(fig, ax, n: int) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:  # no run logged the panel's series: nothing to name
+        return
     if n <= 8:
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(handles, labels, fontsize=7, loc="best")
     else:
-        fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside right upper")
+        fig.legend(handles, labels, fontsize=7, loc="outside right upper")
 
 
 def plot_phase_times(runs: Sequence[Run], *, skip_first: int = 1):
