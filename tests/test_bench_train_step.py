@@ -1,27 +1,17 @@
 """scripts/bench_train_step.py on a small model: the FLOPs its compiled programs run
 (`bench_common.dot_flops`, read from the optimised HLO) against its analytical count."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_train_step", ROOT / "scripts" / "bench_train_step.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_train_step"] = module
-    spec.loader.exec_module(module)
-    return module
+from bench_train_step import main  # noqa: E402
 
 
 def test_the_programs_run_the_matmuls_the_benchmark_counts(capsys):
     args = ["--batch", "8", "--prompt-len", "24", "--response-len", "16", "--repeats", "1"]
-    results = _bench().main(args)
+    results = main(args)
     counted, ran = results["flops"], results["executed_dot_flops"]
     # A forward pass recomputes nothing: the compiled program's dots are the analytical F
     # exactly (two independent counts, the formula and the HLO's loops and fusions).
