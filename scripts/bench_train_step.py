@@ -44,7 +44,11 @@ the forward's.
 
 Timing: every program is compiled and run once first; then all of them run round-robin
 ``--repeats`` times and each keeps its fastest run, so the ratios compare runs made under
-the same machine load (a shared CPU's load varies from minute to minute).
+the same machine load (a shared CPU's load varies from minute to minute). Beside each
+ratio of fastest runs the table prints its range over the rounds (the ratio within each
+round; JSON ``ratio_per_round``, with every run's seconds in ``seconds_per_round``): on a
+2-core machine a ratio moves by a few hundredths from one sitting to the next, and a
+target that close needs the range, not one figure.
 
     python scripts/bench_train_step.py                       # small random model, CPU-sized
     python scripts/bench_train_step.py --config smollm2 --batch 8 --prompt-len 40 \\
@@ -142,21 +146,29 @@ def _executed_dot_flops(compiled) -> float | None:
 
 def time_round_robin(
     programs: dict, repeats: int, runs_per_round: dict[str, int]
-) -> dict[str, float]:
-    """Fastest of `repeats` rounds of each program (a no-argument callable), the programs
-    interleaved; a program in `runs_per_round` runs that many times per round (a short one:
-    more tries at a quiet moment of a shared machine)."""
-    best = {}
+) -> dict[str, list[float]]:
+    """Each program's fastest run in each of `repeats` rounds (a list per program), the
+    programs interleaved; a program in `runs_per_round` runs that many times per round (a
+    short one: more tries at a quiet moment of a shared machine)."""
+    rounds = {}
     for name, run in programs.items():
         jax.block_until_ready(run())  # warm-up (compiled already)
-        best[name] = float("inf")
+        rounds[name] = []
     for _ in range(repeats):
         for name, run in programs.items():
+            best = float("inf")
             for _ in range(runs_per_round.get(name, 1)):
                 start = time.perf_counter()
                 jax.block_until_ready(run())
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
+                best = min(best, time.perf_counter() - start)
+            rounds[name].append(best)
+    return rounds
+
+
+def round_ratios(rounds: dict[str, list[float]], num: str, den: str) -> list[float]:
+    """`num` / `den` within each round: the spread of a ratio over runs made under the same
+    load, next to the ratio of the two fastest runs."""
+    return [a / b for a, b in zip(rounds[num], rounds[den], strict=True)]
 
 
 def chained_step(compiled, state, *rest):
@@ -304,7 +316,8 @@ def main(argv=None) -> dict:
             runs[name] = functools.partial(compiled, *fn_args)
         print(f"compiled {name} in {time.perf_counter() - start:.1f} s", flush=True)
     del programs
-    seconds = time_round_robin(runs, args.repeats, {"matmul": MATMUL_RUNS_PER_ROUND})
+    rounds = time_round_robin(runs, args.repeats, {"matmul": MATMUL_RUNS_PER_ROUND})
+    seconds = {name: min(times) for name, times in rounds.items()}
 
     peak = 2 * mm_n**3 / seconds["matmul"]
     fwd = forward_flops(mcfg, b, t, head_tokens)
@@ -325,6 +338,7 @@ def main(argv=None) -> dict:
         "completion_tokens": n_tok,
         "matmul_peak_gflops": peak / 1e9,
         "seconds": {k: v for k, v in seconds.items() if k != "matmul"},
+        "seconds_per_round": {k: v for k, v in rounds.items() if k != "matmul"},
         "fwd_bwd_over_fwd": seconds["forward_backward"] / seconds["forward"],
         "layers_fwd_bwd_over_fwd": seconds["layers_backward"] / seconds["layers"],
         "a3po_over_recompute": seconds["a3po"] / seconds["recompute"],
@@ -359,16 +373,24 @@ def main(argv=None) -> dict:
         f"{'update':<18}{seconds['update']:>10.3f}   (the optimizer update alone: "
         f"{seconds['update'] / seconds['a3po']:.1%} of the a3po step)"
     )
-    floors = {  # the same ratios of the FLOPs the programs run: their values at equal speed
+    pairs = {
         "fwd+bwd / fwd": ("forward_backward", "forward"),
         "layers fwd+bwd/fwd": ("layers_backward", "layers"),
         "a3po / recompute": ("a3po", "recompute"),
     }
     results["executed_dot_flop_ratios"] = {}
+    results["ratio_per_round"] = {}
     for what, value, target in targets:
-        line = f"{what:<18}{value:>10.3f}   (issue 15 target {target}"
-        num, den = floors.get(what, (None, None))
+        line = f"{what:<18}{value:>10.3f}   ("
+        num, den = pairs.get(what, (None, None))
+        if num:
+            spread = round_ratios(rounds, num, den)
+            results["ratio_per_round"][what] = spread
+            if len(spread) > 1:
+                line += f"rounds {min(spread):.3f}-{max(spread):.3f}; "
+        line += f"issue 15 target {target}"
         if num and executed[num] and executed[den]:
+            # the same ratio of the FLOPs the programs run: its value at equal matmul speed
             ratio = executed[num] / executed[den]
             results["executed_dot_flop_ratios"][what] = ratio
             line += f"; {ratio:.3f} in the FLOPs the two programs run"
