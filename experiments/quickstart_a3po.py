@@ -56,6 +56,10 @@ def config() -> TrainConfig:
             length_bucket=64,
             packed_prompts=True,
             groups_per_row=2,
+            # Freed heap handed back every 0.25 s instead of every second: peak RSS 3.60-3.63
+            # against 3.68-3.76 GiB in five alternating 8-step pairs (under 4 GB in all five,
+            # against two of five), for about 4 % more seconds per step (README).
+            trim_heap_every_s=0.25,
         ),
         steps=24,
         seed=0,
