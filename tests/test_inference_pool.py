@@ -385,3 +385,53 @@ def test_every_host_kind_implements_the_host_protocol():
         assert not missing, (cls.__name__, missing)
     with HostPool([FakeHost("a")]) as pool:
         assert isinstance(pool, Host)
+
+
+class SlowPushHost(FakeHost):
+    """A FakeHost whose weight installs take `push_s` and record the weights' values."""
+
+    def __init__(self, name, push_s):
+        super().__init__(name, policy="drain")
+        self.push_s = push_s
+        self.received: list[np.ndarray] = []
+
+    def update_weights(self, params, version):
+        time.sleep(self.push_s)
+        self.received.append(np.array(params["w"]))
+        super().update_weights(params, version)
+
+
+def test_background_push_returns_at_once_and_holds_submissions_until_installed():
+    a, b = SlowPushHost("a", 0.3), SlowPushHost("b", 0.3)
+    with HostPool([a, b], background_push=True) as pool:
+        w = np.arange(6, dtype=np.float32).reshape(2, 3)
+        t0 = time.monotonic()
+        pool.update_weights({"w": w}, 1)
+        returned = time.monotonic() - t0
+        w[:] = -1  # the caller reuses its buffer at once (the trainer donates it)
+        assert returned < 0.25 and a.version == 0, "the call waited for the hosts"
+        # A request submitted now starts only once every host has installed version 1.
+        pool.submit(request(0, n=1))
+        assert a.version == 1 and b.version == 1
+        (result,) = collect(pool, 1)
+        assert result.tokens.tolist()[2] == 1
+        for host in (a, b):  # they received the values at the call, not the overwritten ones
+            np.testing.assert_array_equal(host.received[-1], np.arange(6).reshape(2, 3))
+        # The next push waits for none (nothing in flight) and the stats describe the last.
+        assert pool.wait_pushed(timeout=5)
+        stats = pool.stats()
+        assert stats["pushes"] == 1 and stats["push_s"] >= 0.3 and stats["push_bytes"] == w.nbytes
+        pool.update_weights({"w": w}, 2)
+        pool.wait_pushed(timeout=5)
+        assert a.weight_pushes == [1, 2] and b.weight_pushes == [1, 2]
+
+
+def test_a_failed_background_push_is_raised_at_the_next_call():
+    a = SlowPushHost("a", 0.0)
+    with HostPool([a], background_push=True) as pool:
+        pool.update_weights({"w": np.zeros((2, 3), np.float32)}, 1)
+        pool.wait_pushed(timeout=5)
+        a.update_weights = lambda params, version: (_ for _ in ()).throw(ValueError("expected x"))
+        pool.update_weights({"w": np.zeros((2, 3), np.float32)}, 2)
+        with pytest.raises(ValueError, match="expected x"):
+            pool.wait_pushed(timeout=5)

@@ -6,15 +6,22 @@ CLI layer (entry points): nothing in the package imports it.
         --host 127.0.0.1 --token-file ~/.a3po_host_token [--update-policy drain]
 
 Prints ``A3PO_HOST_READY host:port`` once it serves (`scripts/launch.py` and the tests wait
-for that line). What `--model` accepts, how the token is chosen and what the server checks
-is in `a3po_jax.inference.grpc_server`; the update policies are in `a3po_jax.inference.host`.
+for that line). SIGTERM stops it cleanly; with ``--exit-with-parent PID`` it also stops when
+process PID is gone (a trainer that started it and was killed, even with SIGKILL). What
+`--model` accepts, how the token is chosen and what the server checks is in
+`a3po_jax.inference.grpc_server`; the update policies are in `a3po_jax.inference.host`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
+import os
+import signal
 import sys
+import threading
 
 from a3po_jax.inference import grpc_server
 from a3po_jax.inference.grpc_messages import TOKEN_ENV
@@ -44,7 +51,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-seed", type=int, default=0, help="params seed for --model tiny")
     parser.add_argument("--max-streams", type=int, default=512)
     parser.add_argument("--warmup", action="store_true", help="compile every bucket first")
+    parser.add_argument(
+        "--weight-port", type=int, default=0, help="TCP port for weight pushes (0: any free)"
+    )
+    parser.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=0,
+        metavar="PID",
+        help="stop serving once process PID has exited (the trainer that started this host)",
+    )
+    parser.add_argument(
+        "--cores", default="", help="comma-separated CPU ids to run on (default: all allowed)"
+    )
     args = parser.parse_args(argv)
+    if args.cores:  # before JAX starts, so that XLA sizes its thread pool to them
+        os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.exit_with_parent:
+        _die_with_parent(args.exit_with_parent)
+        _watch_parent(args.exit_with_parent, stop)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
     token, token_path = grpc_server.resolve_token(args.token_file)
@@ -68,19 +95,51 @@ def main(argv: list[str] | None = None) -> None:
         host.warmup()
     host.start()
     server, servicer, port = grpc_server.serve(
-        host, token, port=args.port, bind=args.host, max_streams=args.max_streams
+        host,
+        token,
+        port=args.port,
+        bind=args.host,
+        max_streams=args.max_streams,
+        weight_port=args.weight_port,
     )
     where = f"token file {token_path}" if token_path else f"${TOKEN_ENV}"
     log.info("serving %s on %s:%d (token from %s)", args.model, args.host, port, where)
     print(f"{grpc_server.READY_LINE} {args.host}:{port}", flush=True)
     try:
-        server.wait_for_termination()
+        stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop(grace=2).wait()
         servicer.close()
         host.close()
+
+
+def _die_with_parent(pid: int) -> None:
+    """Linux, when `pid` is this process's parent: SIGKILL this process when the parent dies
+    (even killed with SIGKILL). Otherwise (or had it died before this) `_watch_parent` acts."""
+    if os.getppid() != pid:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _watch_parent(pid: int, stop: threading.Event, interval_s: float = 0.5) -> None:
+    """Sets `stop` once process `pid` no longer exists (or this process was re-parented)."""
+
+    def watch() -> None:
+        while not stop.wait(interval_s):
+            if os.getppid() != pid:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    log.warning("process %d is gone: stopping", pid)
+                    stop.set()
+                except PermissionError:
+                    pass  # exists, owned by someone else
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

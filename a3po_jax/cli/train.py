@@ -115,6 +115,15 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     # Before anything is loaded or written: a fresh run must not land on a finished one.
     start = check_run_dir(cfg, resume=args.resume)
+    if cfg.system.inference_cores:
+        # Split cores: this process on its share before JAX starts (XLA sizes its thread
+        # pool from it); the trainer starts the host process on the others.
+        from a3po_jax.training import placement
+
+        try:
+            placement.pin_trainer(cfg.system.inference_cores)
+        except ValueError as err:
+            raise Refused(f"config error: {err}") from err
 
     # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
     # scripts/launch.py sets them) join one job before anything touches a device.
@@ -237,33 +246,15 @@ def latest_checkpoint_step(run_dir: str | Path) -> int:
 
 
 def connect_hosts(system):
-    """A `HostPool` over the gRPC hosts of ``system.inference_hosts`` (comma-separated).
-
-    Requests spread over the hosts; one that dies or hangs is taken out and its work
-    re-issued to the others, and it is taken back (current weights first) when it answers
-    again. Every host must be up at start.
-    """
-    from a3po_jax.inference.grpc_client import GrpcInferenceClient
-    from a3po_jax.inference.pool import HostPool
+    """A `HostPool` over the gRPC hosts of ``system.inference_hosts`` (comma-separated;
+    `a3po_jax.training.placement.host_pool`)."""
+    from a3po_jax.training import placement
 
     token = _read_token(system.host_token_file)
     addresses = [a.strip() for a in system.inference_hosts.split(",") if a.strip()]
     if len(set(addresses)) != len(addresses):
         raise Refused(f"config error: system.inference_hosts lists a host twice: {addresses}")
-    clients = []
-    try:
-        for address in addresses:
-            clients.append(GrpcInferenceClient(address, token, timeout=system.host_timeout_s))
-        return HostPool(
-            clients,
-            health_interval_s=system.host_health_interval_s,
-            hang_timeout_s=system.host_hang_timeout_s,
-            max_reissues=system.max_reissues,
-        )
-    except BaseException:
-        for client in clients:
-            client.close()
-        raise
+    return placement.host_pool(addresses, token, system)
 
 
 def _read_token(path: str) -> str:

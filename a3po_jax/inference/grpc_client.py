@@ -9,6 +9,7 @@ Inference layer (host-side shell).
 
 Each submitted request opens one server-streaming Generate call, read by its own
 background thread into a shared result queue, so `poll` behaves as on the in-process host.
+Weights go over the host's weight port (`weight_transfer.WeightSender`), not over gRPC.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ import grpc
 
 from a3po_jax.inference import inference_pb2 as pb
 from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference import weight_sync
+from a3po_jax.inference import weight_transfer
 from a3po_jax.inference.grpc_messages import (
     GRPC_OPTIONS,
     auth_metadata,
     request_to_proto,
     result_from_proto,
     stats_from_proto,
-    weight_messages,
 )
 from a3po_jax.inference.types import (
     ErrorKind,
@@ -67,8 +67,7 @@ class GrpcInferenceClient:
       token: the host's token (see `grpc_server.resolve_token`).
       timeout: seconds to wait for the server at start and for unary calls (stats,
         health): a frozen host makes them fail after this long instead of hanging.
-      weight_timeout: seconds allowed for one `update_weights` (None: no limit).
-      chunk_bytes: size of the weight chunks sent by `update_weights`.
+      weight_timeout: seconds a weight push may stall (connect, or no byte moving).
 
     A stream that breaks (host killed, network gone) reports its missing samples as error
     results of kind ``ErrorKind.TRANSPORT``, which `HostPool` re-issues.
@@ -80,14 +79,15 @@ class GrpcInferenceClient:
         token: str,
         *,
         timeout: float = 60.0,
-        weight_timeout: float | None = 600.0,
-        chunk_bytes: int = weight_sync.DEFAULT_CHUNK_BYTES,
+        weight_timeout: float = 600.0,
     ):
         self.address = address
+        self._token = token
         self._metadata = auth_metadata(token)
         self._timeout = timeout
         self._weight_timeout = weight_timeout
-        self._chunk_bytes = chunk_bytes
+        self._sender: weight_transfer.WeightSender | None = None
+        self.last_push: dict[str, Any] = {}  # the host's report of the last weight push
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.InferenceHostStub(self._channel)
         self._results: queue.Queue[SampleResult] = queue.Queue()
@@ -138,17 +138,34 @@ class GrpcInferenceClient:
         return take_results(self._results, timeout, max_results)
 
     def update_weights(self, params: Any, version: int) -> None:
-        """Streams the weights in chunks; returns once the host accepted them."""
+        """Sends the weights over the host's weight port; returns once the host installed
+        them (they serve as its update policy says). Floating-point tensors are cast to the
+        host's dtypes first; ValueError if a name or shape differs."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
         try:
-            self._stub.UpdateWeights(
-                weight_messages(params, version, self._chunk_bytes),
-                metadata=self._metadata,
+            self.last_push = self._weights().push(params, version)
+        except weight_transfer.WeightAuthError as e:
+            raise HostAuthenticationError(f"weight push: UNAUTHENTICATED: {e}") from None
+
+    def tensor_specs(self) -> list[weight_transfer.TensorSpec]:
+        """The host's serving tensors (name, dtype, shape), in the order a push sends them."""
+        return self._weights().specs()
+
+    def _weights(self) -> weight_transfer.WeightSender:
+        """The sender to the host's weight port, asked anew each time (a host restarted on
+        the same address has another weight port)."""
+        port = self.stats().get("weight_port")
+        if port is None:
+            raise InferenceError(f"host {self.address} reports no weight_port")
+        if self._sender is None or self._sender.port != port:
+            self._sender = weight_transfer.WeightSender(
+                self.address.rsplit(":", 1)[0].strip("[]"),
+                int(port),
+                self._token,
                 timeout=self._weight_timeout,
             )
-        except grpc.RpcError as e:
-            _raise_for(e, "UpdateWeights")
+        return self._sender
 
     @property
     def version(self) -> int:

@@ -12,16 +12,14 @@ own for it, and a whole-field value is read back by an exact lookup, never by pa
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import weight_sync
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, SamplingParams
 
-# Caps on one message; weight chunks are 4 MiB, so 64 MiB leaves room for long results.
+# Caps on one message: room for a long result (weights travel outside gRPC).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -116,26 +114,6 @@ def result_from_proto(message: pb.SampleResult) -> SampleResult:
     )
 
 
-def weight_messages(
-    params: Any, version: int, chunk_bytes: int = weight_sync.DEFAULT_CHUNK_BYTES
-) -> Iterator[pb.WeightUpdateMessage]:
-    """The UpdateWeights stream: every tensor's chunks, then the commit."""
-    for name, dtype, shape, index, num_chunks, data in weight_sync.iter_tensor_chunks(
-        params, chunk_bytes
-    ):
-        yield pb.WeightUpdateMessage(
-            chunk=pb.TensorChunk(
-                name=name,
-                dtype=dtype,
-                shape=list(shape),
-                chunk_index=index,
-                num_chunks=num_chunks,
-                data=data,
-            )
-        )
-    yield pb.WeightUpdateMessage(commit=pb.Commit(version=int(version)))
-
-
 def stats_to_proto(stats: dict[str, Any]) -> pb.StatsResponse:
     values, labels = {}, {}
     for key, value in stats.items():
@@ -158,6 +136,7 @@ _INT_STATS = (
     "weight_updates",
     "kv_recomputes",
     "kv_recompute_tokens",
+    "weight_port",
 )
 _BOOL_STATS = ("update_pending", "live")
 

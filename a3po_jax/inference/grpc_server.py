@@ -13,8 +13,14 @@ The command line that starts one is `a3po_jax.cli.serve`:
 Security: binds 127.0.0.1 unless told otherwise, and every call but Health needs the
 metadata `authorization: Bearer <token>` (compared in constant time). The token is read from
 `--token-file` if that file exists, else from `$A3PO_HOST_TOKEN`, else generated and written
-to `--token-file` (default `~/.cache/a3po_jax/host_token`) with mode 0600. Weights arrive as
-raw bytes with dtype and shape, never pickled, and are rejected whole on any mismatch.
+to `--token-file` (default `~/.cache/a3po_jax/host_token`) with mode 0600. Weights arrive on
+a TCP port of their own (`weight_transfer.WeightReceiver`, reported by Stats as
+``weight_port``) as raw bytes with dtype and shape, never pickled, from a pusher that proves
+it holds the token, and are rejected whole on any mismatch.
+
+A request whose Generate stream ends before its last sample (the trainer was killed, or
+cancelled the call) is cancelled on the host: its waiting samples never start and its
+running ones leave their slots, so a dead run's work does not occupy the host.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import grpc
 
 from a3po_jax.inference import inference_pb2 as pb
 from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference import weight_sync
 from a3po_jax.inference.grpc_messages import (
     GRPC_OPTIONS,
     TOKEN_ENV,
@@ -43,6 +48,7 @@ from a3po_jax.inference.grpc_messages import (
 )
 from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.types import HostClosedError
+from a3po_jax.inference.weight_transfer import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +57,15 @@ READY_LINE = "A3PO_HOST_READY"
 
 
 class InferenceServicer(pb_grpc.InferenceHostServicer):
-    """Routes gRPC calls to an `InferenceHost` (which must be started)."""
+    """Routes gRPC calls to an `InferenceHost` (which must be started); `weights` is the
+    host's `WeightReceiver`, whose port Stats reports."""
 
-    def __init__(self, host: InferenceHost, token: str):
+    def __init__(self, host: InferenceHost, token: str, weights: WeightReceiver | None = None):
         if not token:
             raise ValueError("token must be a non-empty string")
         self._host = host
         self._token = token
+        self._weights = weights
         self._routes: dict[str, queue.Queue] = {}
         self._routes_lock = threading.Lock()
         self._stop = threading.Event()
@@ -67,6 +75,8 @@ class InferenceServicer(pb_grpc.InferenceHostServicer):
     def close(self) -> None:
         self._stop.set()
         self._dispatcher.join(timeout=5)
+        if self._weights is not None:
+            self._weights.close()
 
     def _dispatch(self) -> None:
         """Hands each finished sample to the stream of its request."""
@@ -121,48 +131,28 @@ class InferenceServicer(pb_grpc.InferenceHostServicer):
                     self._drop_route(req.request_id, route)
                 yield result_to_proto(result)
         finally:
-            self._drop_route(req.request_id, route)
+            if self._drop_route(req.request_id, route):
+                # The stream ended with samples owed: nobody will read them.
+                self._host.cancel(req.request_id)
 
-    def _drop_route(self, request_id: str, route: queue.Queue) -> None:
-        # Only this call's route: a later request may already have reused the id.
+    def _drop_route(self, request_id: str, route: queue.Queue) -> bool:
+        """Removes this call's route (a later request may already reuse the id); True if
+        it was still there."""
         with self._routes_lock:
             if self._routes.get(request_id) is route:
                 del self._routes[request_id]
-
-    def UpdateWeights(self, request_iterator, context):
-        self._authorize(context)
-        assembler = weight_sync.TensorAssembler(self._host.params_spec)
-        version = None
-        try:
-            for message in request_iterator:
-                kind = message.WhichOneof("kind")
-                if kind == "chunk":
-                    c = message.chunk
-                    assembler.add(
-                        c.name, c.dtype, tuple(c.shape), c.chunk_index, c.num_chunks, c.data
-                    )
-                elif kind == "commit":
-                    version = message.commit.version
-                    break
-            if version is None:
-                raise ValueError("weights rejected: the stream ended without a commit")
-            flat = assembler.finish()
-            params = weight_sync.unflatten_params(flat, self._host.params_spec)
-            self._host.update_weights(params, int(version))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except HostClosedError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.UpdateWeightsResponse(
-            version=int(version), num_tensors=len(flat), num_bytes=assembler.num_bytes
-        )
+                return True
+            return False
 
     def Health(self, request, context):
         return pb.HealthResponse(live=bool(self._host.stats()["live"]), version=self._host.version)
 
     def Stats(self, request, context):
         self._authorize(context)
-        return stats_to_proto(self._host.stats())
+        stats = self._host.stats()
+        if self._weights is not None:
+            stats["weight_port"] = self._weights.port
+        return stats_to_proto(stats)
 
 
 def serve(
@@ -172,8 +162,10 @@ def serve(
     port: int = 0,
     bind: str = "127.0.0.1",
     max_streams: int = 512,
+    weight_port: int = 0,
 ) -> tuple[grpc.Server, InferenceServicer, int]:
-    """Starts a gRPC server for a started host; returns (server, servicer, bound port).
+    """Starts a gRPC server for a started host, and its weight receiver on `weight_port` (0:
+    any free port) at the same address; returns (server, servicer, bound port).
 
     Each open Generate stream holds a worker thread while it waits, so `max_streams` bounds
     the requests in flight at once.
@@ -183,11 +175,12 @@ def serve(
         options=GRPC_OPTIONS,
         maximum_concurrent_rpcs=max_streams,
     )
-    servicer = InferenceServicer(host, token)
-    pb_grpc.add_InferenceHostServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{bind}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind {bind}:{port}")
+    weights = WeightReceiver(host, token, bind=bind, port=weight_port)
+    servicer = InferenceServicer(host, token, weights)
+    pb_grpc.add_InferenceHostServicer_to_server(servicer, server)
     server.start()
     return server, servicer, bound
 

@@ -228,6 +228,7 @@ class InferenceHost:
         self._submit_seq = 0
         self._staged_seq = 0
         self._in_flight: dict[str, int] = {}  # request_id -> samples not yet returned
+        self._cancelled: set[str] = set()  # request ids to drop at the next iteration
         self._closing = False
         self._dead: str | None = None
 
@@ -387,6 +388,21 @@ class InferenceHost:
                 break
         return out
 
+    def cancel(self, request_id: str) -> bool:
+        """Drops a request's unfinished samples: waiting ones never start, running ones leave
+        their slots at the next decode-step boundary; each comes back from `poll` as an error
+        result of kind ``CANCELLED``. Returns whether the request was in flight."""
+        with self._lock:
+            if request_id not in self._in_flight:
+                return False
+            self._cancelled.add(request_id)
+        self._wake.set()
+        return True
+
+    def tensor_specs(self) -> list[weight_sync.TensorSpec]:
+        """`params_spec` as the ordered (name, dtype, shape) list a weight push sends."""
+        return weight_sync.tensor_specs(self._params_spec)
+
     def update_weights(self, params: Any, version: int) -> None:
         """Stages new weights (validated whole; the old ones serve until the swap).
 
@@ -456,6 +472,8 @@ class InferenceHost:
             "kv_recompute_s": self._kv_recompute_s,
             "last_kv_recompute_s": self._last_kv_recompute_s,
             "loop_s": dict(self._loop_s),
+            # Seconds the serving loop has spent working (not idle, waiting for requests).
+            "busy_s": sum(self._loop_s.values()) - self._loop_s.get("wait", 0.0),
             "live": self._thread is not None and self._thread.is_alive(),
         }
 
@@ -563,6 +581,7 @@ class InferenceHost:
         """
         t0 = time.perf_counter()
         self._take_inbox()
+        self._drop_cancelled()
         self._maybe_swap_weights()
         t1 = time.perf_counter()
         inserted = self._admit()
@@ -610,6 +629,31 @@ class InferenceHost:
             now = time.monotonic()
             for i in range(request.num_samples):
                 self._waiting.append((request, i, now, seq))
+
+    def _drop_cancelled(self) -> None:
+        """Ends the samples of cancelled requests (waiting and running)."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        if not cancelled:
+            return
+        message = "request cancelled"
+        keep: collections.deque = collections.deque()
+        for item in self._waiting:
+            if item[0].request_id in cancelled:
+                self._emit(error_result(item[0], item[1], ErrorKind.CANCELLED, message))
+            else:
+                keep.append(item)
+        self._waiting = keep
+        finished = np.zeros((self.num_slots,), bool)
+        for slot, run in enumerate(self._slots):
+            if run is not None and run.request.request_id in cancelled:
+                finished[slot] = True
+                self._slots[slot] = None  # a pending step's token for it is dropped
+                self._emit(self._result(run, "error", ErrorKind.CANCELLED, message))
+        for request_id in cancelled:
+            self._prefixes.pop(request_id, None)
+        if finished.any():
+            self._state = self._core.release(self._state, finished)
 
     def _maybe_swap_weights(self) -> None:
         with self._lock:

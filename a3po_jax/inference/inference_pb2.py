@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"a3po_jax/inference/inference.proto\x12\x12\x61\x33po_jax.inference\"p\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bstop_tokens\x18\x05 \x03(\x05\"\x95\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".a3po_jax.inference.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\x96\x02\n\x0cSampleResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x10\n\x08versions\x18\x06 \x03(\x05\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12<\n\x06timing\x18\t \x03(\x0b\x32,.a3po_jax.inference.SampleResult.TimingEntry\x1a-\n\x0bTimingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"p\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\x05\x12\x12\n\nnum_chunks\x18\x05 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\x19\n\x06\x43ommit\x12\x0f\n\x07version\x18\x01 \x01(\x03\"}\n\x13WeightUpdateMessage\x12\x30\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1f.a3po_jax.inference.TensorChunkH\x00\x12,\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x1a.a3po_jax.inference.CommitH\x00\x42\x06\n\x04kind\"P\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x03\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xeb\x01\n\rStatsResponse\x12=\n\x06values\x18\x01 \x03(\x0b\x32-.a3po_jax.inference.StatsResponse.ValuesEntry\x12=\n\x06labels\x18\x02 \x03(\x0b\x32-.a3po_jax.inference.StatsResponse.LabelsEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xea\x02\n\rInferenceHost\x12S\n\x08Generate\x12#.a3po_jax.inference.GenerateRequest\x1a .a3po_jax.inference.SampleResult0\x01\x12\x65\n\rUpdateWeights\x12\'.a3po_jax.inference.WeightUpdateMessage\x1a).a3po_jax.inference.UpdateWeightsResponse(\x01\x12O\n\x06Health\x12!.a3po_jax.inference.HealthRequest\x1a\".a3po_jax.inference.HealthResponse\x12L\n\x05Stats\x12 .a3po_jax.inference.StatsRequest\x1a!.a3po_jax.inference.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"a3po_jax/inference/inference.proto\x12\x12\x61\x33po_jax.inference\"p\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bstop_tokens\x18\x05 \x03(\x05\"\x95\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".a3po_jax.inference.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\x96\x02\n\x0cSampleResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x10\n\x08versions\x18\x06 \x03(\x05\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12<\n\x06timing\x18\t \x03(\x0b\x32,.a3po_jax.inference.SampleResult.TimingEntry\x1a-\n\x0bTimingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xeb\x01\n\rStatsResponse\x12=\n\x06values\x18\x01 \x03(\x0b\x32-.a3po_jax.inference.StatsResponse.ValuesEntry\x12=\n\x06labels\x18\x02 \x03(\x0b\x32-.a3po_jax.inference.StatsResponse.LabelsEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\x83\x02\n\rInferenceHost\x12S\n\x08Generate\x12#.a3po_jax.inference.GenerateRequest\x1a .a3po_jax.inference.SampleResult0\x01\x12O\n\x06Health\x12!.a3po_jax.inference.HealthRequest\x1a\".a3po_jax.inference.HealthResponse\x12L\n\x05Stats\x12 .a3po_jax.inference.StatsRequest\x1a!.a3po_jax.inference.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,26 +45,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLERESULT']._serialized_end=603
   _globals['_SAMPLERESULT_TIMINGENTRY']._serialized_start=558
   _globals['_SAMPLERESULT_TIMINGENTRY']._serialized_end=603
-  _globals['_TENSORCHUNK']._serialized_start=605
-  _globals['_TENSORCHUNK']._serialized_end=717
-  _globals['_COMMIT']._serialized_start=719
-  _globals['_COMMIT']._serialized_end=744
-  _globals['_WEIGHTUPDATEMESSAGE']._serialized_start=746
-  _globals['_WEIGHTUPDATEMESSAGE']._serialized_end=871
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=873
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=953
-  _globals['_HEALTHREQUEST']._serialized_start=955
-  _globals['_HEALTHREQUEST']._serialized_end=970
-  _globals['_HEALTHRESPONSE']._serialized_start=972
-  _globals['_HEALTHRESPONSE']._serialized_end=1019
-  _globals['_STATSREQUEST']._serialized_start=1021
-  _globals['_STATSREQUEST']._serialized_end=1035
-  _globals['_STATSRESPONSE']._serialized_start=1038
-  _globals['_STATSRESPONSE']._serialized_end=1273
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=1181
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=1226
-  _globals['_STATSRESPONSE_LABELSENTRY']._serialized_start=1228
-  _globals['_STATSRESPONSE_LABELSENTRY']._serialized_end=1273
-  _globals['_INFERENCEHOST']._serialized_start=1276
-  _globals['_INFERENCEHOST']._serialized_end=1638
+  _globals['_HEALTHREQUEST']._serialized_start=605
+  _globals['_HEALTHREQUEST']._serialized_end=620
+  _globals['_HEALTHRESPONSE']._serialized_start=622
+  _globals['_HEALTHRESPONSE']._serialized_end=669
+  _globals['_STATSREQUEST']._serialized_start=671
+  _globals['_STATSREQUEST']._serialized_end=685
+  _globals['_STATSRESPONSE']._serialized_start=688
+  _globals['_STATSRESPONSE']._serialized_end=923
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=831
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=876
+  _globals['_STATSRESPONSE_LABELSENTRY']._serialized_start=878
+  _globals['_STATSRESPONSE_LABELSENTRY']._serialized_end=923
+  _globals['_INFERENCEHOST']._serialized_start=926
+  _globals['_INFERENCEHOST']._serialized_end=1185
 # @@protoc_insertion_point(module_scope)

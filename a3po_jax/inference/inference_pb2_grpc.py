@@ -39,11 +39,6 @@ class InferenceHostStub(object):
                 request_serializer=a3po__jax_dot_inference_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=a3po__jax_dot_inference_dot_inference__pb2.SampleResult.FromString,
                 _registered_method=True)
-        self.UpdateWeights = channel.stream_unary(
-                '/a3po_jax.inference.InferenceHost/UpdateWeights',
-                request_serializer=a3po__jax_dot_inference_dot_inference__pb2.WeightUpdateMessage.SerializeToString,
-                response_deserializer=a3po__jax_dot_inference_dot_inference__pb2.UpdateWeightsResponse.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/a3po_jax.inference.InferenceHost/Health',
                 request_serializer=a3po__jax_dot_inference_dot_inference__pb2.HealthRequest.SerializeToString,
@@ -61,13 +56,6 @@ class InferenceHostServicer(object):
 
     def Generate(self, request, context):
         """Streams each sample of the request as soon as it finishes.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def UpdateWeights(self, request_iterator, context):
-        """Chunks of every tensor, then a Commit; rejected whole on a wrong name, shape or dtype.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,11 +80,6 @@ def add_InferenceHostServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=a3po__jax_dot_inference_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=a3po__jax_dot_inference_dot_inference__pb2.SampleResult.SerializeToString,
-            ),
-            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
-                    servicer.UpdateWeights,
-                    request_deserializer=a3po__jax_dot_inference_dot_inference__pb2.WeightUpdateMessage.FromString,
-                    response_serializer=a3po__jax_dot_inference_dot_inference__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -136,33 +119,6 @@ class InferenceHost(object):
             '/a3po_jax.inference.InferenceHost/Generate',
             a3po__jax_dot_inference_dot_inference__pb2.GenerateRequest.SerializeToString,
             a3po__jax_dot_inference_dot_inference__pb2.SampleResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UpdateWeights(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/a3po_jax.inference.InferenceHost/UpdateWeights',
-            a3po__jax_dot_inference_dot_inference__pb2.WeightUpdateMessage.SerializeToString,
-            a3po__jax_dot_inference_dot_inference__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

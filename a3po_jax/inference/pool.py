@@ -26,6 +26,12 @@ The trainer talks to a `HostPool` exactly as to one `InferenceHost` (``submit``,
   trainer's ``rollout_timeout_s`` bounds the wait.
 * **Return.** A down host is probed every ``health_interval_s``; once it answers it is sent
   the newest weights (and version) first, and only then given work again.
+* **Weight pushes.** The weights are copied once into host buffers that are reused push
+  after push (in the hosts' dtypes: cast on the caller's device first), then sent to every
+  healthy host at once. With ``background_push`` the call returns as soon as that copy is
+  made: the hosts keep generating with the old weights while the new ones travel, and
+  ``submit`` waits until every host has installed them (so a request submitted after a push
+  never runs on weights older than it). The newest copy stays held for hosts that return.
 
 Counters (``counters()``) account for every sample requested::
 
@@ -48,9 +54,7 @@ import threading
 import time
 from typing import Any
 
-import jax
-import numpy as np
-
+from a3po_jax.inference import weight_sync
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import (
     ErrorKind,
@@ -113,6 +117,8 @@ class HostPool:
       max_reissues: how many times one request may be re-issued after host failures before
         its missing samples are reported lost.
       close_hosts: `close()` also closes the hosts (the pool owns them).
+      background_push: `update_weights` returns once the weights are copied, and pushes
+        them in the background (see the module docstring); `wait_pushed` waits for it.
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class HostPool:
         hang_timeout_s: float = 60.0,
         max_reissues: int = 2,
         close_hosts: bool = True,
+        background_push: bool = False,
     ):
         if not hosts:
             raise ValueError("HostPool needs at least one host")
@@ -148,7 +155,15 @@ class HostPool:
         self._tracked: dict[str, _Tracked] = {}
         self._parked: collections.deque[str] = collections.deque()
         self._results: queue.Queue[SampleResult] = queue.Queue()
-        self._latest: tuple[Any, int] | None = None  # newest weights (host numpy) + version
+        # The newest weights (staged host copy, held; their tree) and version.
+        self._latest: tuple[weight_sync.Staged, Any, int] | None = None
+        self._staging: weight_sync.StagingBuffers | None = None
+        self.background_push = bool(background_push)
+        self._pushed = threading.Event()  # no push in flight
+        self._pushed.set()
+        self._push_error: BaseException | None = None
+        # The last push: seconds from the call until every host installed it, and bytes.
+        self._push = {"pushes": 0, "push_s": 0.0, "push_bytes": 0, "push_staging_s": 0.0}
         self._turn = itertools.count()
         self._closed = threading.Event()
         self._warned_no_host = False
@@ -199,6 +214,10 @@ class HostPool:
             raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
         if _RETRY_SEP in request.request_id:
             raise ValueError(f"request_id must not contain {_RETRY_SEP!r}: {request.request_id!r}")
+        # After a background push, no request starts on weights older than it.
+        while not self._pushed.wait(0.1):
+            if self._closed.is_set():
+                raise InferenceError("host pool is closed")
         with self._lock:
             if self._closed.is_set():
                 raise InferenceError("host pool is closed")
@@ -214,44 +233,110 @@ class HostPool:
         return take_results(self._results, timeout, max_results)
 
     def update_weights(self, params: Any, version: int) -> None:
-        """Sends the weights to every healthy host at once; returns when each has accepted
-        them or has been marked down meanwhile (a frozen host does not block the trainer
-        longer than the health check takes to notice). Hosts that are down get the newest
-        weights when they return.
+        """Sends the weights to every healthy host at once. Returns when each has installed
+        them or has been marked down meanwhile (a frozen host does not block the caller
+        longer than the health check takes to notice), or with ``background_push`` as soon
+        as they are copied. Hosts that are down get the newest weights when they return.
 
         ValueError (wrong names/shapes/dtypes) propagates: every host would refuse them.
         """
-        # One host copy (not a view: the trainer donates its buffers), kept for hosts that
-        # return later, and sent to every host.
-        host_params = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(params))
         version = int(version)
+        self.wait_pushed()  # one push in flight at a time, in order
+        t0 = time.perf_counter()
+        staging = self._staging_for(params)
+        # A copy of our own (the caller donates its buffers), also kept for returning hosts.
+        staged = staging.stage(params)
+        tree = weight_sync.unflatten_params(staged.arrays, params)
+        staged_s = time.perf_counter() - t0
         with self._lock:
-            self._latest = (host_params, version)
+            previous, self._latest = self._latest, (staged, tree, version)
             targets = [i for i, m in enumerate(self._members) if m.healthy]
+        if previous is not None:
+            staging.release(previous[0])
+        self._pushed.clear()
         errors: dict[int, BaseException] = {}
+        pushes = {i: self._start_push(i, staged, tree, version, errors) for i in targets}
 
-        def push(i: int) -> None:
-            member = self._members[i]
+        def finish() -> None:
+            try:
+                self._join_pushes(pushes)
+                self._push.update(
+                    pushes=self._push["pushes"] + 1,
+                    push_s=time.perf_counter() - t0,
+                    push_bytes=staged.nbytes,
+                    push_staging_s=staged_s,
+                )
+                for i, err in errors.items():
+                    if isinstance(err, ValueError):
+                        raise err
+                    self._mark_down(i, f"weight push failed: {err}")
+            except BaseException as err:  # noqa: BLE001 -- raised to the caller (see below)
+                self._push_error = err
+            finally:
+                self._pushed.set()
+
+        if self.background_push:
+            threading.Thread(target=finish, name="pool-push", daemon=True).start()
+        else:
+            finish()
+            self._raise_push_error()
+
+    def wait_pushed(self, timeout: float | None = None) -> bool:
+        """Waits until no weight push is in flight; re-raises the error (ValueError) of a
+        background push that failed. Returns False on timeout."""
+        done = self._pushed.wait(timeout)
+        self._raise_push_error()
+        return done
+
+    def _raise_push_error(self) -> None:
+        err, self._push_error = self._push_error, None
+        if err is not None:
+            raise err
+
+    def _staging_for(self, params: Any) -> weight_sync.StagingBuffers:
+        """Reusable host buffers in the hosts' dtypes (asked of the first host that says),
+        or the params' own dtypes."""
+        if self._staging is None:
+            specs = None
+            for member in self._members:
+                if member.healthy and hasattr(member.host, "tensor_specs"):
+                    try:
+                        specs = member.host.tensor_specs()
+                        break
+                    except Exception as err:  # noqa: BLE001 -- ask the next host
+                        log.info("host %s did not give its tensor specs: %s", member.name, err)
+            if specs is None:
+                specs = weight_sync.tensor_specs(params)
+            self._staging = weight_sync.StagingBuffers(specs, sets=2)
+        return self._staging
+
+    def _start_push(
+        self, index: int, staged, tree: Any, version: int, errors: dict[int, BaseException]
+    ) -> threading.Thread:
+        """Pushes to one host in a thread (holding `staged` meanwhile); a failure goes to
+        ``errors[index]``."""
+        member = self._members[index]
+        self._staging.hold(staged)
+
+        def push() -> None:
             try:
                 with member.push_lock:
-                    member.host.update_weights(host_params, version)
+                    member.host.update_weights(tree, version)
                     member.version = version
-            except BaseException as err:  # noqa: BLE001 -- sorted out below
-                errors[i] = err
+            except BaseException as err:  # noqa: BLE001 -- sorted out by the caller
+                errors[index] = err
+            finally:
+                self._staging.release(staged)
 
-        threads = {
-            i: threading.Thread(target=push, args=(i,), name=f"pool-push-{i}", daemon=True)
-            for i in targets
-        }
-        for thread in threads.values():
-            thread.start()
-        for i, thread in threads.items():
+        thread = threading.Thread(target=push, name=f"pool-push-{index}", daemon=True)
+        thread.start()
+        return thread
+
+    def _join_pushes(self, pushes: dict[int, threading.Thread]) -> None:
+        """Waits for each push, or for its host to be marked down."""
+        for i, thread in pushes.items():
             while thread.is_alive() and self._members[i].healthy:
                 thread.join(timeout=0.05)
-        for i, err in errors.items():
-            if isinstance(err, ValueError):
-                raise err
-            self._mark_down(i, f"weight push failed: {err}")
 
     def stats(self) -> dict[str, Any]:
         """Totals over the healthy hosts, from the monitor's last look (never blocks on a host)."""
@@ -260,17 +345,19 @@ class HostPool:
             parked = sum(self._tracked[r].request.num_samples for r in self._parked)
             out: dict[str, Any] = {
                 "update_policy": self.update_policy,
-                "version": self._latest[1] if self._latest else _min_version(healthy),
+                "version": self._latest[2] if self._latest else _min_version(healthy),
                 "hosts_healthy": len(healthy),
                 "hosts_total": len(self._members),
                 "live": bool(healthy),
                 "queue_depth": parked,
             }
             summed = ("slots_busy", "num_slots", "tokens_per_s", "tokens_generated")
-            summed += ("kv_recomputes", "kv_recompute_tokens", "kv_recompute_s")
+            summed += ("kv_recomputes", "kv_recompute_tokens", "kv_recompute_s", "busy_s")
             for key in summed:
                 out[key] = sum(m.stats.get(key, 0) for m in healthy)
             out["queue_depth"] += sum(m.stats.get("queue_depth", 0) for m in healthy)
+            # The last completed weight push (staging copy and until every host installed it).
+            out.update(self._push)
             out["hosts"] = {
                 m.name: {"healthy": m.healthy, "reason": m.reason, "version": m.version}
                 for m in self._members
@@ -306,6 +393,7 @@ class HostPool:
             raise AssertionError(f"samples_requested != delivered + lost + outstanding: {c}")
 
     def close(self) -> None:
+        self._pushed.wait(timeout=30)  # a push in flight: let it land or fail
         self._closed.set()
         for thread in self._threads:
             thread.join(timeout=10)
@@ -530,16 +618,22 @@ class HostPool:
         while True:
             with self._lock:
                 latest = self._latest
+                if latest is not None:
+                    self._staging.hold(latest[0])  # not re-staged while we send it
             if latest is not None:
-                if not member.push_lock.acquire(timeout=1.0):
-                    return  # an older push is still running: try again at the next probe
+                staged, tree, version = latest
                 try:
-                    member.host.update_weights(*latest)
-                except Exception as err:  # noqa: BLE001 -- not usable yet
-                    log.info("host %s answers but refused the weights: %s", member.name, err)
-                    return
+                    if not member.push_lock.acquire(timeout=1.0):
+                        return  # an older push is still running: try again at the next probe
+                    try:
+                        member.host.update_weights(tree, version)
+                    except Exception as err:  # noqa: BLE001 -- not usable yet
+                        log.info("host %s answers but refused the weights: %s", member.name, err)
+                        return
+                    finally:
+                        member.push_lock.release()
                 finally:
-                    member.push_lock.release()
+                    self._staging.release(staged)
             with self._lock:
                 if self._latest is not latest:
                     continue  # newer weights arrived meanwhile: send those first
@@ -549,7 +643,7 @@ class HostPool:
                 member.stats = stats
                 member.progress = _progress_of(stats)
                 member.progress_at = time.monotonic()
-                member.version = None if latest is None else latest[1]
+                member.version = None if latest is None else latest[2]
                 parked = list(self._parked)
                 self._parked.clear()
                 self._warned_no_host = False

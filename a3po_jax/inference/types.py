@@ -42,6 +42,9 @@ class ErrorKind(enum.Enum):
     # `HostPool` gave up on the sample (re-issued `max_reissues` times, or refused by the
     # host it was re-issued to); the trainer drops its group as "host_lost".
     LOST = "lost"
+    # The request was cancelled (`cancel`, or its gRPC stream ended early: the client is
+    # gone) before the sample finished.
+    CANCELLED = "cancelled"
 
 
 class InferenceError(RuntimeError):

@@ -1,15 +1,23 @@
-"""Parameter trees as flat `"/"`-joined names: validation and chunking for weight pushes.
+"""Parameter trees as flat `"/"`-joined names: validation and host staging for weight pushes.
 
 Inference layer (host-side shell).
 
 A weight push is accepted whole or not at all: every tensor of the serving params must come
 with the same name, shape and dtype, and no other tensor may come. Transfers never pickle:
-a tensor travels as (name, dtype name, shape, raw native (little-endian) bytes) in chunks.
+a tensor travels as (name, dtype name, shape) and its raw native (little-endian) bytes
+(`weight_transfer.py`).
+
+Host buffers for pushes are allocated once and reused (`StagingBuffers`): a fresh 0.5 GB
+buffer per push costs a page fault per 4 KiB page on first touch, which on a CPU costs
+about as much as the copy itself (docs/performance.md). They are 64-byte aligned, so that
+`jax.device_put` of one on a CPU aliases it instead of copying.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -18,7 +26,8 @@ import numpy as np
 
 from a3po_jax.model import flatten_params  # the one weight naming; re-exported here
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# Host buffers start at a multiple of this: XLA:CPU aliases (does not copy) such numpy arrays.
+ALIGNMENT = 64
 
 
 def unflatten_params(flat: Mapping[str, Any], like: Any) -> Any:
@@ -71,98 +80,174 @@ def dtype_from_name(name: str) -> np.dtype:
         raise ValueError(f"unknown dtype name {name!r}") from e
 
 
-def iter_tensor_chunks(
-    params: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[tuple[str, str, tuple[int, ...], int, int, bytes]]:
-    """Yields (name, dtype, shape, chunk_index, num_chunks, data) for every tensor.
+def as_flat(params: Any) -> dict[str, Any]:
+    """`params` as ``{name: array}``: a tree is flattened (`flatten_params`); a mapping whose
+    values are all arrays is taken as already flat."""
+    if isinstance(params, Mapping) and not any(isinstance(v, Mapping) for v in params.values()):
+        return dict(params)
+    return flatten_params(params)
 
-    Tensors are fetched to host one at a time, so a push never holds two copies of the
-    whole model in host memory.
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-order array whose data starts at a multiple of `ALIGNMENT` bytes."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    offset = (-raw.ctypes.data) % ALIGNMENT
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor of a weight push."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def to_json(self) -> list:
+        return [self.name, self.dtype.name, list(self.shape)]
+
+    @classmethod
+    def from_json(cls, item: Any) -> TensorSpec:
+        """From `to_json`'s list; ValueError naming what is malformed."""
+        if not (isinstance(item, list) and len(item) == 3):
+            raise ValueError(f"a tensor spec is [name, dtype, shape], got {item!r}")
+        name, dtype, shape = item
+        if not isinstance(name, str) or not isinstance(dtype, str):
+            raise ValueError(f"a tensor spec's name and dtype are strings, got {item!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+        ):
+            raise ValueError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+        return cls(name, dtype_from_name(dtype), tuple(shape))
+
+
+def tensor_specs(params: Any) -> list[TensorSpec]:
+    """The `TensorSpec` of every leaf (arrays or `jax.ShapeDtypeStruct`s), in tree order."""
+    return [
+        TensorSpec(name, _dtype_of(leaf), tuple(np.shape(leaf)))
+        for name, leaf in flatten_params(params).items()
+    ]
+
+
+def _dtype_of(leaf: Any) -> np.dtype:
+    """A leaf's own dtype (a numpy float64 stays float64; jax would canonicalise it)."""
+    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.dtype(jnp.result_type(leaf))
+
+
+def check_specs_match(reference: list[TensorSpec], candidate: list[TensorSpec]) -> None:
+    """Raises ValueError naming the first tensor whose name, shape or dtype differs (the
+    candidate must list the reference's tensors, in its order)."""
+    check_names({s.name: s for s in reference}, {s.name: s for s in candidate})
+    for ref, cand in zip(reference, candidate, strict=True):
+        if ref.name != cand.name:
+            raise ValueError(
+                f"weights rejected: tensor {cand.name!r} came where {ref.name!r} was expected "
+                "(tensors go in the serving model's order)"
+            )
+        if ref.shape != cand.shape:
+            raise ValueError(
+                f"weights rejected: tensor {ref.name!r} has shape {cand.shape}, "
+                f"the serving model expects {ref.shape}"
+            )
+        if ref.dtype != cand.dtype:
+            raise ValueError(
+                f"weights rejected: tensor {ref.name!r} has dtype {cand.dtype.name}, "
+                f"the serving model expects {ref.dtype.name}"
+            )
+
+
+def copy_to_host(buffer: np.ndarray, leaf: Any, spec: TensorSpec) -> None:
+    """Copies `leaf` (a jax or numpy array) into `buffer`, cast to the spec's dtype first on
+    its own device (a float32 model served in bfloat16 moves half the bytes)."""
+    if tuple(np.shape(leaf)) != spec.shape:
+        raise ValueError(
+            f"weights rejected: tensor {spec.name!r} has shape {tuple(np.shape(leaf))}, "
+            f"the serving model expects {spec.shape}"
+        )
+    dtype = _dtype_of(leaf)
+    if dtype != spec.dtype:
+        if not (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(spec.dtype, jnp.floating)):
+            raise ValueError(
+                f"weights rejected: tensor {spec.name!r} has dtype {dtype.name}, "
+                f"the serving model expects {spec.dtype.name}"
+            )
+        leaf = leaf.astype(spec.dtype)
+    # A CPU jax array reads as a numpy view: one copy, straight into the buffer.
+    np.copyto(buffer, np.asarray(jax.device_get(leaf)), casting="no")
+
+
+class Staged:
+    """One staged copy of the weights: `arrays` maps each name to its host buffer, in the
+    serving model's order. Valid while held (`StagingBuffers.hold` / `release`)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], slot: int):
+        self.arrays = arrays
+        self.slot = slot
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class StagingBuffers:
+    """Host copies of parameter trees in buffers allocated once, `sets` of them used in turn.
+
+    `stage(params)` copies the params into a set no one holds (waiting for one if needed) and
+    returns it held once by the caller; readers (a push to each host) `hold` it and `release`
+    it when done. With two sets the newest weights can stay held (for a host that returns
+    later) while the next ones are staged.
     """
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    for name, leaf in flatten_params(params).items():
-        # Native byte order: little-endian on every platform JAX runs on.
-        arr = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
-        raw = arr.reshape(-1).view(np.uint8)
-        num_chunks = max(1, -(-raw.size // chunk_bytes))
-        for i in range(num_chunks):
-            data = raw[i * chunk_bytes : (i + 1) * chunk_bytes].tobytes()
-            yield name, arr.dtype.name, tuple(arr.shape), i, num_chunks, data
 
+    def __init__(self, specs: list[TensorSpec], sets: int = 2):
+        if sets < 1:
+            raise ValueError(f"sets must be >= 1, got {sets}")
+        self.specs = list(specs)
+        self._sets: list[dict[str, np.ndarray] | None] = [None] * sets
+        self._holds = [0] * sets
+        self._cond = threading.Condition()
 
-class TensorAssembler:
-    """Collects chunked tensors against a reference tree, rejecting bad ones on arrival.
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
 
-    Checks name, dtype and shape at the first chunk of each tensor and chunk order after,
-    so a wrong push fails before its bytes pile up in memory.
-    """
+    def stage(self, params: Any, timeout: float | None = None) -> Staged:
+        """Copies `params` (a tree or flat dict with the specs' names) into a free set; held
+        once for the caller. ValueError names a missing, extra or mis-shaped tensor; a dtype
+        differing from the spec is cast when both are floating point."""
+        flat = as_flat(params)
+        check_names({s.name: s for s in self.specs}, flat)
+        with self._cond:
+            if not self._cond.wait_for(lambda: 0 in self._holds, timeout=timeout):
+                raise TimeoutError(f"no free staging buffers after {timeout} s")
+            slot = self._holds.index(0)
+            self._holds[slot] = 1
+        try:
+            buffers = self._sets[slot]
+            if buffers is None:
+                buffers = {s.name: aligned_empty(s.shape, s.dtype) for s in self.specs}
+                self._sets[slot] = buffers
+            for spec in self.specs:
+                copy_to_host(buffers[spec.name], flat[spec.name], spec)
+        except BaseException:
+            self.release(Staged({}, slot))
+            raise
+        return Staged(buffers, slot)
 
-    def __init__(self, reference: Any):
-        self._ref = {
-            name: (tuple(np.shape(x)), np.dtype(jnp.result_type(x)))
-            for name, x in flatten_params(reference).items()
-        }
-        self._buffers: dict[str, bytearray] = {}
-        self._next_chunk: dict[str, int] = {}
-        self._num_chunks: dict[str, int] = {}
-        self.num_bytes = 0
+    def hold(self, staged: Staged) -> None:
+        with self._cond:
+            if self._holds[staged.slot] <= 0:
+                raise RuntimeError("hold() of staged weights that were already released")
+            self._holds[staged.slot] += 1
 
-    def add(
-        self,
-        name: str,
-        dtype: str,
-        shape: tuple[int, ...],
-        chunk_index: int,
-        num_chunks: int,
-        data: bytes,
-    ) -> None:
-        if name not in self._ref:
-            raise ValueError(f"weights rejected: unexpected tensor {name!r}")
-        ref_shape, ref_dtype = self._ref[name]
-        if tuple(shape) != ref_shape:
-            raise ValueError(
-                f"weights rejected: tensor {name!r} has shape {tuple(shape)}, "
-                f"the serving model expects {ref_shape}"
-            )
-        if dtype_from_name(dtype) != ref_dtype:
-            raise ValueError(
-                f"weights rejected: tensor {name!r} has dtype {dtype}, "
-                f"the serving model expects {ref_dtype.name}"
-            )
-        expected = self._next_chunk.get(name, 0)
-        if chunk_index != expected:
-            raise ValueError(
-                f"weights rejected: tensor {name!r} chunk {chunk_index} arrived, "
-                f"expected chunk {expected}"
-            )
-        if name in self._num_chunks and self._num_chunks[name] != num_chunks:
-            raise ValueError(f"weights rejected: tensor {name!r} changed its chunk count")
-        buf = self._buffers.setdefault(name, bytearray())
-        nbytes = int(np.prod(ref_shape, dtype=np.int64)) * ref_dtype.itemsize
-        if len(buf) + len(data) > nbytes:
-            raise ValueError(f"weights rejected: tensor {name!r} sent more than its {nbytes} bytes")
-        buf += data
-        self.num_bytes += len(data)
-        self._next_chunk[name] = expected + 1
-        self._num_chunks[name] = num_chunks
-
-    def finish(self) -> dict[str, np.ndarray]:
-        """All tensors as numpy arrays; ValueError if any is missing or incomplete."""
-        missing = [n for n in self._ref if n not in self._buffers]
-        if missing:
-            raise ValueError(
-                f"weights rejected: missing tensors {missing[:8]}"
-                + (" ..." if len(missing) > 8 else "")
-            )
-        out = {}
-        for name, (shape, dtype) in self._ref.items():
-            buf = self._buffers[name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if len(buf) != nbytes or self._next_chunk[name] != self._num_chunks[name]:
-                raise ValueError(
-                    f"weights rejected: tensor {name!r} is incomplete "
-                    f"({len(buf)} of {nbytes} bytes)"
-                )
-            out[name] = np.frombuffer(bytes(buf), dtype=dtype).reshape(shape)
-        return out
+    def release(self, staged: Staged) -> None:
+        with self._cond:
+            if self._holds[staged.slot] <= 0:
+                raise RuntimeError("release() of staged weights that are not held")
+            self._holds[staged.slot] -= 1
+            self._cond.notify_all()

@@ -241,8 +241,16 @@ class SystemSection:
     update_policy: str = "in_flight"  # weight updates on the host: "in_flight" or "drain"
     micro_batch_size: int = 0  # sequences per micro-batch; 0 = whole batch at once
     length_bucket: int = 32  # sequence lengths are padded to multiples of this
-    inference_hosts: str = ""  # comma-separated gRPC addresses; empty = embedded host
+    inference_hosts: str = ""  # comma-separated gRPC addresses; empty = a host this run starts
     host_token_file: str = ""  # file holding the remote hosts' token
+    # Split cores (docs/scale-out.md): a local host process pinned to this many cores, the
+    # trainer on the rest, weights pushed in the background; 0 = the embedded host
+    inference_cores: int = 0  # cores of the local host process (0 = none)
+    # Split devices: the embedded host serves on the last N devices (a mesh of its own,
+    # tensor-parallel over inference_mesh_tensor), the trainer's mesh takes the others
+    inference_devices: int = 0  # devices of the embedded host (0 = it shares device 0)
+    inference_mesh_tensor: int = 1  # tensor-parallel size of the host's mesh (divides N)
+    inference_dtype: str = ""  # serving dtype of a host this run starts; "" = model's
     rollout_timeout_s: float = 600.0  # give up waiting for a batch after this long
     host_timeout_s: float = 60.0  # remote hosts: stats/health call deadline (frozen host)
     host_hang_timeout_s: float = 300.0  # remote host with work and no new token: hung
@@ -281,6 +289,30 @@ class SystemSection:
         _positive("system", "host_hang_timeout_s", self.host_hang_timeout_s)
         _positive("system", "host_health_interval_s", self.host_health_interval_s)
         _positive("system", "max_reissues", self.max_reissues, allow_zero=True)
+        _positive("system", "inference_cores", self.inference_cores, allow_zero=True)
+        _positive("system", "inference_devices", self.inference_devices, allow_zero=True)
+        _positive("system", "inference_mesh_tensor", self.inference_mesh_tensor)
+        if self.inference_dtype:
+            _choice("system", "inference_dtype", self.inference_dtype, DTYPES)
+        placements = [
+            name
+            for name, on in (
+                ("inference_hosts", bool(self.inference_hosts)),
+                ("inference_cores", self.inference_cores > 0),
+                ("inference_devices", self.inference_devices > 0),
+            )
+            if on
+        ]
+        if len(placements) > 1:
+            raise ConfigError(
+                f"system.{' and system.'.join(placements)} both place the inference host: "
+                "set one of them (docs/scale-out.md)"
+            )
+        if self.inference_devices and self.inference_devices % self.inference_mesh_tensor:
+            raise ConfigError(
+                f"system.inference_mesh_tensor={self.inference_mesh_tensor} must divide "
+                f"system.inference_devices={self.inference_devices}"
+            )
         if not isinstance(self.record_rollouts, bool):
             raise ConfigError(
                 f"system.record_rollouts must be a bool (true/false), got {self.record_rollouts!r}"

@@ -523,6 +523,14 @@ def step_record(
         # In-flight swaps' KV-cache recompute (totals; per swap = seconds / recomputes).
         "host/kv_recomputes": int(host_stats.get("kv_recomputes", 0)),
         "host/kv_recompute_s": float(host_stats.get("kv_recompute_s", 0.0)),
+        # Seconds the serving loop has worked (total), and the last completed weight push
+        # of a pool of remote hosts: from the trainer's call until every host installed it.
+        "host/busy_s": float(host_stats.get("busy_s", 0.0)),
+        **{
+            f"host/{k}": float(host_stats[k])
+            for k in ("push_s", "push_bytes", "push_staging_s")
+            if k in host_stats
+        },
         "step/skipped_total": skipped_total,
         **peak_memory(),
     }

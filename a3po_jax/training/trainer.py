@@ -46,6 +46,7 @@ import numpy as np
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import TrainBatch, build_batch
 from a3po_jax.core.types import RolloutGroup
+from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
@@ -54,7 +55,7 @@ from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
-from a3po_jax.training import heap, recording, step_builder
+from a3po_jax.training import heap, placement, recording, step_builder
 from a3po_jax.training.checkpointing import (
     CheckpointManager,
     async_save_pays,
@@ -200,10 +201,13 @@ class Trainer:
         )
         self._build_jitted()
 
+        # A host this trainer starts (and closes): embedded, or a local process (placement.py).
         self._own_host = host is None and self.leader and self.replay_dir is None
+        self._local_host = None
         if self._own_host:
-            host = self._embedded_host(policy.params, 0, cfg.system.effective_update_policy)
+            host = self._start_host(policy.params)
         self.host = host
+        self._embedded = isinstance(host, InferenceHost)
         # The state and the embedded host hold copies of the initial params; the trainer keeps
         # only the policy's config and tokenizer, so a caller that drops its own reference
         # (the CLI does) frees one whole copy of the weights (0.5 GB for SmolLM2 in float32).
@@ -383,8 +387,9 @@ class Trainer:
             params = distributed.gather_params(params)
         if self.leader and self.host is not None:  # None: a replay, nothing to serve
             version = int(self.state.step)
+            # A pool of remote hosts copies the weights and returns; they travel meanwhile.
             self.host.update_weights(params, version)
-            if self._own_host:
+            if self._embedded:
                 self._release_replaced_weights(version)
 
     def _release_replaced_weights(self, version: int) -> None:
@@ -484,9 +489,9 @@ class Trainer:
         start = self._resume() if resume else 0
         if start == 0 and self.ledger is not None:
             self.ledger.start(seed=self.cfg.seed)
-        if start == 0 and (self.multi_process or not self._own_host):
-            # A remote host starts with weights of its own: serve ours before generating.
-            # (With several processes every process takes part, whoever hosts it.)
+        if start == 0 and (self.multi_process or not self._embedded):
+            # A host in another process starts with weights of its own: serve ours before
+            # generating. (With several processes every process takes part.)
             self._push_weights()
         if not self.leader:
             return self._follow(start)
@@ -640,6 +645,9 @@ class Trainer:
             self.checkpoints.wait_until_finished()
         if self._own_host:
             self.host.close()
+        if self._local_host is not None:
+            self._local_host.close()
+            self._local_host = None
         if self._eval_host is not None:
             self._eval_host.close()
             self._eval_host = None
@@ -649,10 +657,29 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():  # (signal's rule)
             self._sigterm.uninstall()  # the handlers from before this trainer, back
 
+    def _start_host(self, params: Any) -> Host:
+        """The run's own inference host, placed as ``system`` says (`placement.py`): a local
+        host process on cores of its own behind a pool, or an embedded host."""
+        system, rollout = self.cfg.system, self.cfg.rollout
+        if system.inference_cores:
+            placement.pin_trainer(system.inference_cores)  # the CLI did, before JAX started
+            self._local_host = placement.start_local_host(
+                self.cfg,
+                num_slots=rollout.num_slots,
+                prefill_buckets=tuple(rollout.prompt_buckets),
+                max_cache_len=max(rollout.prompt_buckets) + rollout.max_new_tokens,
+            )
+            try:
+                return placement.host_pool(
+                    [self._local_host.address], self._local_host.token, system
+                )
+            except BaseException:
+                self._local_host.close()
+                raise
+        return self._embedded_host(params, 0, system.effective_update_policy)
+
     def _embedded_host(self, params: Any, version: int, update_policy: str):
         """A started in-process inference host sized by the rollout settings."""
-        from a3po_jax.inference.host import InferenceHost
-
         rollout = self.cfg.rollout
         return InferenceHost(
             self.policy.config,

@@ -1,0 +1,390 @@
+"""Weight pushes over a TCP connection of their own: raw tensor bytes, no RPC framing.
+
+Inference layer (host-side shell).
+
+A gRPC message costs several copies of its bytes on each side (serialisation, the
+transport's buffers, parsing), which held pushes to a fraction of what the link carries. Here
+the sender writes each tensor's bytes straight from its host buffer into the socket and the
+receiver reads them straight into the buffer the host installs from (`recv_into`), so each
+side copies a byte once more than the kernel does (docs/performance.md has the figures).
+
+The exchange, one push per connection (frames are a 4-byte kind, an 8-byte little-endian
+length and a payload)::
+
+    host   -> pusher   MAGIC + 32-byte nonce
+    pusher -> host     HMAC-SHA256(token, nonce)              (the token never travels)
+    host   -> pusher   SPEC  {"tensors": [[name, dtype, shape], ...]}   (the serving params)
+    pusher -> host     PUSH  {"version": v, "tensors": [...]}  or  BYE  (the spec was all)
+    host   -> pusher   GO                                      (or ERR {"kind", "message"})
+    pusher -> host     every tensor's raw bytes, in the spec's order
+    host   -> pusher   DONE  {"version", "bytes", "receive_s", "install_s"}  (or ERR)
+
+The host validates names, shapes and dtypes before any byte is read, and installs the
+weights only once every byte arrived: a push that fails or breaks off leaves the serving
+weights as they were. The pusher casts floating-point tensors to the host's dtypes first (a
+host that serves bfloat16 receives half the bytes of a float32 trainer's weights).
+Nothing is pickled; the bind address follows the gRPC server's (127.0.0.1 unless told).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from a3po_jax.inference import weight_sync
+from a3po_jax.inference.types import HostClosedError, InferenceError
+from a3po_jax.inference.weight_sync import TensorSpec
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"A3PW\x01"
+_NONCE_BYTES = 32
+_FRAME = struct.Struct("<4sQ")
+_MAX_HEADER_BYTES = 64 << 20  # a manifest of a few thousand tensors is a few hundred KiB
+# recv_into asks for at most this much per call (the kernel returns what it has).
+_RECV_BYTES = 16 << 20
+
+
+class WeightAuthError(InferenceError):
+    """The host refused the token."""
+
+
+def _mac(key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, nonce, hashlib.sha256).digest()
+
+
+def _send_frame(conn: socket.socket, kind: bytes, payload: bytes = b"") -> None:
+    conn.sendall(_FRAME.pack(kind, len(payload)) + payload)
+
+
+def _send_json(conn: socket.socket, kind: bytes, value: Any) -> None:
+    _send_frame(conn, kind, json.dumps(value).encode())
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    out = bytearray(n)
+    _recv_into(conn, memoryview(out))
+    return bytes(out)
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = conn.recv_into(view[got:], min(n - got, _RECV_BYTES))
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def _recv_frame(conn: socket.socket) -> tuple[bytes, bytes]:
+    kind, length = _FRAME.unpack(_recv_exact(conn, _FRAME.size))
+    if length > _MAX_HEADER_BYTES:
+        raise ValueError(f"frame {kind!r} of {length} bytes exceeds {_MAX_HEADER_BYTES}")
+    return kind, _recv_exact(conn, length)
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _parse_json(payload: bytes, what: str) -> dict:
+    try:
+        value = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{what} is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _specs_from(value: dict, what: str) -> list[TensorSpec]:
+    tensors = value.get("tensors")
+    if not isinstance(tensors, list):
+        raise ValueError(f"{what} needs a 'tensors' list")
+    return [TensorSpec.from_json(item) for item in tensors]
+
+
+# ---------------------------------------------------------------------------------------------
+# The host's side
+
+
+class WeightReceiver:
+    """Accepts weight pushes for `host` on a TCP port of their own (a thread per connection;
+    one push installs at a time).
+
+    Args:
+      host: the serving `InferenceHost` (``params_spec``, ``update_weights``).
+      token: the host token; a pusher proves it knows it (HMAC of a fresh nonce).
+      bind: address to listen on (the gRPC server's).
+      port: 0 picks a free one (`port` says which).
+      timeout: seconds a connection may stall before it is dropped.
+    """
+
+    def __init__(
+        self, host: Any, token: str, *, bind: str = "127.0.0.1", port: int = 0, timeout=600.0
+    ):
+        if not token:
+            raise ValueError("token must be a non-empty string")
+        self._host = host
+        self._key = token.encode()
+        self._timeout = timeout
+        self._sock = socket.create_server((bind, port))
+        self.port = self._sock.getsockname()[1]
+        self._install_lock = threading.Lock()
+        self._buffers: dict[str, np.ndarray] | None = None  # reused: no page faults per push
+        self._closed = threading.Event()
+        self._counts = {"pushes": 0, "bytes": 0, "receive_s": 0.0, "install_s": 0.0}
+        self._thread = threading.Thread(target=self._accept, name="weight-receiver", daemon=True)
+        self._thread.start()
+
+    def stats(self) -> dict[str, float]:
+        """Pushes installed, their bytes, and seconds spent receiving and installing (totals)."""
+        return dict(self._counts)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._serve, args=(conn,), name="weight-push", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self._timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                self._exchange(conn)
+            except (ValueError, HostClosedError) as err:
+                kind = "closed" if isinstance(err, HostClosedError) else "invalid"
+                log.warning("weight push refused: %s", err)
+                _try_send_error(conn, kind, str(err))
+            except WeightAuthError as err:
+                log.warning("weight push refused: %s", err)
+                _try_send_error(conn, "auth", str(err))
+            except (OSError, ConnectionError) as err:
+                log.warning("weight push broke off (serving weights unchanged): %s", err)
+
+    def _exchange(self, conn: socket.socket) -> None:
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        conn.sendall(MAGIC + nonce)
+        if not hmac.compare_digest(_recv_exact(conn, 32), _mac(self._key, nonce)):
+            raise WeightAuthError("missing or wrong host token")
+        specs = weight_sync.tensor_specs(self._host.params_spec)
+        _send_json(conn, b"SPEC", {"tensors": [s.to_json() for s in specs]})
+        kind, payload = _recv_frame(conn)
+        if kind == b"BYE ":
+            return
+        if kind != b"PUSH":
+            raise ValueError(f"expected a PUSH frame, got {kind!r}")
+        header = _parse_json(payload, "the PUSH header")
+        version = header.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        weight_sync.check_specs_match(specs, _specs_from(header, "the PUSH header"))
+        with self._install_lock:
+            _send_frame(conn, b"GO  ")
+            buffers = self._buffers_for(specs)
+            t0 = time.perf_counter()
+            for spec in specs:
+                _recv_into(conn, _bytes_of(buffers[spec.name]))
+            t1 = time.perf_counter()
+            # Every byte is here: only now does anything reach the host.
+            params = weight_sync.unflatten_params(buffers, self._host.params_spec)
+            self._host.update_weights(params, version)
+            t2 = time.perf_counter()
+            nbytes = sum(s.nbytes for s in specs)
+            self._counts["pushes"] += 1
+            self._counts["bytes"] += nbytes
+            self._counts["receive_s"] += t1 - t0
+            self._counts["install_s"] += t2 - t1
+        _send_json(
+            conn,
+            b"DONE",
+            {"version": version, "bytes": nbytes, "receive_s": t1 - t0, "install_s": t2 - t1},
+        )
+
+    def _buffers_for(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        self._buffers = _reusable_buffers(self._buffers, specs)
+        return self._buffers
+
+
+def _try_send_error(conn: socket.socket, kind: str, message: str) -> None:
+    try:
+        _send_json(conn, b"ERR ", {"kind": kind, "message": message})
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The pusher's side
+
+
+class WeightSender:
+    """Pushes weights to one host's `WeightReceiver`.
+
+    Args:
+      address: the host's address (no port).
+      port: its weight port (the gRPC server reports it in its stats as ``weight_port``).
+      token: the host token.
+      timeout: seconds to connect, and that the connection may stall.
+    """
+
+    def __init__(self, address: str, port: int, token: str, *, timeout: float = 600.0):
+        self.address = address
+        self.port = int(port)
+        self._key = token.encode()
+        self._timeout = timeout
+        self._specs: list[TensorSpec] | None = None
+        # Host buffers for pushes of device arrays, reused (no page faults per push); one
+        # push at a time per sender (`push_lock`).
+        self._buffers: dict[str, np.ndarray] | None = None
+        self.push_lock = threading.Lock()
+
+    def specs(self) -> list[TensorSpec]:
+        """The host's serving tensors (names, dtypes, shapes), asked once."""
+        if self._specs is None:
+            with self._connect() as conn:
+                self._specs = self._handshake(conn)
+                _send_frame(conn, b"BYE ")
+        return self._specs
+
+    def push(self, params: Any, version: int) -> dict[str, Any]:
+        """Sends `params` (a tree or flat dict; jax or numpy arrays) stamped `version`; returns
+        once the host has installed them, with the host's report plus ``send_s``.
+
+        Numpy arrays already in the host's dtypes are sent from where they lie; anything else
+        is first copied into this sender's reusable host buffers (cast to the host's dtypes),
+        tensor by tensor while the previous tensor is on the wire.
+
+        Raises ValueError (the host refused the weights: a name, shape or dtype), WeightAuthError
+        (the token), HostClosedError (the host is closing) or InferenceError (the connection).
+        """
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        flat = weight_sync.as_flat(params)
+        try:
+            with self.push_lock, self._connect() as conn:
+                specs = self._handshake(conn)
+                self._specs = specs
+                weight_sync.check_names({s.name: s for s in specs}, flat)
+                header = {"version": version, "tensors": [s.to_json() for s in specs]}
+                _send_json(conn, b"PUSH", header)
+                self._expect(conn, b"GO  ", raw=True)
+                t0 = time.perf_counter()
+                self._send_tensors(conn, specs, flat)
+                t1 = time.perf_counter()
+                report = self._expect(conn, b"DONE")
+        except (OSError, ConnectionError) as err:
+            raise InferenceError(
+                f"weight push to {self.address}:{self.port} failed: {err}"
+            ) from None
+        return {**report, "send_s": t1 - t0}
+
+    def _send_tensors(self, conn: socket.socket, specs: list[TensorSpec], flat: dict) -> None:
+        ready = [_as_ready(flat[s.name], s) for s in specs]
+        if all(r is not None for r in ready):
+            for array in ready:
+                conn.sendall(_bytes_of(array))
+            return
+        # Copy tensor i + 1 into the host buffers while tensor i is on the wire.
+        buffers = self._buffers = _reusable_buffers(self._buffers, specs)
+        copied = [threading.Event() for _ in specs]
+        error: list[BaseException] = []
+
+        def copy_all() -> None:
+            try:
+                for i, spec in enumerate(specs):
+                    if ready[i] is None:
+                        weight_sync.copy_to_host(buffers[spec.name], flat[spec.name], spec)
+                    copied[i].set()
+            except BaseException as err:  # noqa: BLE001 -- re-raised in the sending thread
+                error.append(err)
+                for event in copied:
+                    event.set()
+
+        copier = threading.Thread(target=copy_all, name="weight-stage", daemon=True)
+        copier.start()
+        try:
+            for i, spec in enumerate(specs):
+                copied[i].wait()
+                if error:
+                    raise error[0]
+                conn.sendall(_bytes_of(ready[i] if ready[i] is not None else buffers[spec.name]))
+        finally:
+            copier.join()
+
+    def _connect(self) -> socket.socket:
+        try:
+            conn = socket.create_connection((self.address, self.port), timeout=self._timeout)
+        except OSError as err:
+            raise HostClosedError(
+                f"no weight receiver at {self.address}:{self.port}: {err}"
+            ) from None
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _handshake(self, conn: socket.socket) -> list[TensorSpec]:
+        hello = _recv_exact(conn, len(MAGIC) + _NONCE_BYTES)
+        if not hello.startswith(MAGIC):
+            raise InferenceError(f"{self.address}:{self.port} is not a weight receiver")
+        conn.sendall(_mac(self._key, hello[len(MAGIC) :]))
+        return _specs_from(_parse_json(self._expect(conn, b"SPEC", raw=True), "SPEC"), "SPEC")
+
+    def _expect(self, conn: socket.socket, kind: bytes, raw: bool = False) -> Any:
+        got, payload = _recv_frame(conn)
+        if got == b"ERR ":
+            err = _parse_json(payload, "ERR")
+            message, what = str(err.get("message")), err.get("kind")
+            if what == "auth":
+                raise WeightAuthError(f"weight push to {self.address}: {message}")
+            if what == "closed":
+                raise HostClosedError(message)
+            raise ValueError(message)
+        if got != kind:
+            raise InferenceError(f"expected a {kind!r} frame from the host, got {got!r}")
+        return payload if raw else _parse_json(payload, kind.decode().strip())
+
+
+def _as_ready(leaf: Any, spec: TensorSpec) -> np.ndarray | None:
+    """`leaf` itself when it can go on the wire as it is (a C-contiguous numpy array of the
+    spec's dtype and shape), else None."""
+    if (
+        isinstance(leaf, np.ndarray)
+        and leaf.dtype == spec.dtype
+        and leaf.shape == spec.shape
+        and leaf.flags.c_contiguous
+    ):
+        return leaf
+    return None
+
+
+def _reusable_buffers(
+    buffers: dict[str, np.ndarray] | None, specs: list[TensorSpec]
+) -> dict[str, np.ndarray]:
+    """`buffers` if they fit `specs` (names, shapes, dtypes, order), else new aligned ones."""
+    if buffers is not None and [(n, b.shape, b.dtype) for n, b in buffers.items()] == [
+        (s.name, s.shape, s.dtype) for s in specs
+    ]:
+        return buffers
+    return {s.name: weight_sync.aligned_empty(s.shape, s.dtype) for s in specs}

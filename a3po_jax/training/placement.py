@@ -1,0 +1,114 @@
+"""Where generation runs relative to training: the run's inference host, placed.
+
+Training layer (host-side shell). One setting of ``system`` picks the placement
+(docs/scale-out.md):
+
+* **shared** (default): an embedded `InferenceHost` on this process's first device, which is
+  also in the trainer's mesh; generation and training take turns on the same hardware.
+* **split devices** (``system.inference_devices=N``): the embedded host serves on the last N
+  devices, a mesh of its own; the trainer's mesh takes the others (`device_split`).
+* **split cores** (``system.inference_cores=N``): a local host process pinned to N cores
+  (`LocalHostProcess`), the trainer pinned to the rest; weights go over the host's weight
+  port in the background while the host keeps generating (`HostPool(background_push=True)`).
+* **remote hosts** (``system.inference_hosts=a:p,b:q``): gRPC hosts started elsewhere
+  (``python -m a3po_jax.cli.serve``, `scripts/launch.py`), also pushed in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import jax
+
+from a3po_jax.inference.pool import HostPool
+
+log = logging.getLogger(__name__)
+
+# The split of this process's cores (host cores, trainer cores), made once: after the
+# trainer pins itself, its own affinity no longer shows the host's cores.
+_CORE_SPLIT: tuple[list[int], list[int]] | None = None
+
+
+def split_cores(host_cores: int) -> tuple[list[int], list[int]]:
+    """(cores for the local host, cores for the trainer): the first `host_cores` of the
+    cores this process may run on, and the rest. ValueError if none would be left."""
+    global _CORE_SPLIT
+    if _CORE_SPLIT is None or len(_CORE_SPLIT[0]) != host_cores:
+        allowed = sorted(os.sched_getaffinity(0)) if _CORE_SPLIT is None else sum(_CORE_SPLIT, [])
+        if not 0 < host_cores < len(allowed):
+            raise ValueError(
+                f"system.inference_cores={host_cores} must leave the trainer at least one of "
+                f"the {len(allowed)} cores this process may use ({allowed})"
+            )
+        _CORE_SPLIT = (allowed[:host_cores], allowed[host_cores:])
+    return _CORE_SPLIT
+
+
+def pin_trainer(host_cores: int) -> list[int]:
+    """Pins this process to the trainer's share of the cores (`split_cores`); call it before
+    JAX starts, so that XLA sizes its thread pool to them. Returns those cores."""
+    _, trainer = split_cores(host_cores)
+    if sorted(os.sched_getaffinity(0)) != trainer:
+        os.sched_setaffinity(0, trainer)
+        log.info("trainer pinned to cores %s", trainer)
+    return trainer
+
+
+def start_local_host(cfg, *, num_slots: int, prefill_buckets: Sequence[int], max_cache_len: int):
+    """A started `LocalHostProcess` for the run's model on its cores (`split_cores`), with
+    the update policy the mode needs and the run's serving dtype."""
+    from a3po_jax.inference.local_process import LocalHostProcess
+
+    host_cores, _ = split_cores(cfg.system.inference_cores)
+    return LocalHostProcess(
+        model=cfg.model.name,
+        cores=host_cores,
+        update_policy=cfg.system.effective_update_policy,
+        param_dtype=cfg.system.inference_dtype or cfg.model.param_dtype,
+        compute_dtype=cfg.model.compute_dtype,
+        init_seed=cfg.model.seed,
+        num_slots=num_slots,
+        prefill_buckets=prefill_buckets,
+        max_cache_len=max_cache_len,
+    ).start()
+
+
+def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
+    """A `HostPool` over gRPC hosts, with the run's health settings and background pushes.
+
+    Requests spread over the hosts; one that dies or hangs is taken out and its work
+    re-issued to the others, and it is taken back (current weights first) when it answers
+    again. Every host must be up at start.
+    """
+    from a3po_jax.inference.grpc_client import GrpcInferenceClient
+
+    clients = []
+    try:
+        for address in addresses:
+            clients.append(GrpcInferenceClient(address, token, timeout=system.host_timeout_s))
+        return HostPool(
+            clients,
+            health_interval_s=system.host_health_interval_s,
+            hang_timeout_s=system.host_hang_timeout_s,
+            max_reissues=system.max_reissues,
+            background_push=True,
+        )
+    except BaseException:
+        for client in clients:
+            client.close()
+        raise
+
+
+def device_split(num_inference: int) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(the host's devices, the trainer's devices): the last `num_inference` of this
+    process's devices and the others. ValueError if none would be left for training."""
+    devices = jax.devices()
+    if not 0 < num_inference < len(devices):
+        raise ValueError(
+            f"system.inference_devices={num_inference} must leave the trainer at least one of "
+            f"the {len(devices)} devices ({jax.default_backend()}; on a CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
+    return devices[-num_inference:], devices[:-num_inference]

@@ -1,0 +1,185 @@
+"""Weight pushes over the host's weight port (`weight_transfer.py`) and the reusable staging
+buffers they are copied into (`weight_sync.StagingBuffers`).
+
+An in-process host serves the tiny model behind a `WeightReceiver`; the tests push through
+`WeightSender` and check what the host then serves (its split weights, and greedy tokens
+against a full recomputation), and that every refusal or broken push leaves the serving
+weights as they were.
+"""
+
+import socket
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from inference_reference import CFG, collect, recompute_greedy, scaled_params
+
+from a3po_jax.inference import weight_sync, weight_transfer
+from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.types import GenerateRequest, SamplingParams
+from a3po_jax.inference.weight_transfer import WeightAuthError, WeightReceiver, WeightSender
+
+TOKEN = "weight-token"
+PROMPT = (5, 6, 7, 8)
+
+
+@pytest.fixture
+def served():
+    """A started float32 host at version 0 with its receiver; yields (host, receiver)."""
+    host = InferenceHost(CFG, scaled_params(0), num_slots=2, prefill_buckets=(8,)).start()
+    receiver = WeightReceiver(host, TOKEN)
+    yield host, receiver
+    receiver.close()
+    host.close()
+
+
+def greedy(host, request_id, n=6):
+    host.submit(GenerateRequest(request_id, PROMPT, sampling=SamplingParams(0.0, max_new_tokens=n)))
+    return collect(host, 1)[(request_id, 0)]
+
+
+def test_a_push_installs_the_weights_whole_and_the_host_generates_with_them(served):
+    host, receiver = served
+    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    new = scaled_params(1)
+    report = sender.push(new, 1)
+    assert report["version"] == 1 and report["bytes"] == sum(x.nbytes for x in jax.tree.leaves(new))
+    assert host.wait_serving(1, timeout=30)
+    result = greedy(host, "after")
+    np.testing.assert_array_equal(result.tokens, recompute_greedy(new, PROMPT, 6))
+    assert set(result.versions.tolist()) == {1}
+    assert receiver.stats()["pushes"] == 1
+    # The spec lists the serving tensors in push order, with their dtypes and shapes.
+    assert [s.name for s in sender.specs()] == list(weight_sync.flatten_params(new))
+
+
+def test_staged_numpy_and_device_arrays_push_the_same_weights(served):
+    # Numpy arrays in the host's dtypes go on the wire as they lie; device arrays are first
+    # copied into the sender's buffers. Both must serve the same weights.
+    host, receiver = served
+    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    new = scaled_params(2)
+    staging = weight_sync.StagingBuffers(sender.specs(), sets=1)
+    staged = staging.stage(new)
+    sender.push(staged.arrays, 1)
+    assert host.wait_serving(1, timeout=30)
+    by_staged = greedy(host, "staged").tokens
+    sender.push(new, 2)
+    assert host.wait_serving(2, timeout=30)
+    np.testing.assert_array_equal(greedy(host, "device").tokens, by_staged)
+    np.testing.assert_array_equal(by_staged, recompute_greedy(new, PROMPT, 6))
+
+
+def test_a_bfloat16_host_receives_bfloat16_bytes():
+    # The pusher casts to the host's dtype on its own device: half the bytes of float32.
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), scaled_params(0))
+    host = InferenceHost(CFG, params16, num_slots=2, prefill_buckets=(8,)).start()
+    receiver = WeightReceiver(host, TOKEN)
+    try:
+        sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+        new32 = scaled_params(3)
+        report = sender.push(new32, 1)
+        assert report["bytes"] == sum(x.size * 2 for x in jax.tree.leaves(new32))
+        assert host.wait_serving(1, timeout=30)
+        # What it serves is the cast of what was pushed, bit for bit.
+        expected = host._serving_split(jax.tree.map(lambda x: x.astype(jnp.bfloat16), new32))
+        for got, want in zip(
+            jax.tree.leaves(host._decode_params), jax.tree.leaves(expected), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    finally:
+        receiver.close()
+        host.close()
+
+
+def test_refusals_name_what_is_wrong_and_change_nothing(served):
+    host, receiver = served
+    before = greedy(host, "before").tokens
+    with pytest.raises(WeightAuthError, match="wrong host token"):
+        WeightSender("127.0.0.1", receiver.port, "not-the-token").push(scaled_params(4), 7)
+    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    bad = scaled_params(4)
+    bad["layers"]["attn"]["q_proj"]["kernel"] = jnp.zeros((2, 64, 4, 8))
+    with pytest.raises(ValueError, match=r"layers/attn/q_proj/kernel.*\(2, 64, 4, 8\)"):
+        sender.push(bad, 7)
+    with pytest.raises(ValueError, match="dtype int32"):  # only floating point is cast
+        sender.push(jax.tree.map(lambda x: x.astype(jnp.int32), scaled_params(4)), 7)
+    with pytest.raises(ValueError, match="missing tensors.*final_norm/scale"):
+        sender.push({k: v for k, v in scaled_params(4).items() if k != "final_norm"}, 7)
+    with pytest.raises(ValueError, match="version must be an int"):
+        sender.push(scaled_params(4), "7")
+    # The receiver checks the manifest itself too: a pusher that skips the client's checks.
+    with raw_push(receiver.port) as (conn, specs):
+        specs[0] = [specs[0][0], specs[0][1], [1, 2, 3]]
+        weight_transfer._send_json(conn, b"PUSH", {"version": 7, "tensors": specs})
+        kind, payload = weight_transfer._recv_frame(conn)
+        assert kind == b"ERR " and specs[0][0] in payload.decode() and b"shape" in payload
+    assert host.version == 0
+    np.testing.assert_array_equal(greedy(host, "after").tokens, before)
+
+
+def test_a_push_that_breaks_off_leaves_the_old_weights_and_the_receiver_serving(served):
+    host, receiver = served
+    before = greedy(host, "before").tokens
+    with raw_push(receiver.port) as (conn, specs):
+        weight_transfer._send_json(conn, b"PUSH", {"version": 9, "tensors": specs})
+        assert weight_transfer._recv_frame(conn)[0] == b"GO  "
+        conn.sendall(b"\x01" * 1000)  # part of the first tensor, then the pusher dies
+    # A later good push still lands; nothing of the broken one was installed meanwhile.
+    new = scaled_params(5)
+    WeightSender("127.0.0.1", receiver.port, TOKEN).push(new, 1)
+    assert host.wait_serving(1, timeout=30)
+    np.testing.assert_array_equal(greedy(host, "after").tokens, recompute_greedy(new, PROMPT, 6))
+    assert not np.array_equal(before, recompute_greedy(new, PROMPT, 6))
+
+
+class raw_push:
+    """A connection that has proved the token and read the host's spec (as JSON lists)."""
+
+    def __init__(self, port):
+        self.conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+
+    def __enter__(self):
+        hello = weight_transfer._recv_exact(self.conn, len(weight_transfer.MAGIC) + 32)
+        self.conn.sendall(weight_transfer._mac(TOKEN.encode(), hello[len(weight_transfer.MAGIC) :]))
+        kind, payload = weight_transfer._recv_frame(self.conn)
+        assert kind == b"SPEC"
+        return self.conn, weight_transfer._parse_json(payload, "SPEC")["tensors"]
+
+    def __exit__(self, *exc):
+        self.conn.close()
+
+
+def test_staging_buffers_are_reused_and_a_held_set_is_never_overwritten():
+    params = scaled_params(0)
+    specs = weight_sync.tensor_specs(params)
+    staging = weight_sync.StagingBuffers(specs, sets=2)
+    a = staging.stage(params)
+    b = staging.stage(scaled_params(1))  # a is held: b takes the other set
+    assert a.slot != b.slot
+    for name, array in a.arrays.items():
+        np.testing.assert_array_equal(array, np.asarray(weight_sync.flatten_params(params)[name]))
+        assert array.ctypes.data % weight_sync.ALIGNMENT == 0
+    # Both held: a third stage waits until one is released, then reuses its buffers.
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(staging.stage(scaled_params(2))))
+    waiter.start()
+    waiter.join(timeout=0.3)
+    assert waiter.is_alive() and not got
+    staging.release(a)
+    waiter.join(timeout=30)
+    (c,) = got
+    assert c.slot == a.slot
+    assert all(c.arrays[n] is a.arrays[n] for n in c.arrays)  # the same buffers, refilled
+    with pytest.raises(TimeoutError):
+        staging.stage(params, timeout=0.01)
+    staging.hold(b)
+    staging.release(b)
+    staging.release(b)
+    staging.release(c)
+    with pytest.raises(RuntimeError, match="not held"):
+        staging.release(c)
+    with pytest.raises(ValueError, match="missing tensors"):
+        staging.stage({"embed": params["embed"]})
