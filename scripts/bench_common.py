@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import platform
 import re
 import sys
 import tempfile
@@ -26,7 +28,14 @@ from factories import synthetic_groups  # noqa: E402
 from a3po_jax import model  # noqa: E402
 from a3po_jax.model.assets import smollm2_config  # noqa: E402
 
-__all__ = ["CONFIGS", "dot_flops", "matmul_size", "op_profile", "synthetic_groups"]
+__all__ = [
+    "CONFIGS",
+    "describe_machine",
+    "dot_flops",
+    "matmul_size",
+    "op_profile",
+    "synthetic_groups",
+]
 
 CONFIGS = {
     "tiny": model.ModelConfig.tiny(max_seq_len=4096),
@@ -213,3 +222,30 @@ def dot_flops(hlo_text: str) -> float:
         return flops
 
     return total(entry)
+
+
+def describe_machine() -> dict:
+    """The CPU (model, cores, the ISA flags XLA's and PyTorch's kernels depend on) and the
+    JAX device the benchmark runs on."""
+    cpu_model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and cpu_model is None:
+                    cpu_model = value.strip()
+                elif key in ("flags", "features"):  # x86 / ARM
+                    flags.update(value.split())
+    except OSError:  # not Linux
+        pass
+    listed = ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon", "asimd")
+    device = jax.devices()[0]
+    return {
+        "cpu": cpu_model or platform.processor() or platform.machine(),
+        "cpu_arch": platform.machine(),
+        "cores": os.cpu_count(),
+        "isa": [flag for flag in listed if flag in flags],
+        "device": f"{device.device_kind} ({device.platform})",
+        "jax": jax.__version__,
+    }

@@ -71,15 +71,13 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import CONFIGS, matmul_size  # noqa: E402  (scripts/ is on sys.path)
+from bench_common import CONFIGS, describe_machine, matmul_size  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model as model_lib
 from a3po_jax.inference import EngineCore, GenerateRequest, InferenceHost, SamplingParams
@@ -416,33 +414,6 @@ def bench_naive(config, params, prompts: np.ndarray, new_tokens: int, timed_toke
 
 
 # ----------------------------------------------------------------------------- machine
-
-
-def describe_machine() -> dict:
-    """The CPU (model, cores, the ISA flags XLA's and PyTorch's kernels depend on) and the
-    JAX device the benchmark runs on."""
-    cpu_model, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("model name", "hardware", "cpu model") and cpu_model is None:
-                    cpu_model = value.strip()
-                elif key in ("flags", "features"):  # x86 / ARM
-                    flags.update(value.split())
-    except OSError:  # not Linux
-        pass
-    listed = ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon", "asimd")
-    device = jax.devices()[0]
-    return {
-        "cpu": cpu_model or platform.processor() or platform.machine(),
-        "cpu_arch": platform.machine(),
-        "cores": os.cpu_count(),
-        "isa": [flag for flag in listed if flag in flags],
-        "device": f"{device.device_kind} ({device.platform})",
-        "jax": jax.__version__,
-    }
 
 
 def matmul_peak_meter(dtype=jnp.float32, n: int | None = None, repeats: int = 5):

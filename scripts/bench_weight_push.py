@@ -1,0 +1,186 @@
+"""Benchmark: a weight push from the trainer's call to the host serving the new weights,
+beside the raw TCP bandwidth of the same loopback between the same cores, in one run.
+
+    python scripts/bench_weight_push.py                      # SmolLM2-135M, float32, split cores
+    python scripts/bench_weight_push.py --dtype bfloat16     # the host serves bfloat16
+    python scripts/bench_weight_push.py --model tiny --repeats 3
+
+Split cores as `system.inference_cores` places them: a local host process
+(`LocalHostProcess`) on the first ``--host-cores`` cores, this process on the rest. Measured:
+
+* ``loopback``: a plain socket sending the model's bytes to a sink process on the host's
+  cores (the link's own limit);
+* ``push``: `GrpcInferenceClient.update_weights` of the trainer's float32 weights (cast to
+  the host's dtype on the way), until the host reports the new version; with the host's
+  receive and install seconds;
+* ``background``: the same through a `HostPool(background_push=True)`, as the trainer pushes
+  to local and remote hosts: the seconds the trainer is held (the staging copy) and the
+  seconds until the host serves.
+
+Figures are the median (min-max) over ``--repeats`` pushes after one warm-up push (the first
+allocates the reusable buffers). Prints a table, then one JSON line with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+from bench_common import describe_machine  # noqa: E402  (scripts/ is on sys.path)
+
+from a3po_jax.inference.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.local_process import LocalHostProcess
+from a3po_jax.inference.pool import HostPool
+from a3po_jax.model.loader import load_model
+from a3po_jax.training import placement
+
+SINK = """
+import socket, sys, numpy as np
+n = int(sys.argv[1]); srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+buf = np.empty(n, np.uint8); buf[:] = 0; view = memoryview(buf)
+while True:
+    conn, _ = srv.accept(); got = 0
+    while got < n:
+        k = conn.recv_into(view[got:], min(n - got, 16 << 20))
+        if not k: break
+        got += k
+    conn.sendall(b"k"); conn.close()
+"""
+
+
+def loopback_gbps(nbytes: int, cores: list[int], repeats: int) -> list[float]:
+    """Seconds to send `nbytes` to a sink process pinned to `cores`, `repeats` times (after a
+    warm-up), over 127.0.0.1."""
+    sink = subprocess.Popen(
+        ["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-c", SINK, str(nbytes)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(sink.stdout.readline())
+        payload = np.ones(nbytes, np.uint8)
+        view = memoryview(payload)
+        seconds = []
+        for _ in range(repeats + 1):
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                t0 = time.perf_counter()
+                for i in range(0, nbytes, 16 << 20):
+                    conn.sendall(view[i : i + (16 << 20)])
+                conn.recv(1)
+                seconds.append(time.perf_counter() - t0)
+        return seconds[1:]
+    finally:
+        sink.kill()
+
+
+def timed_pushes(client: GrpcInferenceClient, params, first_version: int, repeats: int):
+    """(seconds until serving, host reports) of `repeats` pushes after a warm-up."""
+    out, reports = [], []
+    for i in range(repeats + 1):
+        version = first_version + i
+        t0 = time.perf_counter()
+        client.update_weights(params, version)
+        client.wait_until_version(version, timeout=600)
+        if i:
+            out.append(time.perf_counter() - t0)
+            reports.append(dict(client.last_push))
+    return out, reports
+
+
+def background_pushes(pool: HostPool, client, params, first_version: int, repeats: int):
+    """(seconds the caller was held, seconds until serving) of `repeats` pool pushes."""
+    held, serving = [], []
+    for i in range(repeats + 1):
+        version = first_version + i
+        t0 = time.perf_counter()
+        pool.update_weights(params, version)
+        t1 = time.perf_counter()
+        pool.wait_pushed()
+        client.wait_until_version(version, timeout=600)
+        if i:
+            held.append(t1 - t0)
+            serving.append(time.perf_counter() - t0)
+    return held, serving
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="tiny | smollm2 | checkpoint path")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="served")
+    p.add_argument("--host-cores", type=int, default=1, help="cores of the host process")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+
+    host_cores, trainer_cores = placement.split_cores(args.host_cores)
+    placement.pin_trainer(args.host_cores)
+    machine = describe_machine()
+    params = load_model(args.model).params  # the trainer's float32 weights
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    wire_bytes = model_bytes // 2 if args.dtype == "bfloat16" else model_bytes
+
+    loop = loopback_gbps(wire_bytes, host_cores, args.repeats)
+    host = LocalHostProcess(
+        model=args.model, cores=host_cores, update_policy="in_flight", param_dtype=args.dtype
+    ).start()
+    try:
+        client = GrpcInferenceClient(host.address, host.token)
+        push, reports = timed_pushes(client, params, 1, args.repeats)
+        pool = HostPool([GrpcInferenceClient(host.address, host.token)], background_push=True)
+        held, serving = background_pushes(pool, client, params, 100, args.repeats)
+        pool.close()
+        client.close()
+    finally:
+        host.close()
+
+    gb = wire_bytes / 1e9
+    rows = {
+        "loopback": loop,
+        "push (call -> serving)": push,
+        "  host receive": [r["receive_s"] for r in reports],
+        "  host install": [r["install_s"] for r in reports],
+        "background: caller held": held,
+        "background: call -> serving": serving,
+    }
+    print(
+        f"{args.model}: {model_bytes / 1e9:.3f} GB float32, {gb:.3f} GB on the wire "
+        f"({args.dtype}); host on cores {host_cores}, trainer on {trainer_cores}; "
+        f"{machine['cpu']} ({', '.join(machine['isa'])})"
+    )
+    print(f"{'':<30}{'seconds':>24}{'GB/s (wire bytes)':>20}")
+    for name, values in rows.items():
+        print(f"{name:<30}{summary(values):>24}{gb / statistics.median(values):>20.2f}")
+    ratio = statistics.median(loop) / statistics.median(push)
+    print(f"push / loopback bandwidth: {ratio:.2f}")
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "dtype": args.dtype,
+                "model_bytes": model_bytes,
+                "wire_bytes": wire_bytes,
+                "seconds": rows,
+                "push_gbps": gb / statistics.median(push),
+                "loopback_gbps": gb / statistics.median(loop),
+                "push_over_loopback": ratio,
+                "host_cores": host_cores,
+                "trainer_cores": trainer_cores,
+                "machine": machine,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
