@@ -213,6 +213,32 @@ def test_a3po_vs_recompute_smollm2_crosses_methods_etas_and_seeds(tmp_path):
         )
 
 
+def test_disaggregation_crosses_modes_with_seeds_on_split_cores_and_once_shared(tmp_path):
+    configs = configs_of("disaggregation_smollm2", tmp_path)
+    cells = [
+        (c.system.mode, c.algo.prox, c.staleness_bound, c.system.inference_cores, c.seed)
+        for c in configs
+    ]
+    modes = {
+        ("sync", "behav", 0),
+        ("periodic", "behav", 0),
+        ("one_step_off", "a3po", 1),
+        ("async", "a3po", 1),
+        ("async", "recompute", 1),
+    }
+    expected = {(*m, 1, s) for m in modes for s in (0, 1, 2)} | {(*m, 0, 0) for m in modes}
+    assert len(cells) == len(set(cells)) and set(cells) == expected
+    quickstart = load_experiment(ROOT / "experiments" / "quickstart_a3po.py")
+    for c in configs:  # the quickstart's workload, whatever the mode and placement
+        assert (c.model, c.task, c.rollout, c.optim, c.steps) == (
+            quickstart.model,
+            quickstart.task,
+            quickstart.rollout,
+            quickstart.optim,
+            quickstart.steps,
+        )
+
+
 def test_periodic_smollm2_baseline_is_the_a3po_sweeps_sync_runs(tmp_path):
     """The periodic sweep borrows its sync baseline: same config but mode and run_dir."""
     periodic = configs_of("periodic_vs_sync_smollm2", tmp_path)
