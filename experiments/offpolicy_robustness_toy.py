@@ -21,7 +21,7 @@ What it shows: the claim of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.
           algo.num_minibatches = N; not the η of the asynchronous modes). One more step
           (UPDATES / N + 1 in all) samples from the policy after exactly 32 updates, so
           every N's reward curve, read against the version that generated it
-          (a3po_jax.analysis.results.generating_versions), ends at the same policy
+          (a3po_jax.analysis.offpolicy.generating_versions), ends at the same policy
           version; the final reward is the mean over the samples generated at versions
           24-32, the area under the curve is over versions 0-32.
           algo.track_ref_kl logs kl/ref_k3, the k3 estimate of KL(π_θ ‖ π_init) on the
