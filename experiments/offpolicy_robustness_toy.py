@@ -6,8 +6,7 @@ Command:  nice -n 5 python scripts/run_sweep.py experiments/offpolicy_robustness
           (one run: a3po-train experiments/offpolicy_robustness_toy.py algo.loss=dpo \
            algo.num_minibatches=4 rollout.groups_per_step=32 steps=9)
 Hardware: a 2-core CPU (shared with other jobs), no accelerator; 3-15 s per run once
-          run_sweep.py's JAX compilation cache is warm: 2 min 40 s for the 36 runs
-          (2026-11-24, warm cache).
+          run_sweep.py's JAX compilation cache is warm: 2 min 40 s for the 36 runs.
 What it shows: the claim of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.18252,
           §3.3): as the data gets more off-policy, Online DPO loses the least reward of
           Online DPO, PPO and RLOO. Off-policyness is the paper's N: one generation of
