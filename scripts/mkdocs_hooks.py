@@ -61,9 +61,9 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 def _resolves(obj, target: str, package) -> bool:
     """Whether a role's target names an object, seen from the docstring of ``obj``."""
-    if target.startswith(PACKAGE + "."):
+    if target.startswith(package.name + "."):
         scopes = [package]
-        target = target.removeprefix(PACKAGE + ".")
+        target = target.removeprefix(package.name + ".")
     else:
         scopes = []
         while obj is not None:
