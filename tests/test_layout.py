@@ -5,8 +5,8 @@
 * Nothing outside `cli/` imports `cli/`: entry points sit on top of everything.
 * No import cycle among `a3po_jax` modules.
 * Every module docstring says which layer the module belongs to.
-* The README's layout table names only paths that exist, and every subpackage and every
-  module of the package is in it.
+* The module table of the design notes (docs/design.md §5) names only paths that exist,
+  and every subpackage and every module of the package is in it.
 
 Imports are read from every module's syntax tree, including imports inside functions and
 under `if TYPE_CHECKING:` (a type-only dependency is still a dependency of the reader), so
@@ -219,13 +219,14 @@ def test_every_module_docstring_names_its_layer():
     assert not unnamed, f"module docstrings that do not say '<layer> layer': {unnamed}"
 
 
-# --- the README's layout table ------------------------------------------------------------
+# --- the design notes' module table ------------------------------------------------------------
 
 
 def layout_rows() -> list[tuple[str, str]]:
-    """(first cell, the rest) of every row of the table under the README's '## Layout'."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    """(first cell, the rest) of every row of the table under the design notes' '### The
+    modules'."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("\n### The modules", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         if not line.startswith("|") or set(line) <= set("|- "):
@@ -252,14 +253,14 @@ def test_the_readme_layout_table_matches_the_tree():
                     if not (ROOT / path / module).exists():
                         missing.append(path + module)
                     named.add(path + module)
-    assert not missing, f"the README's layout table names paths that do not exist: {missing}"
+    assert not missing, f"docs/design.md's module table names paths that do not exist: {missing}"
 
     package = ROOT / PACKAGE
     subpackages = sorted(str(p.parent.relative_to(ROOT)) for p in package.glob("*/__init__.py"))
     absent = [p + "/" for p in subpackages if p not in named]
-    assert not absent, f"subpackages missing from the README's layout table: {absent}"
+    assert not absent, f"subpackages missing from the module table (docs/design.md): {absent}"
     modules = sorted(
         str(p.relative_to(ROOT)) for p in package.glob("*/*.py") if p.name != "__init__.py"
     )
     unnamed = [m for m in modules if m not in named]
-    assert not unnamed, f"modules the README's layout table does not name: {unnamed}"
+    assert not unnamed, f"modules the module table (docs/design.md) does not name: {unnamed}"

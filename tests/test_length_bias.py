@@ -372,7 +372,8 @@ def test_real_run_logs_length_and_mismatch_dashboard(tmp_path, order):
 
 
 def test_results_length_table_reads_the_last_cumulative_values():
-    from a3po_jax.analysis.results import Run, has_length, length_table
+    from a3po_jax.analysis.runs import Run
+    from a3po_jax.analysis.tables import has_length, length_table
 
     def run(order, dropped_mean, step_s):
         records = [

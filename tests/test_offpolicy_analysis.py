@@ -1,4 +1,4 @@
-"""The off-policy robustness analysis (analysis/results.py): rewards read against the
+"""The off-policy robustness analysis (analysis/offpolicy.py): rewards read against the
 policy version that generated them, final reward / area / KL per (loss, N) over seeds, the
 frontier plots, and the committed toy sweep read through them."""
 

@@ -5,6 +5,7 @@ generated gRPC code checks at import."""
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -60,3 +61,51 @@ def test_grpc_and_protobuf_floors_equal_the_generated_code_checks():
     )
     assert check, "inference_pb2.py has no runtime version check"
     assert _floor("protobuf") == ".".join(check.groups())
+
+
+# --- a quiet set-up that still fails loudly -----------------------------------------------
+
+
+def test_the_licence_is_an_spdx_string_the_build_backend_reads_without_warning():
+    # A TOML table ({ text = ... }) makes setuptools >= 77 print a deprecation banner on
+    # every install; the SPDX string needs setuptools >= 77 in the build requirements.
+    assert PYPROJECT["license"] == "Apache-2.0"
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    (setuptools,) = [r for r in build if _name(r) == "setuptools"]
+    floor = re.fullmatch(r"setuptools\s*>=\s*(\d+)", setuptools.strip())
+    assert floor and int(floor.group(1)) >= 77, setuptools
+
+
+def _run_pip_install(tmp_path, fake_pip_exit: int):
+    """setup.sh's `pip_install` function, run against a stand-in `.venv/bin/python` that
+    prints pip-like noise and exits with `fake_pip_exit`."""
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    function = re.search(r"^pip_install\(\) \{\n.*?^\}\n", text, re.MULTILINE | re.DOTALL)
+    assert function, "scripts/setup.sh has no pip_install() function"
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    fake = tmp_path / ".venv" / "bin" / "python"
+    fake.write_text(
+        "#!/bin/sh\necho 'BuildBackendWarning: pages of noise'\n"
+        f"echo 'ERROR: no matching distribution' >&2\nexit {fake_pip_exit}\n"
+    )
+    fake.chmod(0o755)
+    script = f"set -euo pipefail\nLOG=.venv/setup-pip.log\n{function.group(0)}pip_install -e .\n"
+    script += "echo after\n"
+    return subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_setup_hides_pip_output_on_success(tmp_path):
+    result = _run_pip_install(tmp_path, 0)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "after\n" and result.stderr == ""
+    assert "pages of noise" in (tmp_path / ".venv" / "setup-pip.log").read_text()
+
+
+def test_setup_stops_and_shows_the_error_on_a_pip_failure(tmp_path):
+    result = _run_pip_install(tmp_path, 1)
+    assert result.returncode != 0
+    assert "after" not in result.stdout
+    assert "FAILED: pip install -e ." in result.stderr
+    assert "ERROR: no matching distribution" in result.stderr

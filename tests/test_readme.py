@@ -1,17 +1,20 @@
-"""The README's Python examples run, and the paths, scripts and modules it names exist.
+"""The Python examples of the README and the docs pages run, and the paths, scripts and
+modules they name exist.
 
-Every ```python block of README.md is executed as written, each in a fresh namespace, with
-one substitution: functions that load real weights (`load_model`, `load_hf_checkpoint`,
-`load_gguf`, `load_smollm2`) return the tiny random model instead, so the examples run on
-any machine in seconds without the SmolLM2 cache or a Qwen checkpoint. The substitution
-patches the functions by name, so a renamed loader fails here too.
+Every ```python block of README.md and of every page under docs/ is executed as written,
+each in a fresh namespace, with one substitution: functions that load real weights
+(`load_model`, `load_hf_checkpoint`, `load_gguf`, `load_smollm2`) return the tiny random
+model instead, so the examples run on any machine in seconds without the SmolLM2 cache or
+a Qwen checkpoint. The substitution patches the functions by name, so a renamed loader
+fails here too.
 
 A block that cannot run (one that needs a pod, a remote host...) is exempted by an HTML
 comment on the line just before its fence, with the reason:
 
     <!-- not run: needs a TPU pod -->
 
-Keep exemptions few (the test allows at most `MAX_EXEMPT`); today there are none.
+Keep exemptions few (the test allows at most `MAX_EXEMPT`); today there are none. The
+shell commands of the same pages are run by `tests/test_doc_commands.py`.
 """
 
 from __future__ import annotations
@@ -28,14 +31,20 @@ from a3po_jax.model import assets, checkpoint_io, loader
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# Every page a reader is sent to: the README and the pages of the documentation site.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MAX_EXEMPT = 2
 LOADS_WEIGHTS = re.compile(r"load_(model|hf_checkpoint|gguf|smollm2)\(")
 EXEMPT = re.compile(r"<!--\s*not run:\s*(?P<reason>[^>]*?)\s*-->")
 
 
-def python_blocks() -> list[tuple[int, str, str | None]]:
+def page_name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def python_blocks(page: Path) -> list[tuple[int, str, str | None]]:
     """(line number of the fence, code, exemption reason or None) for each python block."""
-    lines = README.read_text().splitlines()
+    lines = page.read_text().splitlines()
     blocks, i = [], 0
     while i < len(lines):
         if lines[i].strip() == "```python":
@@ -52,7 +61,7 @@ def python_blocks() -> list[tuple[int, str, str | None]]:
     return blocks
 
 
-BLOCKS = python_blocks()
+BLOCKS = [(page_name(page), *block) for page in PAGES for block in python_blocks(page)]
 
 
 @pytest.fixture
@@ -82,24 +91,26 @@ def tiny_weights(monkeypatch):
     return calls
 
 
-def test_the_readme_has_examples_and_few_exemptions():
-    assert len(BLOCKS) >= 3, "the README's python examples were not found"
-    exempt = [(line, reason) for line, _, reason in BLOCKS if reason is not None]
-    assert all(reason for _, reason in exempt), f"an exemption without a reason: {exempt}"
-    assert len(exempt) <= MAX_EXEMPT, f"too many README examples are not run: {exempt}"
+def test_the_pages_have_examples_and_few_exemptions():
+    assert len([b for b in BLOCKS if b[0] == "README.md"]) >= 1, "no python example in README"
+    assert len(BLOCKS) >= 4, "the docs' python examples were not found"
+    exempt = [(page, line, reason) for page, line, _, reason in BLOCKS if reason is not None]
+    assert all(reason for *_, reason in exempt), f"an exemption without a reason: {exempt}"
+    assert len(exempt) <= MAX_EXEMPT, f"too many examples are not run: {exempt}"
 
 
 @pytest.mark.parametrize(
-    "line, code, reason", BLOCKS, ids=[f"README.md:{line}" for line, _, _ in BLOCKS]
+    "page, line, code, reason", BLOCKS, ids=[f"{page}:{line}" for page, line, _, _ in BLOCKS]
 )
-def test_readme_example_runs(line, code, reason, tiny_weights):
+def test_example_runs(page, line, code, reason, tiny_weights):
+    where = f"{page}:{line}"
     if reason is not None:
-        pytest.skip(f"README.md:{line} is marked not run: {reason}")
-    namespace = {"__name__": f"readme_line_{line}"}
-    exec(compile(code, f"README.md:{line}", "exec"), namespace)  # noqa: S102
+        pytest.skip(f"{where} is marked not run: {reason}")
+    namespace = {"__name__": f"example_{Path(page).stem}_{line}"}
+    exec(compile(code, where, "exec"), namespace)  # noqa: S102
     if LOADS_WEIGHTS.search(code):
         # It ran on the tiny model: it did not load SmolLM2 or look for a checkpoint.
-        assert tiny_weights, f"README.md:{line} loads weights but no patched loader was called"
+        assert tiny_weights, f"{where} loads weights but no patched loader was called"
     # What the examples promise, checked where they bind it.
     if "logits" in namespace:
         cfg = namespace["cfg"]
@@ -111,7 +122,7 @@ def test_readme_example_runs(line, code, reason, tiny_weights):
         assert bool(jax.numpy.isfinite(namespace["loss"]))
 
 
-# --- what the README's prose and commands name ----------------------------------------------
+# --- what the pages' prose and commands name ------------------------------------------------
 
 
 def github_anchor(heading: str) -> str:
@@ -119,36 +130,54 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_the_readme_links_and_paths_exist():
-    text = README.read_text()
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_the_links_and_paths_a_page_names_exist(page):
+    """Links resolve from the page's folder (anchors to headings that exist); paths named in
+    the text (`a3po_jax/...`, `scripts/...`, `results/...`) from the repository root."""
+    text = page.read_text()
     links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+://", t)]
-    top = "a3po_jax|scripts|experiments|tests|docs|notebooks"
-    paths = re.findall(rf"(?<![\w/.~-])((?:{top})/[\w./-]+)", text)
+    top = "a3po_jax|scripts|experiments|tests|docs|notebooks|results"
+    # A path that goes on with a glob or a placeholder (`results/x/mode-sync_*`) is not a file.
+    paths = [
+        m.group(1)
+        for m in re.finditer(rf"(?<![\w/.~-])((?:{top})/[\w./-]+)", text)
+        if text[m.end() : m.end() + 1] not in ("*", "<")
+    ]
+    base = page.parent
     missing = sorted(
         {
-            p
-            for p in [t.split("#")[0] for t in links] + [p.rstrip(".,:;") for p in paths]
-            if p and not (ROOT / p).exists()
+            t.split("#")[0]
+            for t in links
+            if t.split("#")[0] and not (base / t.split("#")[0]).exists()
         }
+        | {p for p in (p.rstrip(".,:;") for p in paths) if not (ROOT / p).exists()}
     )
-    assert "docs/design.md" in links, "the README does not link the design notes"
-    assert "../shared" not in text, "the README points outside the repository"
-    assert not missing, f"the README names files that do not exist: {missing}"
+    assert "../shared" not in text, f"{page_name(page)} points outside the repository"
+    assert not missing, f"{page_name(page)} names files that do not exist: {missing}"
     broken = []
     for link in links:
         target, _, anchor = link.partition("#")
-        if anchor and (ROOT / target).is_file():
-            headings = re.findall(r"^#+ (.+)$", (ROOT / target).read_text(), re.MULTILINE)
+        target_file = base / target if target else page
+        if anchor and target_file.is_file():
+            headings = re.findall(r"^#+ (.+)$", target_file.read_text(), re.MULTILINE)
             if anchor not in {github_anchor(h) for h in headings}:
                 broken.append(link)
-    assert not broken, f"the README links headings that do not exist: {broken}"
+    assert not broken, f"{page_name(page)} links headings that do not exist: {broken}"
 
 
-def test_the_readme_python_m_modules_exist():
-    modules = sorted(set(re.findall(r"python -m (a3po_jax(?:\.\w+)+)", README.read_text())))
+def test_the_readme_links_the_design_notes_and_every_page():
+    links = set(re.findall(r"\]\((docs/[\w.-]+\.md)", README.read_text()))
+    pages = {page_name(p) for p in PAGES if p != README}
+    assert "docs/design.md" in links, "the README does not link the design notes"
+    assert pages <= links, f"docs pages the README does not link: {sorted(pages - links)}"
+
+
+def test_the_python_m_modules_the_pages_run_exist():
+    text = "\n".join(page.read_text() for page in PAGES)
+    modules = sorted(set(re.findall(r"python -m (a3po_jax(?:\.\w+)+)", text)))
     assert modules, "no `python -m a3po_jax...` command found"
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    assert not missing, f"the README runs modules that do not exist: {missing}"
+    assert not missing, f"the docs run modules that do not exist: {missing}"
 
 
 # --- the design notes name what exists -------------------------------------------------------

@@ -7,7 +7,7 @@ Examples::
     python -m a3po_jax.cli.results results/staleness_sweep_toy --out results/staleness_sweep_toy
     python -m a3po_jax.cli.results RUN_DIR [RUN_DIR ...] --out DIR [--last-k 5]
 
-writes ``DIR/summary.md`` and the PNGs it links (:func:`a3po_jax.analysis.results.write_summary`).
+writes ``DIR/summary.md`` and the PNGs it links (:func:`a3po_jax.analysis.report.write_summary`).
 A directory argument that is not itself a run (no ``metrics.jsonl``) is searched recursively
 for runs. Needs the ``analysis`` extra (pandas, matplotlib).
 """
@@ -34,19 +34,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title", default=None, help="heading of summary.md")
     args = parser.parse_args(argv)
     try:
-        from a3po_jax.analysis import results
+        from a3po_jax.analysis.report import write_summary
+        from a3po_jax.analysis.runs import load_runs
     except ImportError as err:
         print(f"{PROG}: {err} (pip install 'a3po_jax[analysis]')", file=sys.stderr)
         return 2
     try:
-        runs = results.load_runs(args.runs)
+        runs = load_runs(args.runs)
     except FileNotFoundError as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     title = args.title or f"Results: {', '.join(Path(p).name for p in args.runs)}"
-    path = results.write_summary(
-        runs, args.out, last_k=args.last_k, title=title, smooth=args.smooth
-    )
+    path = write_summary(runs, args.out, last_k=args.last_k, title=title, smooth=args.smooth)
     print(f"wrote {path} ({len(runs)} runs)")
     return 0
 

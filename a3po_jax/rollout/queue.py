@@ -188,11 +188,11 @@ class RolloutQueue:
         """Adds one sample; blocks while a new group would exceed ``capacity_groups``.
 
         Raises:
-          ValueError on a sample index outside [0, G), a duplicate sample index, a
+          ValueError: on a sample index outside [0, G), a duplicate sample index, a
             ``prompt_id``/``admitted_at_version`` differing from the group's, or a sample
             for a group that is already complete.
-          RolloutTimeout when no room appeared within ``timeout`` seconds.
-          QueueClosed once :meth:`close` was called.
+          RolloutTimeout: when no room appeared within ``timeout`` seconds.
+          QueueClosed: once :meth:`close` was called.
         """
         if not isinstance(rollout, Rollout):
             raise TypeError(f"put expects a Rollout, got {type(rollout).__name__}")

@@ -1,0 +1,190 @@
+"""The off-policy robustness study (Asynchronous RLHF, arXiv 2410.18252): reward against
+the policy version that generated it, and reward against the KL to the initial policy.
+
+Analysis layer (host side, never jitted); needs the ``analysis`` extra (pandas, matplotlib).
+
+For a synchronous sweep over ``algo.num_minibatches`` N that logs ``kl/ref_k3``: final
+reward / area / KL per (loss, N) with their spread over seeds (:func:`offpolicy_table`),
+reward by generating version (:func:`plot_reward_by_version`) and the reward-vs-KL
+frontier per N (:func:`plot_reward_kl_frontier`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from a3po_jax.analysis.plots import new_figure
+from a3po_jax.analysis.runs import REWARD, Run
+from a3po_jax.analysis.tables import mean_std
+
+KL_REF = "kl/ref_k3"  # k3 KL(π_θ ‖ π_init) on the trained tokens (algo.track_ref_kl)
+OFFPOLICY_N = "algo.num_minibatches"
+
+
+def loss_label(run: Run) -> str:
+    """``dpo`` (Online DPO), ``rloo`` (clipped loss, leave-one-out advantages) or ``ppo``
+    (clipped loss, group-normalised advantages), from the run's config."""
+    if run.config.get("algo.loss") == "dpo":
+        return "dpo"
+    return "rloo" if run.config.get("algo.advantage") == "rloo" else "ppo"
+
+
+def generating_versions(run: Run, key: str = REWARD) -> tuple[np.ndarray, np.ndarray]:
+    """(versions, values) of ``key``: each step's value against the policy version that
+    generated the step's samples. In synchronous generation (``system.mode=sync``) that is
+    the version before the step's N = ``algo.num_minibatches`` updates, so runs with
+    different N line up by policy, not by step.
+
+    Raises:
+      ValueError: for a run that is not synchronous (there a step mixes versions).
+    """
+    if run.config.get("system.mode") != "sync":
+        raise ValueError(f"generating_versions: {run.name} is not a system.mode=sync run")
+    n = int(run.config.get(OFFPOLICY_N, 1))
+    frame = run.frame
+    if key not in frame or "version" not in frame:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    rows = frame[["version", key]].dropna()
+    return (rows["version"].to_numpy() - n).astype(np.int64), rows[key].to_numpy(np.float64)
+
+
+def version_window_mean(run: Run, key: str = REWARD, *, window: int = 8) -> float:
+    """Mean of ``key`` over the steps whose samples came from the last ``window`` + 1
+    policy versions (generating version ≥ the run's last one − ``window``)."""
+    versions, values = generating_versions(run, key)
+    if not versions.size:
+        return float("nan")
+    return float(values[versions >= versions.max() - window].mean())
+
+
+def version_area(run: Run, key: str = REWARD) -> float:
+    """Area under ``key`` against the generating version (trapezoids), divided by the
+    version span: the mean reward over training, the same weight per policy version."""
+    versions, values = generating_versions(run, key)
+    if versions.size < 2:
+        return float(values[0]) if values.size else float("nan")
+    heights = (values[1:] + values[:-1]) / 2
+    return float(np.sum(heights * np.diff(versions)) / (versions[-1] - versions[0]))
+
+
+def offpolicy_table(runs: Sequence[Run], *, window: int = 8) -> pd.DataFrame:
+    """One row per (loss, N): the seeds, and mean ± std over them of the final reward
+    (:func:`version_window_mean` over the last ``window`` + 1 versions), the area under
+    the reward curve (:func:`version_area`) and the KL to the initial policy over the same
+    window. Rows by N then loss; numbers as floats (``reward_final_mean``,
+    ``reward_final_std``, ``reward_area_mean``, ..., ``KL_std``)."""
+    rows = [
+        {
+            "loss": loss_label(r),
+            "N": int(r.config.get(OFFPOLICY_N, 1)),
+            "final": version_window_mean(r, REWARD, window=window),
+            "area": version_area(r, REWARD),
+            "kl": version_window_mean(r, KL_REF, window=window),
+        }
+        for r in runs
+    ]
+    frame = pd.DataFrame(rows)
+    stats = frame.groupby(["N", "loss"]).agg(["mean", "std", "count"])
+    table = pd.DataFrame(
+        {"N": [n for n, _ in stats.index], "loss": [loss for _, loss in stats.index]}
+    )
+    table["seeds"] = stats[("final", "count")].to_numpy()
+    for column, name in (("final", "reward_final"), ("area", "reward_area"), ("kl", "KL")):
+        table[f"{name}_mean"] = stats[(column, "mean")].to_numpy()
+        table[f"{name}_std"] = stats[(column, "std")].to_numpy()
+    return table
+
+
+def offpolicy_markdown(table: pd.DataFrame, floatfmt: str = ".3f") -> str:
+    """:func:`offpolicy_table` as markdown, each measurement ``mean ± std``."""
+    lines = [
+        "| N | loss | seeds | reward final | reward area | KL to init (k3) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in table.itertuples(index=False):
+        cells = [
+            mean_std(getattr(row, f"{name}_mean"), getattr(row, f"{name}_std"), row.seeds, floatfmt)
+            for name in ("reward_final", "reward_area", "KL")
+        ]
+        lines.append(f"| {row.N} | {row.loss} | {row.seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _by_n_and_loss(runs: Sequence[Run]) -> dict[int, dict[str, list[Run]]]:
+    grouped: dict[int, dict[str, list[Run]]] = {}
+    for run in runs:
+        n = int(run.config.get(OFFPOLICY_N, 1))
+        grouped.setdefault(n, {}).setdefault(loss_label(run), []).append(run)
+    return {n: dict(sorted(grouped[n].items())) for n in sorted(grouped)}
+
+
+def _seed_curve(members: Sequence[Run], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(versions, mean, std) over the members of ``key`` by generating version (the
+    versions every member logged)."""
+    curves = [pd.Series(v, index=x) for x, v in (generating_versions(r, key) for r in members)]
+    frame = pd.concat(curves, axis=1).dropna()
+    std = frame.std(axis=1, ddof=1) if frame.shape[1] > 1 else frame.iloc[:, 0] * 0
+    return frame.index.to_numpy(), frame.mean(axis=1).to_numpy(), std.to_numpy()
+
+
+def plot_reward_by_version(runs: Sequence[Run]):
+    """Reward against the generating policy version, one panel per N, one line per loss:
+    the mean over seeds with a ± std band."""
+    grouped = _by_n_and_loss(runs)
+    fig, axes = new_figure(1, len(grouped), width=3.6, height=3.2)
+    for ax, (n, losses_) in zip(axes.flat, grouped.items(), strict=True):
+        for loss, members in losses_.items():
+            x, mean, std = _seed_curve(members, REWARD)
+            (line,) = ax.plot(x, mean, marker=".", label=f"{loss} ({len(members)} seeds)")
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        ax.set_title(f"N = {n}", fontsize=10)
+        ax.set_xlabel("generating policy version")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel(REWARD)
+    axes[0, 0].legend(fontsize=7)
+    return fig
+
+
+def plot_reward_kl_frontier(runs: Sequence[Run], *, window: int = 8):
+    """The paper's reward-vs-KL picture, one panel per N: per loss the mean-over-seeds
+    path (KL to the initial policy, reward) along training, and its final point (means
+    over the last ``window`` + 1 versions) with ± std over seeds on both axes. Up and to
+    the left is better (more reward for less drift from the initial policy)."""
+    grouped = _by_n_and_loss(runs)
+    fig, axes = new_figure(1, len(grouped), width=3.6, height=3.2)
+    for ax, (n, losses_) in zip(axes.flat, grouped.items(), strict=True):
+        for loss, members in losses_.items():
+            _, reward, _ = _seed_curve(members, REWARD)
+            _, kl, _ = _seed_curve(members, KL_REF)
+            (line,) = ax.plot(kl, reward, alpha=0.45, linewidth=1)
+            finals_r = [version_window_mean(r, REWARD, window=window) for r in members]
+            finals_kl = [version_window_mean(r, KL_REF, window=window) for r in members]
+            ddof = 1 if len(members) > 1 else 0
+            ax.errorbar(
+                np.mean(finals_kl),
+                np.mean(finals_r),
+                xerr=np.std(finals_kl, ddof=ddof),
+                yerr=np.std(finals_r, ddof=ddof),
+                color=line.get_color(),
+                marker="o",
+                capsize=3,
+                label=f"{loss} ({len(members)} seeds)",
+            )
+        ax.set_title(f"N = {n}", fontsize=10)
+        ax.set_xlabel(f"{KL_REF} (KL to the initial policy)")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel(REWARD)
+    axes[0, 0].legend(fontsize=7)
+    return fig
+
+
+def is_offpolicy_sweep(runs: Sequence[Run]) -> bool:
+    """Synchronous runs that log :data:`KL_REF` and vary N (the off-policy sweep)."""
+    return (
+        len(runs) > 1
+        and all(r.config.get("system.mode") == "sync" and KL_REF in r.frame for r in runs)
+        and len({r.config.get(OFFPOLICY_N) for r in runs}) > 1
+    )

@@ -1,0 +1,188 @@
+"""The whole report of a set of runs: ``summary.md`` with its tables and the PNGs it links.
+
+Analysis layer (host side, never jitted); needs the ``analysis`` extra (pandas, matplotlib).
+The command line over it is :mod:`a3po_jax.cli.results`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from a3po_jax.analysis.offpolicy import (
+    KL_REF,
+    is_offpolicy_sweep,
+    offpolicy_markdown,
+    offpolicy_table,
+    plot_reward_by_version,
+    plot_reward_kl_frontier,
+)
+from a3po_jax.analysis.plots import (
+    has_mismatch,
+    plot_diagnostics,
+    plot_mismatch,
+    plot_phase_times,
+    plot_reward,
+    plot_staleness,
+    plot_sweep,
+)
+from a3po_jax.analysis.runs import (
+    EFFECTIVE_STALENESS,
+    IGNORED_CONFIG_KEYS,
+    REWARD,
+    Run,
+    config_differences,
+    format_cell,
+    merge_seeds,
+    short_key,
+)
+from a3po_jax.analysis.tables import (
+    has_length,
+    length_table,
+    markdown_table,
+    paired_step_difference,
+    pivot,
+    seed_table,
+    summary_table,
+)
+
+
+def sweep_axes(runs: Sequence[Run]) -> tuple[str, str] | None:
+    """(x, hue) keys for a sweep plot when the runs vary η and one other field."""
+    keys = [k for k in config_differences(runs) if k != "seed"]
+    if EFFECTIVE_STALENESS not in keys:
+        return None
+    others = [k for k in keys if k != EFFECTIVE_STALENESS]
+    return (EFFECTIVE_STALENESS, others[0]) if len(others) == 1 else None
+
+
+def write_summary(
+    runs: Sequence[Run],
+    out_dir: str | Path,
+    *,
+    last_k: int = 5,
+    title: str = "Results",
+    smooth: int = 5,
+) -> Path:
+    """Write ``out_dir/summary.md`` and its PNGs; returns the markdown file's path.
+
+    Runs that differ only by seed are averaged (:func:`merge_seeds`) for the plots; the
+    tables show the mean ± std over seeds and every run on its own.
+    """
+    if not runs:
+        raise ValueError("write_summary: no runs")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    aggregate = seed_table(runs, last_k=last_k)
+    shown = merge_seeds(runs) if not aggregate.empty else list(runs)
+    averaged = " (mean over seeds)" if not aggregate.empty else ""
+    figures = {
+        "reward.png": (
+            f"Reward vs step and vs wall-clock time{averaged}",
+            plot_reward(shown, smooth=smooth),
+        ),
+        "phase_times.png": (f"Time per step by phase{averaged}", plot_phase_times(shown)),
+        "staleness.png": (f"Staleness histograms{averaged}", plot_staleness(shown)),
+        "diagnostics.png": (
+            f"Importance weights, clip fraction and staleness{averaged}",
+            plot_diagnostics(shown),
+        ),
+    }
+    if has_mismatch(shown):
+        figures["mismatch.png"] = (
+            f"Train-inference mismatch: KL on fresh tokens, importance weights, masked and "
+            f"truncated fractions{averaged}",
+            plot_mismatch(shown),
+        )
+    axes = sweep_axes(runs)
+    if axes is not None:
+        figures["sweep.png"] = (
+            f"Sweep over {short_key(axes[0])} (each point: mean over its runs)",
+            plot_sweep(runs, x_key=axes[0], hue_key=axes[1], last_k=last_k),
+        )
+    offpolicy = is_offpolicy_sweep(runs)
+    if offpolicy:
+        figures["reward_by_version.png"] = (
+            "Reward by generating policy version, per N (mean ± std over seeds)",
+            plot_reward_by_version(runs),
+        )
+        figures["frontier.png"] = (
+            "Reward against KL to the initial policy, per N (final point: mean ± std over seeds)",
+            plot_reward_kl_frontier(runs),
+        )
+    for file, (_, fig) in figures.items():
+        fig.savefig(out / file, dpi=110)
+
+    differing = config_differences(runs)
+    common = {k: v for k, v in runs[0].config.items() if k not in differing}
+    lines = [
+        f"# {title}",
+        "",
+        f"{len(runs)} runs. Reward = `{REWARD}` (mean over the step's samples); `last-{last_k}`"
+        f" = mean over the last {last_k} steps; `all-steps mean` = mean over every step (the"
+        " area under the reward curve divided by the steps: higher = learned sooner); time"
+        " per step excludes the first (compiling) step; ± is the sample std over seeds.",
+        "",
+    ]
+    if not aggregate.empty:
+        lines += ["## Mean ± std over seeds", "", markdown_table(aggregate), ""]
+    if axes is not None:
+        for metric, reduce in ((REWARD, "last_k"), (REWARD, "mean"), ("loss/clipfrac", "mean")):
+            grid = pivot(
+                runs,
+                row_key=axes[0],
+                col_key=axes[1],
+                metric=metric,
+                last_k=last_k,
+                reduce=reduce,
+            )
+            what = grid.metric.replace(f"{REWARD} mean", f"{REWARD} all-steps mean")
+            lines += [f"## {what} by {short_key(axes[0])} × {short_key(axes[1])}", ""]
+            lines += [grid.to_markdown(), ""]
+    if offpolicy:
+        lines += [
+            "## Off-policy robustness: final reward, area under the curve, KL (mean ± std)",
+            "",
+            "Final = mean over the samples generated by the last 9 policy versions; area ="
+            " the reward curve's area against the generating version / the version span;"
+            f" KL = `{KL_REF}` over the same steps as the final reward.",
+            "",
+            offpolicy_markdown(offpolicy_table(runs)),
+            "",
+        ]
+    paired = paired_step_difference(runs)
+    if not paired.empty:
+        lines += [
+            "## Periodic vs sync, step by step (same seed)",
+            "",
+            "The largest difference over the steps between the periodic and the synchronous"
+            " run of each seed, and their median seconds per step (steps 2..). The same update"
+            " gives differences at float rounding, not sampling noise.",
+            "",
+            markdown_table(paired, floatfmt=".3g"),
+            "",
+        ]
+    for file, (caption, _) in figures.items():
+        lines += [f"## {caption}", "", f"![{caption}]({file})", ""]
+    if has_length(runs):
+        lines += [
+            "## Length bias (completion lengths in tokens, over the whole run)",
+            "",
+            markdown_table(length_table(runs)),
+            "",
+        ]
+    lines += ["## Every run", "", markdown_table(summary_table(runs, last_k=last_k)), ""]
+    lines += [
+        "## Settings shared by all runs",
+        "",
+        ", ".join(
+            # Settings are shown as given (3e-05, 1e-08), not rounded to a table's digits.
+            f"`{k}={v if isinstance(v, float) else format_cell(v)}`"
+            for k, v in sorted(common.items())
+            if k not in IGNORED_CONFIG_KEYS
+        ),
+        "",
+    ]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines))
+    return path
