@@ -104,3 +104,18 @@ def test_the_strict_build_fails_on(breakage, tmp_path):
     )
     assert result.returncode != 0
     assert expected in result.stderr
+
+
+def test_every_module_of_the_package_is_on_the_api_page():
+    """docs/api.md is the one list of modules: a new module that is not on it fails here."""
+    listed = set()
+    for line in (ROOT / "docs" / "api.md").read_text().splitlines():
+        if line.startswith("::: "):
+            listed.add(line[4:].strip())
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for path in (ROOT / "a3po_jax").rglob("*.py")
+        if path.name != "__init__.py" and not path.stem.endswith(("_pb2", "_pb2_grpc"))
+    }
+    assert modules - listed == set(), "modules missing from docs/api.md"
+    assert listed - modules - {"a3po_jax"} == set(), "docs/api.md lists modules that do not exist"
