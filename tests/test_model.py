@@ -630,10 +630,10 @@ def test_hidden_states_over_a_split_equal_the_stacked_path(name, out_major, many
     and the same logits through `lm_head_logits`. `many_rows` lowers the row count above
     which an out-major kernel multiplies as x @ kernel_tᵀ, so both products are checked. A
     layer taken out of order, a missing cache write or a wrong head is off by O(0.1)."""
-    from a3po_jax.model import decoder
+    from a3po_jax.model import layers
 
     if many_rows:
-        monkeypatch.setattr(decoder, "OUT_MAJOR_GEMM_MAX_ROWS", 0)
+        monkeypatch.setattr(layers, "OUT_MAJOR_GEMM_MAX_ROWS", 0)
     config = CONFIGS[name]
     params = _sharp_params(config)
     split = decode_params(params, config, out_major=out_major)

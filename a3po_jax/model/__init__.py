@@ -3,8 +3,12 @@
 ``from a3po_jax import model`` gives the decoder's public API (``model.apply``,
 ``model.ModelConfig``, ...). Submodules:
 
-* :mod:`a3po_jax.model.decoder`: the decoder (one layer function), its KV cache, the decode
-  path, logical axes and the flat weight names.
+* :mod:`a3po_jax.model.config`: `ModelConfig`, the architecture and numerics.
+* :mod:`a3po_jax.model.layers`: RMSNorm, rotary embeddings, the projections, the one
+  decoder layer function, attention masks and the KV cache.
+* :mod:`a3po_jax.model.decoder`: the whole decoder: parameters, `apply`, `hidden_states`,
+  the lm_head, the decode path.
+* :mod:`a3po_jax.model.naming`: logical axes and the flat weight names.
 * :mod:`a3po_jax.model.attention`: grouped-query attention with its own backward pass.
 * :mod:`a3po_jax.model.loader`: `load_model`, the one way to build a model by name.
 * :mod:`a3po_jax.model.checkpoint_io`: Hugging Face safetensors and GGUF reading/writing.
@@ -15,32 +19,35 @@
 Nothing here imports the host-side shell (rollout, inference, training, cli).
 """
 
+from a3po_jax.model.config import ModelConfig, Params
 from a3po_jax.model.decoder import (
-    KV_CACHE_LOGICAL_AXES,
-    PARAM_LOGICAL_AXES,
-    TOKENS_LOGICAL_AXES,
     DecodeParams,
-    KVCache,
-    LayerCache,
-    ModelConfig,
-    Params,
     abstract_params,
     apply,
     apply_decode,
-    apply_rope,
     decode_params,
-    decoder_layer,
-    flatten_params,
     hidden_states,
-    init_kv_cache,
     init_params,
     lm_head_for_logprobs,
     lm_head_kernel,
     lm_head_logits,
-    logical_axes,
+)
+from a3po_jax.model.layers import (
+    KVCache,
+    LayerCache,
+    apply_rope,
+    decoder_layer,
+    init_kv_cache,
     out_major_dot,
     rms_norm,
     rope_inverse_frequencies,
+)
+from a3po_jax.model.naming import (
+    KV_CACHE_LOGICAL_AXES,
+    PARAM_LOGICAL_AXES,
+    TOKENS_LOGICAL_AXES,
+    flatten_params,
+    logical_axes,
     tree_path_str,
 )
 
