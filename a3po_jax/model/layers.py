@@ -11,7 +11,8 @@ kv head, K head_dim.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, NamedTuple, Protocol
 
 import chex
 import jax
@@ -112,7 +113,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def _linear(equation: str, x: jax.Array, w: Params, dtype: Any) -> jax.Array:
+def linear(equation: str, x: jax.Array, w: Params, dtype: Any) -> jax.Array:
     """An HF `nn.Linear` on {"kernel", optional "bias"}: einsum "input,kernel->output" in
     `dtype`, plus the bias.
 
@@ -120,68 +121,22 @@ def _linear(equation: str, x: jax.Array, w: Params, dtype: Any) -> jax.Array:
     kernel's leading ones (contracted), the output is x's other letters then the kernel's.
     It is computed as one 2-D matmul, tokens [B·T, I] times kernel [I, O] (reshapes of
     row-major arrays, no copies), not as a 3-D einsum: for the einsum's gradient XLA:CPU
-    materialised the cotangent transposed ([F, B, T]) before the weight-gradient dot, a
-    slow strided copy of each activation. At SmolLM2 shapes (tokens 8x128, D=576,
-    F=1536) the grad of a gate/down MLP pair took 122 ms as einsums and 41 ms as 2-D
-    matmuls (one process, min of 7).
+    materialises the cotangent transposed ([F, B, T]) before the weight-gradient dot, a slow
+    strided copy of each activation (docs/performance.md).
     """
     lhs, rest = equation.split(",")
     rhs, out = rest.split("->")
     n_in = len(set(lhs) & set(rhs))
     if lhs[len(lhs) - n_in :] != rhs[:n_in] or out != lhs[: len(lhs) - n_in] + rhs[n_in:]:
-        raise ValueError(f"_linear needs 'x..., i..., -> x... o...' einsums, got {equation!r}")
+        raise ValueError(f"linear needs 'x..., i..., -> x... o...' einsums, got {equation!r}")
     lead, contracted = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in :]
     n_inputs = int(np.prod(contracted))
     x2 = x.reshape(-1, n_inputs).astype(dtype)
-    if "kernel_t" in w:  # `decode_params` layout: [O, I], one output axis
-        if len(out) != len(lhs) - n_in + 1:
-            raise ValueError(f"an out-major kernel has one output axis, got {equation!r}")
-        kernel_t = w["kernel_t"].astype(dtype)
-        if x2.shape[0] > OUT_MAJOR_GEMM_MAX_ROWS:  # a prefill's many rows: x @ kernel_tᵀ
-            y = jax.lax.dot_general(x2, kernel_t, (((1,), (1,)), ((), ())))
-        else:
-            y = out_major_dot(x2, kernel_t)
-        y = y.reshape(*lead, kernel_t.shape[0])
-    else:
-        kernel = w["kernel"]
-        y = jnp.dot(x2, kernel.reshape(n_inputs, -1).astype(dtype)).reshape(
-            *lead, *kernel.shape[n_in:]
-        )
+    kernel = w["kernel"]
+    y = jnp.dot(x2, kernel.reshape(n_inputs, -1).astype(dtype)).reshape(*lead, *kernel.shape[n_in:])
     if "bias" in w:
         y = y + w["bias"].astype(dtype)
     return y
-
-
-# Rows above which `_linear` multiplies an out-major kernel as x [M, I] x kernel_tᵀ (one GEMM
-# with a transposed right operand) instead of `out_major_dot`. 30 SmolLM2 layers' matrices
-# alone on the 2-core AMD EPYC (min of 21, 2026-11-26), out_major_dot vs x @ kernel_tᵀ: 32
-# rows 43 vs 69 ms, 128 rows 170 vs 198, 256 rows 337 vs 339, 1024 rows 1308 vs 1252-1257
-# (the in-major x @ kernel 1224-1264). In whole layers the transpose back costs more: the
-# cache recompute of 8 slots x 64 tokens (512 rows) over the split took 730 ms this way and
-# 656 ms as x @ kernel_tᵀ, against 642-647 ms over the stacked in-major weights.
-OUT_MAJOR_GEMM_MAX_ROWS = 256
-
-
-def out_major_dot(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
-    """x [M, I] times the transpose of an out-major kernel [O, I]: [M, O].
-
-    Computed as kernel_t [O, I] x xᵀ [I, M] (the weight is the GEMM's left operand), then
-    transposed back. With few rows (decode steps: M = batch) XLA:CPU's GEMM reads a weight
-    streamed from memory faster as the left operand: on the 2-core AMD EPYC, 30 layers of
-    [32, 576] x [576, 3072] took 20.6 ms this way and 28.5 ms as x @ W (min of 10; 165 vs
-    119 GFLOP/s), and the tied lm_head's [32, 576] x [576, 49152] 16.5 vs 17.5 ms. The
-    barrier keeps XLA's algebraic simplifier from folding the transpose back into the
-    product (it rewrites transpose(dot(A, B)) as dot(Bᵀ, Aᵀ), the slow form); the transpose
-    itself copies only the [O, M] result. Values are the same products, summed in another
-    order: equal to x @ kernel_t.T up to float rounding.
-    """
-    return out_major_product(x, kernel_t).T
-
-
-def out_major_product(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
-    """`out_major_dot` without the transpose back: kernel_t [O, I] x xᵀ [I, M] -> [O, M],
-    behind an optimization barrier (see `out_major_dot`)."""
-    return jax.lax.optimization_barrier(jnp.dot(kernel_t, x.T))
 
 
 def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
@@ -189,38 +144,67 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
     return jnp.take(table, tokens.astype(jnp.int32), axis=0).astype(dtype)
 
 
-def _project_qkv(
-    attn: Params, x: jax.Array, config: ModelConfig
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B,T,D] -> q [B,T,H,K], k and v [B,T,N,K], from either weight layout."""
-    cdt = jnp.dtype(config.compute_dtype)
-    if "qkv" not in attn:  # `init_params` layout: three matmuls
-        return (
-            _linear("btd,dhk->bthk", x, attn["q_proj"], cdt),
-            _linear("btd,dnk->btnk", x, attn["k_proj"], cdt),
-            _linear("btd,dnk->btnk", x, attn["v_proj"], cdt),
-        )
-    # `decode_params` layout: the three kernels side by side, one longer matmul.
-    b, t, _ = x.shape
-    h, n, k = config.n_heads, config.n_kv_heads, config.head_dim
-    qkv = _linear("btd,de->bte", x, attn["qkv"], cdt)  # [B, T, (H + 2N)·K]
-    return (
-        qkv[..., : h * k].reshape(b, t, h, k),
-        qkv[..., h * k : (h + n) * k].reshape(b, t, n, k),
-        qkv[..., (h + n) * k :].reshape(b, t, n, k),
-    )
+class WeightReader(Protocol):
+    """How `decoder_layer` multiplies by one layer's weight matrices.
+
+    The layer's maths is fixed; the layout of its weights is this reader's business. Each
+    method takes the layer's weight subtree (`w["attn"]` or `w["mlp"]`), activations in the
+    compute dtype and the config. An implementation is a hashable value (a frozen
+    dataclass), so a jitted caller can hold it as static. `TRAINING_WEIGHTS` reads the
+    layout of `decoder.init_params` and the checkpoint loaders; an inference engine may lay
+    its copy out otherwise and pass its own reader.
+    """
+
+    def qkv(
+        self, attn: Params, x: jax.Array, config: ModelConfig
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> q [B, T, H, K], k and v [B, T, N, K]."""
+        ...
+
+    def o(self, attn: Params, out: jax.Array, config: ModelConfig) -> jax.Array:
+        """Attention output [B, T, H, K] -> [B, T, D]."""
+        ...
+
+    def gate_up(
+        self, mlp: Params, x: jax.Array, config: ModelConfig
+    ) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D] -> gate, up [B, T, F]."""
+        ...
+
+    def down(self, mlp: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
+        """h [B, T, F] -> [B, T, D]."""
+        ...
 
 
-def _project_gate_up(mlp: Params, x: jax.Array, config: ModelConfig) -> tuple[jax.Array, ...]:
-    """x [B,T,D] -> gate, up [B,T,F], from either weight layout."""
-    cdt = jnp.dtype(config.compute_dtype)
-    if "gate_up" not in mlp:
+@dataclasses.dataclass(frozen=True)
+class ModuleWeights:
+    """The training layout: one HF `nn.Linear` per projection, {"kernel", optional "bias"}
+    with heads kept as their own axes (q_proj [D, H, K], o_proj [H, K, D], gate_proj
+    [D, F], ...), named as in `decoder.init_params`."""
+
+    def qkv(self, attn, x, config):
+        cdt = jnp.dtype(config.compute_dtype)
         return (
-            _linear("btd,df->btf", x, mlp["gate_proj"], cdt),
-            _linear("btd,df->btf", x, mlp["up_proj"], cdt),
+            linear("btd,dhk->bthk", x, attn["q_proj"], cdt),
+            linear("btd,dnk->btnk", x, attn["k_proj"], cdt),
+            linear("btd,dnk->btnk", x, attn["v_proj"], cdt),
         )
-    gate_up = _linear("btd,df->btf", x, mlp["gate_up"], cdt)  # [B, T, 2F]
-    return gate_up[..., : config.ffn_dim], gate_up[..., config.ffn_dim :]
+
+    def o(self, attn, out, config):
+        return linear("bthk,hkd->btd", out, attn["o_proj"], jnp.dtype(config.compute_dtype))
+
+    def gate_up(self, mlp, x, config):
+        cdt = jnp.dtype(config.compute_dtype)
+        return (
+            linear("btd,df->btf", x, mlp["gate_proj"], cdt),
+            linear("btd,df->btf", x, mlp["up_proj"], cdt),
+        )
+
+    def down(self, mlp, h, config):
+        return linear("btf,fd->btd", h, mlp["down_proj"], jnp.dtype(config.compute_dtype))
+
+
+TRAINING_WEIGHTS = ModuleWeights()
 
 
 def _write_slots(
@@ -229,7 +213,7 @@ def _write_slots(
     """cache[layer, b, write_pos[b, t]] = new[b, t]; slots past the capacity are dropped.
 
     cache [L, B, S, N, K], layer a scalar, new [B, T, N, K], write_pos [B, T]. The whole
-    cache is carried from layer to layer (the scan carry, or `apply_decode`'s loop), so this
+    cache is carried from layer to layer (the scan carry, or a loop over the layers), so this
     scatter updates it in place: only the T new tokens are written per step, never a copy of
     the cache. A scatter rather than `dynamic_update_slice`, which would clamp an
     overflowing start and shift the write.
@@ -255,17 +239,17 @@ def decoder_layer(
     *,
     config: ModelConfig,
     cache: LayerCache | None = None,
+    weights: WeightReader = TRAINING_WEIGHTS,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One decoder block, x + attn(norm(x)) then x + mlp(norm(x)).
 
-    The only copy of the layer maths: `apply` scans it over the stacked layers and
-    `apply_decode` loops it over per-layer weights. q/k norm (Qwen3) follows the config;
-    the weight layout (separate or fused q/k/v and gate/up kernels) is read from `w`'s keys
-    at trace time.
+    The only copy of the layer maths: `decoder.apply` scans it over the stacked layers, and
+    an inference engine runs it over its own copy of the weights. q/k norm (Qwen3) follows
+    the config; the weight matrices are read by `weights`.
 
     Args:
-      w: one layer's weights: params["layers"] with the leading L axis indexed away, or an
-        entry of `DecodeParams.layers`.
+      w: one layer's weights: params["layers"] with the leading L axis indexed away, or one
+        layer of another layout that `weights` reads.
       x: [B, T, D] residual stream in the compute dtype.
       positions: [B, T] int32 RoPE positions.
       mask: [B, T, S] bool, query t may attend key s. Without a cache S = T (the new keys);
@@ -273,6 +257,7 @@ def decoder_layer(
       config: the architecture.
       cache: None, or the cache to write this layer's new keys/values into before
         attending.
+      weights: how the projections read `w` (static; default the training layout).
     Returns:
       (x [B, T, D], the written (cache_k, cache_v) or None).
     """
@@ -281,8 +266,8 @@ def decoder_layer(
     chex.assert_shape(positions, x.shape[:2])
     chex.assert_shape(mask, (*x.shape[:2], None))
     cdt = jnp.dtype(c.compute_dtype)
-    attn = w["attn"]
-    q, key, value = _project_qkv(attn, rms_norm(x, w["input_norm"]["scale"], c.rms_eps), c)
+    attn, mlp = w["attn"], w["mlp"]
+    q, key, value = weights.qkv(attn, rms_norm(x, w["input_norm"]["scale"], c.rms_eps), c)
     if c.qk_norm:
         q = rms_norm(q, attn["q_norm"]["scale"], c.rms_eps)
         key = rms_norm(key, attn["k_norm"]["scale"], c.rms_eps)
@@ -300,9 +285,9 @@ def decoder_layer(
         written = (cache_k, cache_v)
 
     out = attention.attend(q, key, value, mask)  # [B, T, H, K]
-    x = x + _linear("bthk,hkd->btd", out, attn["o_proj"], cdt)
-    gate, up = _project_gate_up(w["mlp"], rms_norm(x, w["post_attn_norm"]["scale"], c.rms_eps), c)
-    x = x + _linear("btf,fd->btd", jax.nn.silu(gate) * up, w["mlp"]["down_proj"], cdt)
+    x = x + weights.o(attn, out, c)
+    gate, up = weights.gate_up(mlp, rms_norm(x, w["post_attn_norm"]["scale"], c.rms_eps), c)
+    x = x + weights.down(mlp, jax.nn.silu(gate) * up, c)
     return x, written
 
 
