@@ -630,6 +630,28 @@ def test_every_leaf_has_logical_axes(name, out_major):
         decode_shardings(shapes, mesh, rules)
 
 
+def test_other_layer_weights_are_carried_with_the_model_axes(monkeypatch):
+    """A weight the layout does not fuse (an architecture's extra, here a per-head "sink"
+    [L, H] beside q_norm) is carried into every layer as the model has it, and has the
+    logical axes the model gives it: a new architecture touches the model only."""
+    config = ModelConfig.tiny(qk_norm=True)
+    params = init_params(config, jax.random.key(0))
+    sink = jax.random.normal(jax.random.key(1), (config.n_layers, config.n_heads))
+    params["layers"]["attn"]["sink"] = {"scale": sink}
+    monkeypatch.setitem(model_lib.PARAM_LOGICAL_AXES, "layers/attn/sink/scale", ("layers", "heads"))
+    for shards in (1, 2):
+        dp = decode_params(params, config, shards=shards)
+        for i, layer in enumerate(dp.layers):
+            np.testing.assert_array_equal(layer["attn"]["sink"]["scale"], sink[i])
+            np.testing.assert_array_equal(
+                layer["attn"]["q_norm"]["scale"], params["layers"]["attn"]["q_norm"]["scale"][i]
+            )
+        axes = decode_logical_axes(dp)
+        assert axes.layers[0]["attn"]["sink"]["scale"] == ("heads",)
+        assert axes.layers[0]["attn"]["q_norm"]["scale"] == ("head_dim",)
+        assert axes.layers[0]["post_attn_norm"]["scale"] == ("norm",)
+
+
 def test_a_leaf_the_layout_does_not_know_is_named():
     config = ModelConfig.tiny()
     dp = decode_params(init_params(config, jax.random.key(0)), config)

@@ -109,6 +109,11 @@ def _shard_major(parts: list[jax.Array], shards: int) -> jax.Array:
     return jnp.concatenate(pieces, axis=-1).reshape(*lead, -1)
 
 
+# The model's projections this layout fuses or transposes (`FusedWeights` reads them).
+_ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 @functools.partial(jax.jit, static_argnames=("out_major", "shards"))
 def _decode_layers(stacked: Params, out_major: bool = True, shards: int = 1) -> tuple[Params, ...]:
     """params["layers"] ([L, ...] leaves) -> L trees of `DecodeParams.layers`."""
@@ -119,27 +124,25 @@ def _decode_layers(stacked: Params, out_major: bool = True, shards: int = 1) -> 
         return {"kernel_t": fused.T} if out_major else {"kernel": fused}
 
     def layer(i: int) -> Params:
+        # The projections are laid out anew; every other weight (norms, an architecture's
+        # extras) is kept as the model has it, under its own name.
         w = jax.tree.map(lambda x: x[i], stacked)
         attn, mlp = w["attn"], w["mlp"]
         d = attn["q_proj"]["kernel"].shape[0]
         qkv = matrix([attn[f"{x}_proj"]["kernel"].reshape(d, -1) for x in "qkv"])
         if "bias" in attn["q_proj"]:
             qkv["bias"] = _shard_major([attn[f"{x}_proj"]["bias"].ravel() for x in "qkv"], shards)
-        fused_attn = {"qkv": qkv}
-        fused_attn.update({name: attn[name] for name in ("q_norm", "k_norm") if name in attn})
+        fused_attn = {k: v for k, v in attn.items() if k not in _ATTN_PROJECTIONS}
+        fused_attn["qkv"] = qkv
         fused_attn["o_proj"] = (
             {"kernel_t": attn["o_proj"]["kernel"].reshape(-1, d).T} if out_major else attn["o_proj"]
         )
-        down = {"kernel_t": mlp["down_proj"]["kernel"].T} if out_major else mlp["down_proj"]
-        return {
-            "input_norm": w["input_norm"],
-            "attn": fused_attn,
-            "post_attn_norm": w["post_attn_norm"],
-            "mlp": {
-                "gate_up": matrix([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]]),
-                "down_proj": down,
-            },
-        }
+        fused_mlp = {k: v for k, v in mlp.items() if k not in _MLP_PROJECTIONS}
+        fused_mlp["gate_up"] = matrix([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]])
+        fused_mlp["down_proj"] = (
+            {"kernel_t": mlp["down_proj"]["kernel"].T} if out_major else mlp["down_proj"]
+        )
+        return {**w, "attn": fused_attn, "mlp": fused_mlp}
 
     return tuple(layer(i) for i in range(n_layers))
 
@@ -423,17 +426,14 @@ def _logits_t(params: DecodeParams, hidden: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Logical axes and shardings
 
-# Logical axes of each leaf of a layer tree, by its path inside the layer. The fused rows of
-# q/k/v are "heads" (whole heads, shard by shard), those of gate/up "mlp"; o_proj's and
-# down_proj's inputs likewise, so one tensor-parallel rule shards all four consistently.
+# Logical axes of the layout's own leaves, by their path inside a layer; every other leaf
+# has the model's axes (`model.PARAM_LOGICAL_AXES` without the leading "layers"). The fused
+# rows of q/k/v are "heads" (whole heads, shard by shard), those of gate/up "mlp"; o_proj's
+# and down_proj's inputs likewise, so one tensor-parallel rule shards all four consistently.
 _LAYER_AXES: dict[str, tuple[str, ...]] = {
-    "input_norm/scale": ("norm",),
-    "post_attn_norm/scale": ("norm",),
     "attn/qkv/kernel_t": ("heads", "embed"),
     "attn/qkv/kernel": ("embed", "heads"),
     "attn/qkv/bias": ("heads",),
-    "attn/q_norm/scale": ("head_dim",),
-    "attn/k_norm/scale": ("head_dim",),
     "attn/o_proj/kernel_t": ("embed", "heads"),
     "attn/o_proj/kernel": ("heads", "head_dim", "embed"),
     "mlp/gate_up/kernel_t": ("mlp", "embed"),
@@ -451,10 +451,17 @@ _TOP_AXES: dict[str, tuple[str, ...]] = {
 def _axes_of(path, leaf) -> tuple[str, ...]:
     name = model_lib.tree_path_str(path)
     parts = name.split("/")
-    key = "/".join(parts[2:]) if parts[0] == "layers" else parts[0]
-    axes = (_LAYER_AXES if parts[0] == "layers" else _TOP_AXES).get(key)
+    if parts[0] == "layers":  # layers/<i>/<path inside the layer>
+        key = "/".join(parts[2:])
+        model_axes = model_lib.PARAM_LOGICAL_AXES.get("layers/" + key)
+        axes = _LAYER_AXES.get(key, None if model_axes is None else model_axes[1:])
+    else:
+        axes = _TOP_AXES.get(parts[0])
     if axes is None:
-        raise ValueError(f"DecodeParams leaf {name!r} has no logical axes in decode_layout")
+        raise ValueError(
+            f"DecodeParams leaf {name!r} has no logical axes (decode_layout._LAYER_AXES, "
+            "model.PARAM_LOGICAL_AXES)"
+        )
     if len(axes) != len(np.shape(leaf)):
         raise ValueError(f"DecodeParams leaf {name!r} has shape {np.shape(leaf)} but axes {axes}")
     return axes

@@ -359,10 +359,9 @@ def insert_batch(
 
     def write(dst, src):  # dst [L, N, S, Hkv, K], src [L, R, Tb, Hkv, K]
         # Positions past each prompt keep stale values, which attention never reads. One
-        # entry at a time, in place: `dst.at[:, slots, :Tb].set(src[:, rows])` first
-        # gathered every entry's rows into an [L, N, Tb, Hkv, K] temporary (45 MiB per
-        # cache at SmolLM2's 16 slots and 128-token prompts, 21 ms; this way none, 5 ms),
-        # alive beside a train step's temporaries in an embedded host.
+        # entry at a time, in place: `dst.at[:, slots, :Tb].set(src[:, rows])` would gather
+        # every entry's rows into an [L, N, Tb, Hkv, K] temporary first, alive beside a train
+        # step's temporaries in an embedded host (docs/performance.md).
         L, _, _, Hkv, K = dst.shape
         src = src.astype(dst.dtype)
 
@@ -427,8 +426,7 @@ def generate(
     segment_ids = state.active.astype(jnp.int32)[:, None]  # [N, 1]; 0 keeps lengths as is
     # The tied lm_head's out-major product is vocabulary-major ([V, N]) as it comes, and is
     # sampled that way without a transpose; an untied [D, V] head gives [N, V] rows (made
-    # vocabulary-major, its product took the [D, V] matrix transposed: 89 -> 154 ms a step
-    # at batch 32, SmolLM2 shapes).
+    # vocabulary-major, its product would take the [D, V] matrix transposed, a copy of it).
     vocab_major = params.lm_head is None
     logits, cache = decode_layout.apply_decode(
         params,
