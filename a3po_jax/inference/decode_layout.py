@@ -83,7 +83,7 @@ class DecodeParams:
     out_major: bool = struct.field(pytree_node=False, default=True)  # `kernel_t` [O, I].
 
     @property
-    def weights(self) -> FusedWeights:
+    def reader(self) -> FusedWeights:
         """The `model.layers.WeightReader` of this layout."""
         return FusedWeights(shards=self.shards, out_major=self.out_major)
 
@@ -322,7 +322,7 @@ def apply_decode(
     capacity = kv_cache.k.shape[2]
     if window is not None and not 0 < window <= capacity:
         raise ValueError(f"window must be in (0, capacity={capacity}], got {window}")
-    weights = params.weights
+    weights = params.reader
 
     def unrolled(x, kv, positions, mask, write_pos):
         if window is not None:
@@ -366,7 +366,7 @@ def hidden_states(
     checkpoint policy). Arguments and result as in `model.hidden_states`."""
     _check_depth(params, config)
     return model_lib.hidden_states_with(
-        functools.partial(_loop_split_layers, params.layers, config, params.weights),
+        functools.partial(_loop_split_layers, params.layers, config, params.reader),
         params.embed,
         params.final_norm,
         tokens,
