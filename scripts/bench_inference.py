@@ -20,8 +20,9 @@ Per batch size B, on the same model, prompts and device:
 
 * engine: `EngineCore` decode steps (greedy, KV cache, all slots busy, each step's tokens
   read before the next, as a simple driver would), tokens/s and steps/s. Decode steps run
-  `model.apply_decode` on the weights split per layer (`model.decode_params`), made once per
-  weight update: its time is printed separately ("weight split"), not counted in the steps;
+  `decode_layout.apply_decode` on the weights split per layer (`decode_layout.decode_params`),
+  made once per weight update: its time is printed separately ("weight split"), not counted
+  in the steps;
 * host: the same through `InferenceHost` (its serving thread, queues and Python included),
   timed in rounds that alternate with the engine's, so that drift in the machine's speed
   during the run moves both figures alike (`bench_engine_and_host`);
@@ -80,7 +81,13 @@ import numpy as np
 from bench_common import CONFIGS, describe_machine, matmul_size  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import EngineCore, GenerateRequest, InferenceHost, SamplingParams
+from a3po_jax.inference import (
+    EngineCore,
+    GenerateRequest,
+    InferenceHost,
+    SamplingParams,
+    decode_layout,
+)
 from a3po_jax.inference.engine_core import SlotSampling
 
 
@@ -460,7 +467,7 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
     from a3po_jax.inference import sampling
 
     c, B = config, batch
-    split = model_lib.decode_params(params, c, out_major=B > 1)  # as `EngineCore` lays it out
+    split = decode_layout.decode_params(params, c, out_major=B > 1)  # as `EngineCore` lays it out
     tokens = jnp.ones((B, 1), jnp.int32)
     positions = jnp.full((B, 1), window - 1, jnp.int32)
 
@@ -471,7 +478,7 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
     # Compiled once, ahead of time: the program timed is the one whose text names the ops.
     forward = (
         jax.jit(
-            lambda p, kv: model_lib.apply_decode(
+            lambda p, kv: decode_layout.apply_decode(
                 p, tokens, positions, config=c, kv_cache=kv, vocab_major=True
             ),
             donate_argnums=1,
@@ -533,9 +540,9 @@ def measure_weight_read(params, repeats: int = 5) -> float:
 
 
 def measure_decode_split(config, params, repeats: int = 3) -> float:
-    """Seconds to lay the weights out for the decode step (`model.decode_params`), which the
+    """Seconds to lay the weights out for the decode step (`decode_layout.decode_params`), which the
     engine pays once per weight update, before the first step with the new weights."""
-    split = lambda: jax.block_until_ready(model_lib.decode_params(params, config))
+    split = lambda: jax.block_until_ready(decode_layout.decode_params(params, config))
     split()  # compiles
     return min(_timed(split) for _ in range(repeats))
 

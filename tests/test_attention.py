@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from a3po_jax.model import attention, decoder
+from a3po_jax.model import attention, layers
 
 
 def _inputs(b, t, s, h, n, k, seed=0, dtype=jnp.float32):
@@ -26,7 +26,7 @@ def _packed_mask(b, t):
     for row in range(b):
         cut, end = t // 3 + row, t - 2 - row
         seg[row, :cut], seg[row, cut:end] = 1, 2
-    return decoder._causal_segment_mask(t, jnp.asarray(seg), b)
+    return layers.causal_segment_mask(t, jnp.asarray(seg), b)
 
 
 def _window_mask(b, t, s):
@@ -37,7 +37,7 @@ def _window_mask(b, t, s):
 
 
 MASKS = {
-    "causal": lambda b, t, s: decoder._causal_segment_mask(t, None, b),
+    "causal": lambda b, t, s: layers.causal_segment_mask(t, None, b),
     "packed": lambda b, t, s: _packed_mask(b, t),
     "window": _window_mask,
 }

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from inference_reference import CFG, collect, recompute_greedy, recompute_logprobs, scaled_params
 
-from a3po_jax import model as model_lib
-from a3po_jax.inference import HostClosedError, InferenceHost, engine_core
+from a3po_jax.inference import HostClosedError, InferenceHost, decode_layout, engine_core
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 
 BUCKETS = (8, 16)
@@ -333,9 +332,9 @@ def test_decode_split_is_made_by_update_weights_not_the_serving_loop(
     # trainer's push), so the serving thread never stalls on it between two decode steps.
     h = _host(params, update_policy="in_flight")
     calls = []
-    real = model_lib.decode_params
+    real = decode_layout.decode_params
     monkeypatch.setattr(
-        model_lib,
+        decode_layout,
         "decode_params",
         lambda p, c, **kw: calls.append(threading.current_thread()) or real(p, c, **kw),
     )

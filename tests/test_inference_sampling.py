@@ -320,8 +320,8 @@ def test_package_import_does_not_load_jetstream_or_tensorflow():
 
 
 # ---------------------------------------------------------------------------------------------
-# The engine's decode step runs on per-layer weights (`model.apply_decode`); it must compute
-# what `model.apply` computes, with whichever weights it is handed at that step.
+# The engine's decode step runs on per-layer weights (`decode_layout.apply_decode`); it must
+# compute what `model.apply` computes, with whichever weights it is handed at that step.
 
 
 def test_engine_splits_weights_once_per_version():
@@ -343,7 +343,7 @@ def test_engine_splits_weights_once_per_version():
 
 def test_engine_lays_the_decode_weights_out_by_its_slot_count():
     """One slot: `apply`'s [I, O] kernels (a one-row product streams them faster); two or
-    more: out-major `kernel_t` [O, I] (`model.out_major_dot`). The host's split is the
+    more: out-major `kernel_t` [O, I] (`decode_layout.out_major_dot`). The host's split is the
     engine's."""
     from inference_reference import CFG, scaled_params
 

@@ -5,6 +5,8 @@
 * Nothing outside `cli/` imports `cli/`: entry points sit on top of everything.
 * No import cycle among `a3po_jax` modules.
 * Every module docstring says which layer the module belongs to.
+* The model knows one weight layout, the one it trains: the inference engine's serving
+  layout is defined in `inference/decode_layout.py` only, and no model code reads it.
 * The module table of the design notes (docs/design.md §5) names only paths that exist,
   and every subpackage and every module of the package is in it.
 
@@ -204,6 +206,70 @@ def test_no_import_cycle():
         best = min(chains, key=len)
         cycles.append(" -> ".join(best + [start]) + f"   ({len(component)} modules in the cycle)")
     assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+DECODE_LAYOUT = "a3po_jax.inference.decode_layout"
+# What makes up the serving layout: its tree, its builders and runners, its reader.
+DECODE_LAYOUT_NAMES = {
+    "DecodeParams",
+    "FusedWeights",
+    "decode_params",
+    "apply_decode",
+    "out_major_dot",
+    "out_major_product",
+    "decode_logical_axes",
+    "decode_shardings",
+    "OUT_MAJOR_GEMM_MAX_ROWS",
+}
+# The layout's own keys (the model's are q_proj, k_proj, v_proj, gate_proj, ... and kernel).
+DECODE_LAYOUT_KEYS = {"kernel_t", "qkv", "gate_up"}
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Names a module defines at its top level (functions, classes, assignments)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_the_decode_layout_lives_beside_the_inference_code():
+    """The serving layout is defined once, in `inference/decode_layout.py`; nothing in
+    `model/` imports `inference/` (directly or not), names the layout, or reads its keys
+    (a string constant "kernel_t", "qkv" or "gate_up"): adding an architecture means
+    touching the model, and the layout follows through its `WeightReader`."""
+    graph = import_graph()
+    assert DECODE_LAYOUT in graph
+    chains = [
+        " -> ".join(chain)
+        for name in sorted(graph)
+        if layer(name) == "model"
+        for chain in [path_to(graph, name, lambda m: layer(m) == "inference")]
+        if chain
+    ]
+    assert not chains, "the model imports the inference code:\n  " + "\n  ".join(chains)
+
+    defined_in: dict[str, list[str]] = {}
+    for name, path in all_modules().items():
+        tree = ast.parse(path.read_text())
+        for defined in _defined_names(tree) & DECODE_LAYOUT_NAMES:
+            defined_in.setdefault(defined, []).append(name)
+        if layer(name) != "model":
+            continue
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        keys = {
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        }
+        assert not used & DECODE_LAYOUT_NAMES, f"{name} names {used & DECODE_LAYOUT_NAMES}"
+        assert not keys & DECODE_LAYOUT_KEYS, f"{name} reads the keys {keys & DECODE_LAYOUT_KEYS}"
+    assert defined_in == {n: [DECODE_LAYOUT] for n in DECODE_LAYOUT_NAMES}, defined_in
 
 
 def test_every_module_docstring_names_its_layer():

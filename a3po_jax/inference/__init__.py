@@ -5,6 +5,8 @@
   conversion to the core's `Rollout`), `ErrorKind` (why a sample failed).
 * `sampling`: per-slot temperature / top-k / top-p sampling and behaviour log-probs.
 * `engine_core`: pure-JAX prefill / insert / generate over a fixed number of slots.
+* `decode_layout`: the engine's copy of the weights (per layer, fused, out-major, ordered
+  for tensor parallelism), the decode step and prefill over it, and its shardings.
 * `host`: `InferenceHost`, the in-process serving thread (the embedded default).
 * `grpc_server` / `grpc_client`: the same host in another process (`GrpcInferenceClient`;
   the command line is `a3po_jax.cli.serve`).

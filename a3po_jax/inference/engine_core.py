@@ -27,10 +27,11 @@ insert) per bucket. Nothing here knows about threads, queues or versions: the ho
 
 The log-prob of each sampled token is the behaviour log-prob, see `sampling.py`.
 
-Prefill runs `model.apply` (scanned layers) on the params as given; the decode step runs
-`model.apply_decode` on the same weights laid out per layer (`model.decode_params`), which
-reads them in place instead of copying each layer's slice every step: decode at small batch
-is bound by reading the weights, so that copy cost up to half its speed.
+Prefill runs the model on the params as given, stacked (`model.hidden_states`) or laid out
+per layer (`decode_layout.hidden_states`); the decode step runs `decode_layout.apply_decode`
+on the per-layer layout (`decode_layout.decode_params`), which reads each layer's weights in
+place instead of copying its slice every step: decode at small batch is bound by reading the
+weights.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import numpy as np
 from flax import struct
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import sampling
+from a3po_jax.inference import decode_layout, sampling
 
 Params = Any
 
@@ -128,6 +129,20 @@ def init_decode_state(
     )
 
 
+def _hidden_states(params: Params, tokens: jax.Array, positions: jax.Array, **kwargs):
+    """`hidden_states` over either weight layout: stacked params or a per-layer split."""
+    if isinstance(params, decode_layout.DecodeParams):
+        return decode_layout.hidden_states(params, tokens, positions, **kwargs)
+    return model_lib.hidden_states(params, tokens, positions, **kwargs)
+
+
+def _lm_head_logits(params: Params, hidden: jax.Array, config: model_lib.ModelConfig):
+    """[M, D] float32 hidden states -> [M, V] float32 logits, over either weight layout."""
+    if isinstance(params, decode_layout.DecodeParams):
+        return decode_layout.lm_head_logits(params, hidden)
+    return model_lib.lm_head_logits(params, hidden, config)
+
+
 def prefill(
     params: Params,
     tokens: jax.Array,
@@ -139,7 +154,7 @@ def prefill(
     """Runs a right-padded prompt through the model, filling a KV cache of the bucket length.
 
     Args:
-      params: model parameters, stacked or a `model.decode_params` split.
+      params: model parameters, stacked or a `decode_layout.decode_params` split.
       tokens: `[Tb]` int32 prompt, right-padded to its bucket length Tb.
       true_length: int32 scalar, number of real tokens (1 <= true_length <= Tb).
       config: the model's config (static).
@@ -154,7 +169,7 @@ def prefill(
     t = jnp.arange(Tb, dtype=jnp.int32)  # [T]
     segment_ids = (t < true_length).astype(jnp.int32)[None, :]  # [1, T]; 0 marks padding
     cache = model_lib.init_kv_cache(config, 1, Tb, dtype=cache_dtype)
-    hidden, cache = model_lib.hidden_states(
+    hidden, cache = _hidden_states(
         params,
         tokens[None, :].astype(jnp.int32),
         t[None, :],
@@ -163,7 +178,7 @@ def prefill(
         kv_cache=cache,
     )  # [1, T, D] float32; only the last real position goes through the lm_head
     last = jax.lax.dynamic_slice_in_dim(hidden[0], true_length - 1, 1, axis=0)  # [1, D]
-    logits = model_lib.lm_head_logits(params, last, config)[0]
+    logits = _lm_head_logits(params, last, config)[0]
     return Prefix(cache=cache, last_logits=logits.astype(jnp.float32))
 
 
@@ -261,7 +276,7 @@ def prefill_batch(
     Rows are independent; padding rows (any `true_length` >= 1) cost compute only.
 
     Args:
-      params: model parameters, stacked or a `model.decode_params` split.
+      params: model parameters, stacked or a `decode_layout.decode_params` split.
       tokens: `[R, Tb]` int32 prompts, right-padded to the bucket length Tb.
       true_lengths: `[R]` int32 real tokens per row (1 <= true_length <= Tb).
       config: the model's config (static).
@@ -277,7 +292,7 @@ def prefill_batch(
     t = jnp.arange(Tb, dtype=jnp.int32)[None, :]  # [1, T]
     segment_ids = (t < true_lengths[:, None]).astype(jnp.int32)  # [R, T]; 0 marks padding
     cache = model_lib.init_kv_cache(config, R, Tb, dtype=cache_dtype)
-    hidden, cache = model_lib.hidden_states(
+    hidden, cache = _hidden_states(
         params,
         tokens.astype(jnp.int32),
         jnp.broadcast_to(t, (R, Tb)),
@@ -286,7 +301,7 @@ def prefill_batch(
         kv_cache=cache,
     )  # [R, T, D] float32 (after the final norm)
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
-    logits = model_lib.lm_head_logits(params, last, config)
+    logits = _lm_head_logits(params, last, config)
     return PrefixBatch(cache=cache, last_logits=logits.astype(jnp.float32))
 
 
@@ -344,10 +359,9 @@ def insert_batch(
 
     def write(dst, src):  # dst [L, N, S, Hkv, K], src [L, R, Tb, Hkv, K]
         # Positions past each prompt keep stale values, which attention never reads. One
-        # entry at a time, in place: `dst.at[:, slots, :Tb].set(src[:, rows])` first
-        # gathered every entry's rows into an [L, N, Tb, Hkv, K] temporary (45 MiB per
-        # cache at SmolLM2's 16 slots and 128-token prompts, 21 ms; this way none, 5 ms),
-        # alive beside a train step's temporaries in an embedded host.
+        # entry at a time, in place: `dst.at[:, slots, :Tb].set(src[:, rows])` would gather
+        # every entry's rows into an [L, N, Tb, Hkv, K] temporary first, alive beside a train
+        # step's temporaries in an embedded host (docs/performance.md).
         L, _, _, Hkv, K = dst.shape
         src = src.astype(dst.dtype)
 
@@ -384,7 +398,7 @@ def insert_batch(
 
 
 def generate(
-    params: model_lib.DecodeParams,
+    params: decode_layout.DecodeParams,
     state: DecodeState,
     *,
     config: model_lib.ModelConfig,
@@ -396,7 +410,7 @@ def generate(
     The caller must not run a slot whose length has reached the capacity S.
 
     Args:
-      params: the weights split per layer (`model.decode_params`; `EngineCore` keeps them
+      params: the weights split per layer (`decode_layout.decode_params`; `EngineCore` keeps them
         once per weight version).
       state: the decode state (donated by the jitted wrapper: the cache is written in place).
       config: the model's config (static).
@@ -412,10 +426,9 @@ def generate(
     segment_ids = state.active.astype(jnp.int32)[:, None]  # [N, 1]; 0 keeps lengths as is
     # The tied lm_head's out-major product is vocabulary-major ([V, N]) as it comes, and is
     # sampled that way without a transpose; an untied [D, V] head gives [N, V] rows (made
-    # vocabulary-major, its product took the [D, V] matrix transposed: 89 -> 154 ms a step
-    # at batch 32, SmolLM2 shapes).
+    # vocabulary-major, its product would take the [D, V] matrix transposed, a copy of it).
     vocab_major = params.lm_head is None
-    logits, cache = model_lib.apply_decode(
+    logits, cache = decode_layout.apply_decode(
         params,
         state.tokens[:, None],
         positions,
@@ -442,7 +455,7 @@ def generate(
 
 
 def generate_packed(
-    params: model_lib.DecodeParams,
+    params: decode_layout.DecodeParams,
     state: DecodeState,
     *,
     config: model_lib.ModelConfig,
@@ -471,8 +484,8 @@ def recompute_cache(
     coordinates are unchanged; inactive slots keep their cache as it is.
 
     Args:
-      params: the (new) model parameters, stacked or split per layer (`model.hidden_states`
-        runs either, as `prefill` does).
+      params: the (new) model parameters, stacked or split per layer (either runs, as in
+        `prefill`).
       state: the decode state (donated by the jitted wrapper).
       tokens: `[N, W]` int32, row n = the tokens in slot n's cache (prompt + generated
         tokens already fed), right-padded; W >= every active slot's length (static shape).
@@ -493,7 +506,7 @@ def recompute_cache(
     segment_ids = (t < lengths[:, None]).astype(jnp.int32)  # [N, W]
     fresh = model_lib.init_kv_cache(config, N, W, dtype=state.cache.k.dtype)
     # Only the cache is needed: no lm_head (N * W * V logits would dominate memory).
-    _, fresh = model_lib.hidden_states(
+    _, fresh = _hidden_states(
         params,
         tokens.astype(jnp.int32),
         positions,
@@ -539,12 +552,12 @@ class EngineCore:
 
     `params` are an argument of every call, so a weight swap is simply calling with other
     params (same shapes and dtypes: no recompilation). The decode step runs on the weights
-    split per layer (`model.decode_params`, one more copy of the layer weights); the split of
-    the params last seen is kept, so it is made once per weight version, at the first step
-    with those weights. A caller that wants it off the decode loop (in its weight-update
+    split per layer (`decode_layout.decode_params`, one more copy of the layer weights); the
+    split of the params last seen is kept, so it is made once per weight version, at the
+    first step with those weights. A caller that wants it off the decode loop (in its weight-update
     path) can pass `split_params(params)` to `generate` instead. The split's layer matrices
     are out-major (the faster layout from two rows up) unless the engine has a single slot
-    (`model.decode_params`' `out_major`). Prefill and the cache recompute take either form:
+    (`decode_params`' `out_major`). Prefill and the cache recompute take either form:
     a caller that holds only the split (`InferenceHost`) keeps one copy of the weights. The
     decode state is donated to each step, so its KV cache is updated in place.
 
@@ -577,7 +590,7 @@ class EngineCore:
             )
         self.config = config
         self.num_slots = int(num_slots)
-        # The decode step's weight layout (`model.decode_params`): out-major from 2 slots up.
+        # The decode step's weight layout (`decode_params`' out_major): out-major from 2 slots up.
         self.out_major = self.num_slots > 1
         self.capacity = int(capacity)
         self.prefill_buckets = buckets
@@ -603,7 +616,7 @@ class EngineCore:
         self._generate_packed = functools.partial(_generate_packed_jit, config=config)
         # (leaves of the params last split, their split). The leaves are held so that their
         # ids cannot be reused by new arrays while the entry lives.
-        self._split: tuple[list[jax.Array], model_lib.DecodeParams] | None = None
+        self._split: tuple[list[jax.Array], decode_layout.DecodeParams] | None = None
 
     @property
     def max_prompt_length(self) -> int:
@@ -706,15 +719,16 @@ class EngineCore:
                 cols[name][m] = value
         return _insert_batch_jit(prefixes, state, **cols)
 
-    def split_params(self, params: Params) -> model_lib.DecodeParams:
-        """`model.decode_params(params)` in this engine's layout (a new split, not cached)."""
-        return model_lib.decode_params(params, self.config, out_major=self.out_major)
+    def split_params(self, params: Params) -> decode_layout.DecodeParams:
+        """`decode_layout.decode_params(params)` in this engine's layout (a new split, not
+        cached)."""
+        return decode_layout.decode_params(params, self.config, out_major=self.out_major)
 
-    def decode_params(self, params: Params) -> model_lib.DecodeParams:
+    def decode_params(self, params: Params) -> decode_layout.DecodeParams:
         """`params` split per layer for the decode step; the split is cached, so calling this
         with the params of every step costs a tree flatten, and the copy happens once per
         weight version. Already split params are returned as they are."""
-        if isinstance(params, model_lib.DecodeParams):
+        if isinstance(params, decode_layout.DecodeParams):
             return params
         leaves = jax.tree.leaves(params)
         cached = self._split  # one read: another thread may replace it meanwhile
@@ -765,7 +779,9 @@ class EngineCore:
             )
         return self._recompute(params, state, tokens)
 
-    def warmup(self, params: Params, decode_params: model_lib.DecodeParams | None = None) -> None:
+    def warmup(
+        self, params: Params, decode_params: decode_layout.DecodeParams | None = None
+    ) -> None:
         """Compiles prefill and insert for every bucket, the decode step for every window
         and release (the decode step on `decode_params` if given, else on `params`' cached
         split)."""
@@ -781,7 +797,7 @@ class EngineCore:
         jax.block_until_ready((state, tokens))
 
     def warmup_batched(
-        self, params: Params, decode_params: model_lib.DecodeParams | None = None
+        self, params: Params, decode_params: decode_layout.DecodeParams | None = None
     ) -> None:
         """Compiles what `InferenceHost` runs: `prefill_batch` and `insert_batch` for every
         (prefill rows, bucket), `generate_packed` for every window, and release, so that no

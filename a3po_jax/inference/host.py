@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import engine_core, weight_sync
+from a3po_jax.inference import decode_layout, engine_core, weight_sync
 from a3po_jax.inference.engine_core import SlotSampling
 from a3po_jax.inference.types import (
     ErrorKind,
@@ -222,7 +222,7 @@ class InferenceHost:
         self._lock = threading.Lock()  # guards the fields below
         # Notified when new weights start serving, and when the host closes or dies.
         self._swapped = threading.Condition(self._lock)
-        self._staged: tuple[model_lib.DecodeParams, int] | None = None
+        self._staged: tuple[decode_layout.DecodeParams, int] | None = None
         # Submit order: every request gets the next number; a staged update records the
         # number the next request would get ("drain" finishes all requests below it first).
         self._submit_seq = 0
@@ -495,8 +495,8 @@ class InferenceHost:
 
     # ------------------------------------------------------------------ helpers (any thread)
 
-    def _serving_split(self, params: Any) -> model_lib.DecodeParams:
-        """`params` as this host serves them: split per layer (`model.decode_params`, which
+    def _serving_split(self, params: Any) -> decode_layout.DecodeParams:
+        """`params` as this host serves them: split per layer (`decode_layout.decode_params`, which
         prefill, the cache recompute and the decode step all run on) on the host's device,
         sharing no buffer with `params` (the trainer may donate or overwrite its own).
 
@@ -513,7 +513,7 @@ class InferenceHost:
         def copy(x):
             return None if x is None else jax.device_put(x, self._device, may_alias=False)
 
-        return split._replace(
+        return split.replace(
             embed=copy(split.embed), final_norm=copy(split.final_norm), lm_head=copy(split.lm_head)
         )
 

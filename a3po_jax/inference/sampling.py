@@ -159,7 +159,7 @@ def sample_tokens_vocab_major(
     laid out vocabulary-major: `[V, N]`, one column per slot.
 
     That is the layout the decode step's lm_head produces (the [V, D] table is the GEMM's
-    left operand, `model.apply_decode(..., vocab_major=True)`), and every reduction over
+    left operand, `decode_layout.apply_decode(..., vocab_major=True)`), and every reduction over
     the vocabulary then runs down the columns, N contiguous slots at a time, which XLA:CPU
     vectorises; over `[N, V]` rows it reduced each row alone. At batch 32 and SmolLM2's
     49152 tokens the greedy max / first-argmax / log-normaliser passes took about 10 ms of

@@ -20,7 +20,8 @@ from typing import Any
 
 import jax
 
-from a3po_jax.model.decoder import ModelConfig, Params, init_params
+from a3po_jax.model.config import ModelConfig, Params
+from a3po_jax.model.decoder import init_params
 
 # The longest position a "tiny" model serves and trains on: long enough for the toy tasks'
 # prompts plus their completion budgets (a 512-token rollout on a 256-token bucket fits).
