@@ -3,10 +3,12 @@ beside the raw TCP bandwidth of the same loopback between the same cores, in one
 
     python scripts/bench_weight_push.py                      # SmolLM2-135M, float32, split cores
     python scripts/bench_weight_push.py --dtype bfloat16     # the host serves bfloat16
+    python scripts/bench_weight_push.py --placement devices  # in-process, device to device
     python scripts/bench_weight_push.py --model tiny --repeats 3
 
-Split cores as `system.inference_cores` places them: a local host process
-(`LocalHostProcess`) on the first ``--host-cores`` cores, this process on the rest. Measured:
+``--placement cores`` (split cores, as `system.inference_cores` places them): a local host
+process (`LocalHostProcess`) on the first ``--host-cores`` cores, this process on the rest.
+Measured:
 
 * ``loopback``: a plain socket sending the model's bytes to a sink process on the host's
   cores (the link's own limit);
@@ -17,6 +19,12 @@ Split cores as `system.inference_cores` places them: a local host process
   to local and remote hosts: the seconds the trainer is held (the staging copy) and the
   seconds until the host serves.
 
+``--placement devices`` (split devices, as `system.inference_devices` places them): the
+trainer's weights on the first device, an embedded host on the others (`InferenceHost` with
+a mesh of its own); a push is ``update_weights`` (device to device, then the serving layout)
+until the host serves it. On a CPU the devices are virtual
+(``--xla_force_host_platform_device_count``, set here), so this is a copy in one memory.
+
 Figures are the median (min-max) over ``--repeats`` pushes after one warm-up push (the first
 allocates the reusable buffers). Prints a table, then one JSON line with the machine.
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -111,6 +120,30 @@ def background_pushes(pool: HostPool, client, params, first_version: int, repeat
     return held, serving
 
 
+def device_pushes(model: str, host_devices: int, repeats: int) -> tuple[dict, int, list[float]]:
+    """(machine, bytes, seconds) of `repeats` in-process pushes (after a warm-up) from the
+    first device to a host on the next `host_devices`."""
+    from a3po_jax.inference.host import InferenceHost
+    from a3po_jax.parallel.sharding import make_mesh
+
+    loaded = load_model(model)
+    devices = jax.devices()
+    params = jax.device_put(loaded.params, devices[0])
+    mesh = make_mesh(1, 1, host_devices, devices=devices[1 : 1 + host_devices])
+    host = InferenceHost(loaded.config, params, num_slots=2 * host_devices, mesh=mesh).start()
+    seconds = []
+    try:
+        for version in range(1, repeats + 2):
+            t0 = time.perf_counter()
+            host.update_weights(params, version)
+            assert host.wait_serving(version, timeout=600)
+            if version > 1:
+                seconds.append(time.perf_counter() - t0)
+    finally:
+        host.close()
+    return describe_machine(), sum(x.nbytes for x in jax.tree.leaves(params)), seconds
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
@@ -121,7 +154,11 @@ def main(argv: list[str] | None = None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="served")
     p.add_argument("--host-cores", type=int, default=1, help="cores of the host process")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--placement", default="cores", choices=("cores", "devices"))
+    p.add_argument("--host-devices", type=int, default=1, help="devices: the host's (tensor)")
     args = p.parse_args(argv)
+    if args.placement == "devices":
+        return main_devices(args)
 
     host_cores, trainer_cores = placement.split_cores(args.host_cores)
     placement.pin_trainer(args.host_cores)
@@ -177,6 +214,37 @@ def main(argv: list[str] | None = None):
                 "host_cores": host_cores,
                 "trainer_cores": trainer_cores,
                 "machine": machine,
+            }
+        )
+    )
+
+
+def main_devices(args) -> None:
+    """--placement devices: the in-process device-to-device push."""
+    if jax.config.jax_platforms in (None, "", "cpu") and "device_count" not in os.environ.get(
+        "XLA_FLAGS", ""
+    ):  # virtual CPU devices; read when the backend starts, which it has not yet
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={1 + args.host_devices}"
+        )
+    machine, nbytes, seconds = device_pushes(args.model, args.host_devices, args.repeats)
+    gb = nbytes / 1e9
+    print(
+        f"{args.model}: {gb:.3f} GB; trainer on {jax.devices()[0]}, host on "
+        f"{args.host_devices} other device(s); {machine['device']}, {machine['cpu']}"
+    )
+    gbps = gb / statistics.median(seconds)
+    print(f"{'push (call -> serving)':<30}{summary(seconds):>24}{gbps:>12.2f} GB/s")
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "bytes": nbytes,
+                "seconds": seconds,
+                "push_gbps": gb / statistics.median(seconds),
+                "machine": machine,
+                "placement": "devices",
             }
         )
     )

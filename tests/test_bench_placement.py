@@ -59,3 +59,19 @@ def test_bench_weight_push_measures_the_push_beside_the_loopback():
     assert min(seconds["push (call -> serving)"]) >= min(seconds["  host receive"])
     assert report["host_cores"] and report["trainer_cores"]
     assert not set(report["host_cores"]) & set(report["trainer_cores"])
+
+
+def test_bench_weight_push_between_devices_in_one_process():
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_weight_push.py", "--placement", "devices"]
+        + ["--model", "tiny", "--repeats", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["placement"] == "devices" and len(report["seconds"]) == 2
+    assert report["push_gbps"] > 0 and "host on 1 other device(s)" in done.stdout

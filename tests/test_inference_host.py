@@ -416,13 +416,14 @@ def test_warmup_compiles_every_program_the_loop_runs(params):
     # After warmup no admission pattern (how many prompts arrive together, which bucket)
     # and no window compiles while serving: a compile mid-run stalls every running sample.
     # A fresh capacity (24) so that compilations from other tests do not stand in for it.
-    jits = (
-        engine_core._prefill_batch_jit,
-        engine_core._insert_batch_jit,
-        engine_core._generate_packed_jit,
-        engine_core._release_jit,
-    )
     h = _host(params, max_cache_len=24)
+    one_device = h._core._jits  # the shared one-device jits
+    jits = (
+        one_device.prefill_batch,
+        one_device.insert_batch,
+        one_device.generate_packed,
+        one_device.release,
+    )
     h.warmup()
     before = [f._cache_size() for f in jits]
     with h:
@@ -554,9 +555,9 @@ def test_compiles_a_handful_of_shapes(params):
     from a3po_jax.inference import engine_core
 
     jits = {
-        "prefill": engine_core._prefill_batch_jit,
-        "insert": engine_core._insert_batch_jit,
-        "generate": engine_core._generate_packed_jit,
+        "prefill": engine_core._ONE_DEVICE_JITS.prefill_batch,
+        "insert": engine_core._ONE_DEVICE_JITS.insert_batch,
+        "generate": engine_core._ONE_DEVICE_JITS.generate_packed,
     }
     before = {k: f._cache_size() for k, f in jits.items()}
     settings = [

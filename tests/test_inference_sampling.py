@@ -397,7 +397,7 @@ def test_engine_step_equals_apply_across_a_weight_swap():
     state, _, _ = core.insert(prefix, state, 0, sampled)
     state, _, _ = core.insert(prefix, state, 1, engine_core.SlotSampling())  # greedy
     state, _, _ = core.generate(a, state)  # compiles
-    compiled = engine_core._generate_jit._cache_size()
+    compiled = engine_core._ONE_DEVICE_JITS.generate._cache_size()
     for params in [a, a, b, b]:
         ref_tokens, ref_logprobs = reference(params, state)  # state is not donated here
         _, stale_logprobs = reference(a, state)
@@ -406,7 +406,7 @@ def test_engine_step_equals_apply_across_a_weight_swap():
         np.testing.assert_allclose(lp, ref_logprobs, atol=1e-5)
         if params is b:  # the swap changed the model: a's log-probs would be far off
             assert np.abs(np.asarray(lp) - np.asarray(stale_logprobs)).max() > 1e-2
-    assert engine_core._generate_jit._cache_size() == compiled
+    assert engine_core._ONE_DEVICE_JITS.generate._cache_size() == compiled
     np.testing.assert_array_equal(state.cache.lengths, [3 + 5, 3 + 5])
 
 

@@ -45,9 +45,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from a3po_jax import model as model_lib
 from a3po_jax.inference import decode_layout, sampling
+from a3po_jax.parallel import sharding
 
 Params = Any
 
@@ -532,19 +534,93 @@ def release(state: DecodeState, finished: jax.Array) -> DecodeState:
     return state.replace(active=state.active & ~finished)
 
 
-# Module-level jits keyed on the (hashable, frozen) config: every EngineCore with the same
-# model and shapes shares one compilation. The decode state is donated, so the KV cache is
-# updated in place instead of copied every step.
-_prefill_jit = jax.jit(prefill, static_argnames=("config", "cache_dtype"))
-_insert_jit = jax.jit(insert, donate_argnums=(1,))
-_generate_jit = jax.jit(generate, static_argnames=("config", "window"), donate_argnums=(1,))
-_release_jit = jax.jit(release, donate_argnums=(0,))
-_prefill_batch_jit = jax.jit(prefill_batch, static_argnames=("config", "cache_dtype"))
-_insert_batch_jit = jax.jit(insert_batch, donate_argnums=(1,))
-_generate_packed_jit = jax.jit(
-    generate_packed, static_argnames=("config", "window"), donate_argnums=(1,)
-)
-_recompute_jit = jax.jit(recompute_cache, static_argnames=("config",), donate_argnums=(1,))
+@dataclasses.dataclass(frozen=True)
+class _Jits:
+    """The jitted engine functions. The decode state is donated, so the KV cache is updated
+    in place instead of copied every step."""
+
+    prefill: Any
+    insert: Any
+    generate: Any
+    release: Any
+    prefill_batch: Any
+    insert_batch: Any
+    generate_packed: Any
+    recompute: Any
+
+
+def _make_jits(mesh: Mesh | None) -> _Jits:
+    """The engine's jits; on a mesh, with the decode state sharded as `state_shardings` says
+    on the way out too (so that donation updates it in place), the prefixes' caches split
+    over heads, and the small outputs replicated."""
+    if mesh is None:
+        state = prefix = single = rep = None
+    else:
+        state, prefix, rep = state_shardings(mesh), prefix_shardings(mesh), replicated(mesh)
+        single = Prefix(cache=prefix.cache, last_logits=prefix.last_logits)
+
+    def jit(fn, out_shardings, **kwargs):
+        if mesh is not None:
+            kwargs["out_shardings"] = out_shardings
+        return jax.jit(fn, **kwargs)
+
+    static = ("config", "cache_dtype")
+    return _Jits(
+        prefill=jit(prefill, single, static_argnames=static),
+        insert=jit(insert, (state, rep, rep), donate_argnums=(1,)),
+        generate=jit(
+            generate, (state, rep, rep), static_argnames=("config", "window"), donate_argnums=(1,)
+        ),
+        release=jit(release, state, donate_argnums=(0,)),
+        prefill_batch=jit(prefill_batch, prefix, static_argnames=static),
+        insert_batch=jit(insert_batch, (state, rep), donate_argnums=(1,)),
+        generate_packed=jit(
+            generate_packed, (state, rep), static_argnames=("config", "window"), donate_argnums=(1,)
+        ),
+        recompute=jit(recompute_cache, state, static_argnames=("config",), donate_argnums=(1,)),
+    )
+
+
+# One device: module-level jits, so every EngineCore with the same model and shapes shares
+# one compilation (jit keys on the hashable, frozen config).
+_ONE_DEVICE_JITS = _make_jits(None)
+
+
+@functools.cache
+def _mesh_jits(mesh: Mesh) -> _Jits:
+    return _make_jits(mesh)
+
+
+def state_shardings(mesh: Mesh) -> DecodeState:
+    """How a `DecodeState` lies on an inference mesh: slots split over ``data`` (and
+    ``fsdp``), the KV cache's heads over ``tensor`` (`sharding.INFERENCE_RULES`)."""
+    rules = sharding.INFERENCE_RULES
+    kv = sharding.kv_cache_shardings(mesh, rules)
+    slots = NamedSharding(mesh, sharding.logical_to_spec(("batch",), rules, mesh=mesh))
+    return DecodeState(
+        cache=kv,
+        tokens=slots,
+        active=slots,
+        temperature=slots,
+        top_k=slots,
+        top_p=slots,
+        seed_hi=slots,
+        seed_lo=slots,
+        sample_index=slots,
+        step=slots,
+    )
+
+
+def prefix_shardings(mesh: Mesh) -> PrefixBatch:
+    """How prefilled prompts lie on an inference mesh: every row on every ``data`` group
+    (any slot may take any row), the cache's heads over ``tensor``; logits replicated."""
+    rows_whole = tuple((k, None if k == "batch" else v) for k, v in sharding.INFERENCE_RULES)
+    kv = sharding.kv_cache_shardings(mesh, rows_whole)
+    return PrefixBatch(cache=kv._replace(lengths=replicated(mesh)), last_logits=replicated(mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
 
 
 class EngineCore:
@@ -566,6 +642,12 @@ class EngineCore:
     the capacity, which is always the last): the caller that knows the slots' lengths passes
     `window_for(longest)`, and a step costs what its longest sample needs, not the capacity.
     One decode program is compiled per window used.
+
+    On a `mesh` of several devices (``data`` x ``tensor``, `sharding.INFERENCE_RULES`) the
+    engine is data- and tensor-parallel: the slots are split over ``data``, the weights
+    (laid out with ``shards`` = the ``tensor`` size, `decode_layout.decode_shardings`) and
+    the KV cache's heads over ``tensor``, so a model too large for one device serves from
+    several. Without one it runs on this process's first device.
     """
 
     def __init__(
@@ -576,6 +658,7 @@ class EngineCore:
         capacity: int,
         prefill_buckets: tuple[int, ...],
         cache_dtype=None,
+        mesh: Mesh | None = None,
     ):
         buckets = tuple(sorted(set(int(b) for b in prefill_buckets)))
         if not buckets or buckets[0] <= 0:
@@ -590,14 +673,27 @@ class EngineCore:
             )
         self.config = config
         self.num_slots = int(num_slots)
+        if mesh is None:
+            mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        self.mesh = mesh
+        # Weights split over `tensor` (shards) and slots over `data`: both must divide.
+        self.shards = int(mesh.shape["tensor"])
+        groups = int(mesh.shape["data"] * mesh.shape["fsdp"])
+        if self.num_slots % groups:
+            raise ValueError(
+                f"num_slots={self.num_slots} must be a multiple of the inference mesh's data x "
+                f"fsdp size {groups} (the slots are split over it)"
+            )
         # The decode step's weight layout (`decode_params`' out_major): out-major from 2 slots up.
         self.out_major = self.num_slots > 1
         self.capacity = int(capacity)
         self.prefill_buckets = buckets
         self.cache_dtype = cache_dtype
-        self._prefill = functools.partial(_prefill_jit, config=config, cache_dtype=cache_dtype)
-        self._generate = functools.partial(_generate_jit, config=config)
-        self._recompute = functools.partial(_recompute_jit, config=config)
+        jits = _ONE_DEVICE_JITS if mesh.size == 1 else _mesh_jits(mesh)
+        self._jits = jits
+        self._prefill = functools.partial(jits.prefill, config=config, cache_dtype=cache_dtype)
+        self._generate = functools.partial(jits.generate, config=config)
+        self._recompute = functools.partial(jits.recompute, config=config)
         windows, w = [], buckets[0]
         while w < self.capacity:
             windows.append(w)
@@ -611,9 +707,9 @@ class EngineCore:
             r *= 2
         self.prefill_rows = (*rows, self.num_slots)
         self._prefill_batch = functools.partial(
-            _prefill_batch_jit, config=config, cache_dtype=cache_dtype
+            jits.prefill_batch, config=config, cache_dtype=cache_dtype
         )
-        self._generate_packed = functools.partial(_generate_packed_jit, config=config)
+        self._generate_packed = functools.partial(jits.generate_packed, config=config)
         # (leaves of the params last split, their split). The leaves are held so that their
         # ids cannot be reused by new arrays while the entry lives.
         self._split: tuple[list[jax.Array], decode_layout.DecodeParams] | None = None
@@ -638,7 +734,9 @@ class EngineCore:
         state = init_decode_state(self.config, self.num_slots, self.capacity, self.cache_dtype)
         # Committed like the outputs of the jitted steps, so the first insert compiles the
         # same executable as every later one (jit keys on committed-ness too).
-        return jax.device_put(state, jax.devices()[0])
+        if self.mesh.size == 1:
+            return jax.device_put(state, self.mesh.devices.flat[0])
+        return jax.device_put(state, state_shardings(self.mesh))
 
     def prefill(self, params: Params, prompt_tokens) -> Prefix:
         """Prefills one prompt (a sequence of ints), padded to its bucket."""
@@ -661,7 +759,7 @@ class EngineCore:
     ) -> tuple[DecodeState, jax.Array, jax.Array]:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
-        return _insert_jit(prefix, state, jnp.int32(slot), **slot_sampling.as_arrays())
+        return self._jits.insert(prefix, state, jnp.int32(slot), **slot_sampling.as_arrays())
 
     def prefill_batch(self, params: Params, prompts) -> PrefixBatch:
         """Prefills several prompts (sequences of ints) of one bucket in one call; the rows
@@ -717,12 +815,25 @@ class EngineCore:
                 ("sample_index", s.sample_index),
             ):
                 cols[name][m] = value
-        return _insert_batch_jit(prefixes, state, **cols)
+        return self._jits.insert_batch(prefixes, state, **cols)
 
     def split_params(self, params: Params) -> decode_layout.DecodeParams:
         """`decode_layout.decode_params(params)` in this engine's layout (a new split, not
-        cached)."""
-        return decode_layout.decode_params(params, self.config, out_major=self.out_major)
+        cached), laid out for its ``tensor`` size and, on a mesh, placed on it."""
+        split = decode_layout.decode_params(
+            params, self.config, out_major=self.out_major, shards=self.shards
+        )
+        if self.mesh.size > 1:
+            split = jax.device_put(split, decode_layout.decode_shardings(split, self.mesh))
+        return split
+
+    def place_params(self, params: Params) -> Params:
+        """`params` (stacked, on any devices) on this engine's devices, device to device: on
+        a mesh, split over ``tensor`` as `sharding.INFERENCE_RULES` says."""
+        if self.mesh.size == 1:
+            return jax.device_put(params, self.mesh.devices.flat[0])
+        shardings = sharding.param_shardings(params, self.mesh, sharding.INFERENCE_RULES)
+        return jax.device_put(params, shardings)
 
     def decode_params(self, params: Params) -> decode_layout.DecodeParams:
         """`params` split per layer for the decode step; the split is cached, so calling this
@@ -766,7 +877,7 @@ class EngineCore:
         return None if window == self.capacity else window  # one program for the whole cache
 
     def release(self, state: DecodeState, finished) -> DecodeState:
-        return _release_jit(state, jnp.asarray(finished, jnp.bool_))
+        return self._jits.release(state, jnp.asarray(finished, jnp.bool_))
 
     def recompute_cache(self, params: Params, state: DecodeState, tokens) -> DecodeState:
         """Recomputes the active slots' caches under `params` (`recompute_cache`) from

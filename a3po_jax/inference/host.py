@@ -147,7 +147,8 @@ class _Pending:
 
 
 class InferenceHost:
-    """Serves `GenerateRequest`s from one model on this process's default device.
+    """Serves `GenerateRequest`s from one model on this process's first device, or on a mesh
+    of devices of its own.
 
     Args:
       config: the model's config.
@@ -161,6 +162,8 @@ class InferenceHost:
         docstring).
       seed: host seed mixed into every request seed (0 = request seeds used as they are).
       cache_dtype: KV cache dtype (default: the model's compute dtype).
+      mesh: the devices it serves on (`EngineCore`: slots over ``data``, weights and cache
+        heads over ``tensor``); default this process's first device.
     """
 
     def __init__(
@@ -175,6 +178,7 @@ class InferenceHost:
         update_policy: str = "in_flight",
         seed: int = 0,
         cache_dtype=None,
+        mesh=None,
     ):
         if update_policy not in UPDATE_POLICIES:
             raise ValueError(
@@ -205,8 +209,9 @@ class InferenceHost:
             capacity=max_cache_len,
             prefill_buckets=tuple(prefill_buckets),
             cache_dtype=cache_dtype,
+            mesh=mesh,
         )
-        self._device = jax.devices()[0]
+        self.mesh = self._core.mesh
         # Names, shapes and dtypes an update must match.
         self._params_spec = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params
@@ -505,13 +510,14 @@ class InferenceHost:
         copy is kept: for SmolLM2 in float32 that is 0.43 GB less per serving version, and a
         staged update beside the serving one holds two copies of the weights, not four.
         """
-        # On this device first: an alias where `params` already live here alone (the
-        # trainer's one-device mesh), so every split compiles to the same program whatever
-        # sharding the caller's arrays carry; a copy from another device or a mesh.
-        split = self._core.split_params(jax.device_put(params, self._device))
+        # On the host's devices first: an alias where `params` already live there as they
+        # would be placed (the shared trainer's one-device mesh), so every split compiles to
+        # the same program whatever sharding the caller's arrays carry; a device-to-device
+        # copy from another device or mesh (split devices).
+        split = self._core.split_params(self._core.place_params(params))
 
         def copy(x):
-            return None if x is None else jax.device_put(x, self._device, may_alias=False)
+            return None if x is None else jax.device_put(x, x.sharding, may_alias=False)
 
         return split.replace(
             embed=copy(split.embed), final_norm=copy(split.final_norm), lm_head=copy(split.lm_head)

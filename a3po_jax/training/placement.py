@@ -21,8 +21,10 @@ import os
 from collections.abc import Sequence
 
 import jax
+from jax.sharding import Mesh
 
 from a3po_jax.inference.pool import HostPool
+from a3po_jax.parallel.sharding import make_mesh
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,22 @@ def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
         for client in clients:
             client.close()
         raise
+
+
+def meshes(system) -> tuple[Mesh, Mesh | None]:
+    """(the trainer's mesh, the embedded host's mesh or None): with
+    ``system.inference_devices`` the host takes the last N devices (``data`` x ``tensor``,
+    tensor = ``system.inference_mesh_tensor``) and the trainer the others; else the trainer
+    takes them all and the host shares the first."""
+    trainer_devices, host_mesh = None, None
+    if system.inference_devices:
+        host_devices, trainer_devices = device_split(system.inference_devices)
+        tensor = system.inference_mesh_tensor
+        host_mesh = make_mesh(len(host_devices) // tensor, 1, tensor, devices=host_devices)
+    mesh = make_mesh(
+        system.mesh_data, system.mesh_fsdp, system.mesh_tensor, devices=trainer_devices
+    )
+    return mesh, host_mesh
 
 
 def device_split(num_inference: int) -> tuple[list[jax.Device], list[jax.Device]]:

@@ -186,11 +186,14 @@ class Trainer:
         )
 
         # Training state on the trainer's mesh. Built before the inference host starts, so a
-        # mesh or batch that does not fit fails before anything runs.
-        from a3po_jax.parallel.sharding import make_mesh
-
-        system = cfg.system
-        self.mesh = make_mesh(system.mesh_data, system.mesh_fsdp, system.mesh_tensor)
+        # mesh or batch that does not fit fails before anything runs. With split devices the
+        # embedded host gets a mesh of its own (placement.py).
+        if self.multi_process and cfg.system.inference_devices:
+            raise ValueError(
+                "system.inference_devices runs in one process so far; with several processes "
+                "serve from hosts of their own (system.inference_hosts, scripts/launch.py)"
+            )
+        self.mesh, self._host_mesh = placement.meshes(cfg.system)
         # The algorithm is resolved from its tables here, once (an unknown name fails now).
         self.algo = step_builder.algorithm(cfg)
         self.optimizer = step_builder.optimizer(cfg)
@@ -684,6 +687,7 @@ class Trainer:
         return InferenceHost(
             self.policy.config,
             params,
+            mesh=self._host_mesh,
             num_slots=rollout.num_slots,
             prefill_buckets=tuple(rollout.prompt_buckets),
             max_cache_len=max(rollout.prompt_buckets) + rollout.max_new_tokens,
