@@ -107,6 +107,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def _add_host_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="inference host port")
     p.add_argument(
+        "--weight-port",
+        type=int,
+        default=DEFAULT_PORT + 1,
+        help="the host's port for weight pushes (open it where the gRPC port is open)",
+    )
+    p.add_argument(
         "--token-file", default=DEFAULT_TOKEN_FILE, help="shared host token (created if missing)"
     )
 
@@ -201,7 +207,9 @@ def _train_argv(python: str, experiment: str, overrides: list[str], resume: bool
     )
 
 
-def _host_argv(python: str, cfg, *, port: int, bind: str, token_file: str) -> tuple:
+def _host_argv(
+    python: str, cfg, *, port: int, bind: str, token_file: str, weight_port: int
+) -> tuple:
     """grpc_server flags that make the host serve exactly what the trainer's config asks."""
     buckets = ",".join(str(b) for b in cfg.rollout.prompt_buckets)
     return (
@@ -226,6 +234,12 @@ def _host_argv(python: str, cfg, *, port: int, bind: str, token_file: str) -> tu
         cfg.system.effective_update_policy,
         "--init-seed",
         str(cfg.model.seed),
+        "--param-dtype",
+        cfg.system.inference_dtype or cfg.model.param_dtype,
+        "--compute-dtype",
+        cfg.model.compute_dtype,
+        "--weight-port",
+        str(weight_port),
     )
 
 
@@ -248,7 +262,14 @@ def plan_gpu_node(args: argparse.Namespace) -> list[HostCommand]:
     host = HostCommand(
         "inference host",
         {"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": args.inference_gpus},
-        _host_argv(sys.executable, cfg, port=args.port, bind="127.0.0.1", token_file=token),
+        _host_argv(
+            sys.executable,
+            cfg,
+            port=args.port,
+            bind="127.0.0.1",
+            token_file=token,
+            weight_port=args.weight_port,
+        ),
     )
     remote = [f"system.inference_hosts=127.0.0.1:{args.port}", f"system.host_token_file={token}"]
     trainer = HostCommand(
@@ -274,7 +295,14 @@ def plan_tpu_pod(args: argparse.Namespace) -> list[HostCommand]:
     token = _home(args.token_file, remote=True)
     if args.inference_tpu:
         address = args.inference_address or "<inference-vm-internal-ip>"
-        host_argv = _host_argv(args.python, cfg, port=args.port, bind="0.0.0.0", token_file=token)
+        host_argv = _host_argv(
+            args.python,
+            cfg,
+            port=args.port,
+            bind="0.0.0.0",
+            token_file=token,
+            weight_port=args.weight_port,
+        )
         commands.append(
             HostCommand(
                 "inference host",
@@ -331,6 +359,8 @@ def plan_inference_host(args: argparse.Namespace) -> list[HostCommand]:
         args.update_policy,
         "--init-seed",
         str(args.init_seed),
+        "--weight-port",
+        str(args.weight_port),
     )
     if args.max_cache_len is not None:
         argv += ("--max-cache-len", str(args.max_cache_len))

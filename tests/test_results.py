@@ -181,6 +181,33 @@ def test_seed_table_golden(tmp_path):
     assert results.seed_table(unique).empty  # nothing shares a configuration
 
 
+def test_time_to_reward_and_speed_table_golden(tmp_path):
+    # Wall time 100 + 10·i: elapsed 0, 10, 20, 30 s after step 1. The 2-step moving average
+    # of [0, 0.2, 0.6, 0.6] is [0, 0.1, 0.4, 0.6]: it reaches 0.4 at step 3 (20 s); the raw
+    # reward would have reached it at step 3 too, a level of 0.3 at step 3 (not step 2).
+    push = {"time/weight_push_s": [9.0, 1.0, 1.0, 1.0], "time/wait_rollouts_s": [0, 2, 2, 2]}
+    steps = [50.0, 10.0, 10.0, 10.0]
+    fast = write_run(tmp_path, "f0", [0, 0.2, 0.6, 0.6], seed=0, step_s=steps, extra=push)
+    write_run(tmp_path, "f1", [0, 0.6, 0.6, 0.6], seed=1, step_s=steps, extra=push)
+    write_run(tmp_path, "s0", [0, 0.0, 0.1, 0.5], prox="behav", seed=0, step_s=steps, extra=push)
+    write_run(tmp_path, "s1", [0, 0.0, 0.1, 0.5], prox="behav", seed=1, step_s=steps, extra=push)
+    run = results.load_run(fast)
+    assert results.time_to_reward(run, 0.4, smooth=2) == 20.0
+    assert results.time_to_reward(run, 0.3, smooth=2) == 20.0
+    assert math.isnan(results.time_to_reward(run, 0.9, smooth=2))
+    rows, level = results.speed_table(results.load_runs([tmp_path]), last_k=1, smooth=1)
+    # 0.8 x the lowest configuration's mean last-1 reward (behav: 0.5).
+    assert level == pytest.approx(0.4)
+    rows = rows.to_dict("records")
+    assert [(r["prox"], r["seeds"]) for r in rows] == [("a3po", 2), ("behav", 2)]
+    # 3 steps in 30 s after the first: 360 steps per hour.
+    assert rows[0]["steps/hour"] == "360 ± 0"
+    key = "s to reward/mean 0.4"
+    assert rows[0][key] == "15 ± 7" and rows[1][key] == "30 ± 0"  # (20, 10) and (30, 30)
+    # Steps 2..: 3 s of pushes and 6 s of waiting in 30 s.
+    assert rows[0]["held by push"] == "10.0%" and rows[0]["waiting for rollouts"] == "20.0%"
+
+
 def test_phase_time_ratio_golden(tmp_path):
     # Medians over steps 2..: a3po 3.0 / 6.0 (seeds 0 / 1), recompute 4.0 / 6.0.
     for name, prox, seed, times in (

@@ -43,6 +43,7 @@ from a3po_jax.analysis.tables import (
     paired_step_difference,
     pivot,
     seed_table,
+    speed_table,
     summary_table,
 )
 
@@ -126,6 +127,18 @@ def write_summary(
     ]
     if not aggregate.empty:
         lines += ["## Mean ± std over seeds", "", markdown_table(aggregate), ""]
+        speed, level = speed_table(runs, last_k=last_k)
+        lines += [
+            "## Speed: steps per hour and time to a reward level",
+            "",
+            f"Wall-clock time from the end of the first (compiling) step; the level, {level:.3g},"
+            f" is 0.8 x the lowest configuration's mean last-{last_k} `{REWARD}`, reached by a"
+            " 3-step moving average. Held by push / waiting for rollouts: the trainer's share"
+            " of the wall-clock time (steps 2..).",
+            "",
+            markdown_table(speed),
+            "",
+        ]
     if axes is not None:
         for metric, reduce in ((REWARD, "last_k"), (REWARD, "mean"), ("loss/clipfrac", "mean")):
             grid = pivot(

@@ -84,7 +84,9 @@ from a3po_jax.analysis.tables import (
     phase_time_ratio,
     pivot,
     seed_table,
+    speed_table,
     summary_table,
+    time_to_reward,
 )
 
 __all__ = [
@@ -139,9 +141,11 @@ __all__ = [
     "plot_sweep",
     "run_label",
     "seed_table",
+    "speed_table",
     "staleness_distribution",
     "summary_table",
     "sweep_axes",
+    "time_to_reward",
     "version_area",
     "version_window_mean",
     "write_summary",

@@ -130,6 +130,80 @@ def seed_table(
     return table
 
 
+def time_to_reward(run: Run, level: float, *, metric: str = REWARD, smooth: int = 3) -> float:
+    """Wall-clock seconds (from the end of the first, compiling step) until the moving
+    average over `smooth` steps of `metric` first reaches `level`; NaN if it never does."""
+    values = run.series(metric)
+    if values.empty:
+        return float("nan")
+    averaged = values.rolling(smooth, min_periods=1).mean().to_numpy()
+    elapsed = dict(zip([r["step"] for r in run.records], run.elapsed_s(), strict=True))
+    reached = np.flatnonzero(averaged >= level)
+    return float(elapsed[int(values.index[reached[0]])]) if reached.size else float("nan")
+
+
+def speed_table(
+    runs: Sequence[Run],
+    *,
+    level: float | None = None,
+    metric: str = REWARD,
+    last_k: int = 5,
+    smooth: int = 3,
+    seed_key: str = "seed",
+) -> tuple[pd.DataFrame, float]:
+    """Steps per hour and time to a reward level, mean ± std over seeds, per configuration;
+    returns (the table, the level).
+
+    Steps per hour count the steps after the first (which compiles) over the wall-clock time
+    they took. The level defaults to 0.8 x the lowest configuration's mean last-k
+    ``metric``, so that every configuration reaches it: the time to it says which got there
+    first in wall-clock time (`time_to_reward`, ``smooth``-step moving average). Also the
+    fractions of the wall-clock time the trainer spent held by weight pushes and waiting for
+    rollouts (means over steps 2..).
+    """
+    keys, groups = seed_groups(runs, seed_key)
+    if level is None:
+        level = 0.8 * min(
+            float(np.mean([last_k_mean(r, metric, last_k) for r in g])) for g in groups
+        )
+    rows = []
+    for group in groups:
+        per_run = []
+        for run in group:
+            elapsed = run.elapsed_s()
+            step_s = run.series("time/step_s").iloc[1:].sum()
+
+            def share(key: str, run=run, step_s=step_s) -> float:  # of steps 2..
+                return run.series(key).iloc[1:].sum() / step_s if step_s > 0 else float("nan")
+
+            per_run.append(
+                {
+                    "steps_h": 3600.0 * (run.num_steps - 1) / elapsed[-1]
+                    if run.num_steps > 1 and elapsed[-1] > 0
+                    else float("nan"),
+                    "to_level": time_to_reward(run, level, metric=metric, smooth=smooth),
+                    "push": share("time/weight_push_s"),
+                    "wait": share("time/wait_rollouts_s"),
+                }
+            )
+        frame = pd.DataFrame(per_run)
+        n = len(frame)
+        reached = frame["to_level"].dropna()
+        row = {short_key(k): group[0].config.get(k) for k in keys}
+        row["seeds"] = n
+        row["steps/hour"] = mean_std(frame["steps_h"].mean(), frame["steps_h"].std(), n, ".0f")
+        row[f"s to {metric} {level:.3g}"] = (
+            mean_std(reached.mean(), reached.std(), len(reached), ".0f")
+            + ("" if len(reached) == n else f" ({len(reached)} of {n} reached)")
+            if len(reached)
+            else "not reached"
+        )
+        row["held by push"] = f"{frame['push'].mean():.1%}"
+        row["waiting for rollouts"] = f"{frame['wait'].mean():.1%}"
+        rows.append(row)
+    return pd.DataFrame(rows), level
+
+
 def phase_time_ratio(
     runs: Sequence[Run],
     *,
