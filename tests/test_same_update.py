@@ -26,9 +26,9 @@ import pytest
 from factories import synthetic_groups
 
 from a3po_jax import model
+from a3po_jax.core import optim, placement
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batching import build_batch
-from a3po_jax.core.packing import pack_groups
+from a3po_jax.core.batch_plan import make_batch
 from a3po_jax.parallel.sharding import make_mesh
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import TrainConfig, apply_overrides
@@ -153,61 +153,41 @@ def case_groups(cfg: TrainConfig):
     )
 
 
-def _arrays(groups, cfg: TrainConfig, algo, kl_in_reward, state, ref, groups_per_row):
-    """The step's input arrays, as the trainer builds them."""
-    kwargs = dict(
-        advantage=cfg.algo.advantage,
-        length_bucket=cfg.system.length_bucket,
-        dpo_pairs=cfg.algo.loss == "dpo",
-    )
-    if algo.packed:
-        packed = pack_groups(
-            groups,
-            groups_per_row=groups_per_row,
-            balance_rows=algo.num_minibatches == 1,
-            **kwargs,
-        )
-        batch, arrays_of = packed.batch, packed.arrays
-    else:
-        batch = build_batch(groups, **kwargs)
-        arrays_of = batch.arrays
-    if kl_in_reward is not None:
-        to_device = {k: jnp.asarray(v) for k, v in arrays_of().items()}
-        rewards, adv = kl_in_reward(state.params, ref, to_device, jnp.asarray(batch.rewards))
-        batch.rewards = np.asarray(rewards, np.float32)
-        batch.advantages = np.asarray(adv, np.float32)
-    return {k: jnp.asarray(v) for k, v in arrays_of().items()}
-
-
 def compute_case(name: str) -> dict:
-    """One step of case ``name``: its metrics and per-leaf sums of the new params."""
+    """One step of case ``name``, as the trainer runs it: its metrics and per-leaf sums of
+    the new params."""
     cfg = case_config(name)
-    algo = step_builder.algorithm(cfg)
+    algo = step_builder.algorithm(cfg, MODEL)
+    plan = algo.plan
     optimizer = step_builder.optimizer(cfg)
     params = model.init_params(MODEL, jax.random.key(0))
     mesh = make_mesh(1, -1, 1)
-    state = ts.place_train_state(params, optimizer, mesh)
+    state = placement.place_train_state(params, optimizer, mesh)
     state = state._replace(step=jnp.int32(START_VERSION))
     ref = None
     if algo.keeps_reference:
         ref = model.init_params(MODEL, jax.random.key(1))  # differs from the policy: KL > 0
-    common = dict(algo=algo, model_config=MODEL)
     kl_in_reward = None
     if algo.kl_in_reward is not None:
-        kl_in_reward = jax.jit(
-            functools.partial(ts.kl_in_reward, group_size=cfg.rollout.group_size, **common)
-        )
+        kl_in_reward = jax.jit(functools.partial(ts.kl_in_reward, algo=algo))
+
+    def arrays_of(groups, plan):
+        """The step's input arrays, as the trainer's ``_batch_from_groups`` builds them."""
+        batch, arrays = make_batch(groups, plan)
+        if kl_in_reward is not None:
+            device = {k: jnp.asarray(v) for k, v in arrays.items()}
+            _, adv = kl_in_reward(state.params, ref, device, jnp.asarray(batch.rewards))
+            arrays["advantages"] = np.asarray(adv, np.float32)
+        return {k: jnp.asarray(v) for k, v in arrays.items()}
+
     groups = case_groups(cfg)
-    g = cfg.rollout.group_size
-    if cfg.system.mode == "periodic":
-        fold = jax.jit(functools.partial(ts.fold_group, **common))
-        mb = cfg.system.micro_batch_size or g
+    if plan.periodic:
+        fold = jax.jit(functools.partial(ts.fold_group, algo=algo))
         folded = None
         for group in groups:
-            arrays = _arrays([group], cfg, algo, kl_in_reward, state, ref, groups_per_row=1)
-            n_micro = 1 if algo.packed else g // mb
-            acc = fold(state.params, ref, ts.split_micro_batches(arrays, n_micro), state.step)
-            folded = acc if folded is None else ts.add_accumulated(folded, acc)
+            mbs = ts.split_micro_batches(arrays_of([group], plan.fold), plan.fold.micro_batches)
+            acc = fold(state.params, ref, mbs, state.step)
+            folded = acc if folded is None else optim.add_accumulated(folded, acc)
         apply = jax.jit(
             functools.partial(
                 ts.apply_accumulated, optimizer=optimizer, grad_clip=cfg.optim.grad_clip
@@ -215,19 +195,15 @@ def compute_case(name: str) -> dict:
         )
         state, metrics = apply(state, folded)
     else:
-        gpr = cfg.system.groups_per_row
-        arrays = _arrays(groups, cfg, algo, kl_in_reward, state, ref, groups_per_row=gpr)
-        rows = cfg.rollout.groups_per_step // gpr if algo.packed else len(groups) * g
-        step = ts.jit_train_step(
+        step = placement.jit_train_step(
             state,
             mesh,
-            rows,
+            algo=algo,
             optimizer=optimizer,
             grad_clip=cfg.optim.grad_clip,
             with_reference=ref is not None,
-            **common,
         )
-        state, metrics = step(state, arrays, ref)
+        state, metrics = step(state, arrays_of(groups, plan), ref)
     leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
     return {
         "version": int(state.step),

@@ -43,8 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from a3po_jax.core import placement
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batching import TrainBatch, build_batch
+from a3po_jax.core.batch_plan import BatchPlan, make_batch
+from a3po_jax.core.batching import TrainBatch
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import SamplingParams
@@ -190,10 +192,10 @@ class Trainer:
 
         system = cfg.system
         self.mesh = make_mesh(system.mesh_data, system.mesh_fsdp, system.mesh_tensor)
-        # The algorithm is resolved from its tables here, once (an unknown name fails now).
-        self.algo = step_builder.algorithm(cfg)
+        # The algorithm is resolved from its tables here, once, with the batch plan.
+        self.algo = step_builder.algorithm(cfg, policy.config)
         self.optimizer = step_builder.optimizer(cfg)
-        self.state = ts.place_train_state(policy.params, self.optimizer, self.mesh)
+        self.state = placement.place_train_state(policy.params, self.optimizer, self.mesh)
         # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
         self.ref_params = (
             jax.tree.map(jnp.copy, self.state.params) if self.algo.keeps_reference else None
@@ -273,30 +275,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ jitted pieces
 
+    @property
+    def plan(self) -> BatchPlan:
+        """The batch plan the algorithm was built with (rows, minibatches, packing)."""
+        return self.algo.plan
+
     def _build_jitted(self) -> None:
-        common = dict(algo=self.algo, model_config=self.policy.config)
-        batch_rows = self.group_size * self.batch_groups
-        mb = self.algo.micro_batch_size or batch_rows // self.algo.num_minibatches
         from a3po_jax.parallel.sharding import TRAIN_RULES, check_batch_divisible
 
-        # Each micro-batch splits evenly over the mesh (packed arrays lead with packed rows
-        # of system.groups_per_row groups each).
-        gpr = self.cfg.system.groups_per_row
-        rows_per_micro = mb // (self.group_size * gpr) if self.algo.packed else mb
-        check_batch_divisible(rows_per_micro, self.mesh, TRAIN_RULES)
-        step_rows = self.batch_groups // gpr if self.algo.packed else batch_rows
-        self._batch_sharding = ts.batch_shardings(self.mesh, step_rows)
-        self._train_step = ts.jit_train_step(
+        # Each micro-batch splits evenly over the mesh (packed arrays lead with packed rows).
+        check_batch_divisible(self.plan.leading_rows_per_micro_batch, self.mesh, TRAIN_RULES)
+        self._batch_sharding = placement.batch_shardings(self.mesh, self.plan.leading_rows)
+        self._train_step = placement.jit_train_step(
             self.state,
             self.mesh,
-            step_rows,
+            algo=self.algo,
             optimizer=self.optimizer,
             grad_clip=self.cfg.optim.grad_clip,
             with_reference=self.ref_params is not None,
-            **common,
         )
         # Periodic mode: fold each arriving group into the gradient, one update at the end.
-        self._fold_group = jax.jit(functools.partial(ts.fold_group, **common))
+        self._fold_group = jax.jit(functools.partial(ts.fold_group, algo=self.algo))
         self._apply_folded = jax.jit(
             functools.partial(
                 ts.apply_accumulated,
@@ -307,9 +306,7 @@ class Trainer:
         )
         self._kl_in_reward = None
         if self.algo.kl_in_reward is not None:
-            self._kl_in_reward = jax.jit(
-                functools.partial(ts.kl_in_reward, group_size=self.group_size, **common)
-            )
+            self._kl_in_reward = jax.jit(functools.partial(ts.kl_in_reward, algo=self.algo))
 
     @property
     def queue(self) -> RolloutQueue:
@@ -319,49 +316,28 @@ class Trainer:
     # ------------------------------------------------------------------ batches
 
     def _batch_from_groups(
-        self, groups: list[RolloutGroup], groups_per_row: int | None = None
+        self, groups: list[RolloutGroup], plan: BatchPlan
     ) -> tuple[TrainBatch, dict[str, np.ndarray]]:
-        """The padded batch (for metrics) and the arrays the jitted step reads: the batch's
-        own, or the shared-prompt packed layout with ``system.packed_prompts``.
+        """The padded batch (for metrics) and the arrays the jitted step reads, in the
+        plan's layout (:func:`a3po_jax.core.batch_plan.make_batch`), with KL-in-reward's
+        shaped rewards and advantages when the algorithm charges the KL to the reward.
 
-        With ``system.groups_per_row`` > 1 and one minibatch, ``pack_groups`` reorders the
-        groups to balance its rows, and the returned batch (advantages, versions, the
-        metrics' staleness) follows that order; with k > 1 minibatches the order decides
-        which groups train at which version, so it is kept."""
-        kwargs = dict(
-            advantage=self.cfg.algo.advantage,
-            length_bucket=self.cfg.system.length_bucket,
-            dpo_pairs=self.cfg.algo.loss == "dpo",
-        )
-        if self.algo.packed:
-            from a3po_jax.core.packing import pack_groups
-
-            gpr = self.cfg.system.groups_per_row if groups_per_row is None else groups_per_row
-            packed = pack_groups(
-                groups,
-                groups_per_row=gpr,
-                balance_rows=self.algo.num_minibatches == 1,
-                **kwargs,
-            )
-            batch, arrays_of = packed.batch, packed.arrays
-        else:
-            batch = build_batch(groups, **kwargs)
-            arrays_of = batch.arrays
+        With ``system.groups_per_row`` > 1 and one minibatch, packing reorders the groups to
+        balance its rows, and the returned batch (advantages, versions, the metrics'
+        staleness) follows that order."""
+        batch, arrays = make_batch(groups, plan)
         if self._kl_in_reward is not None:
             # KL in the reward: R_i ← R_i − β Σ_t KL_t, then the advantages of those rewards
             # (core.train_step.kl_in_reward); the step then reads the new advantages.
             rewards, adv = self._kl_in_reward(
-                self.state.params,
-                self.ref_params,
-                _to_device(arrays_of()),
-                jnp.asarray(batch.rewards),
+                self.state.params, self.ref_params, _to_device(arrays), jnp.asarray(batch.rewards)
             )
             batch.rewards = np.asarray(rewards, np.float32)
-            batch.advantages = np.asarray(adv, np.float32)
-        return batch, arrays_of()
+            batch.advantages = arrays["advantages"] = np.asarray(adv, np.float32)
+        return batch, arrays
 
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
-        batch, arrays = self._batch_from_groups(groups)
+        batch, arrays = self._batch_from_groups(groups, self.plan)
         self.state, metrics = self._train_step(
             self.state, self._step_input(arrays), self.ref_params
         )
@@ -410,7 +386,7 @@ class Trainer:
         folded = None
         groups: list[RolloutGroup] = []
         wait = 0.0
-        mb = self.cfg.system.micro_batch_size or self.group_size
+        fold = self.plan.fold  # one group per row and per batch
         for _ in range(self.batch_groups):
             t0 = time.perf_counter()
             (group,) = self.queue.get_batch(
@@ -418,23 +394,14 @@ class Trainer:
             )
             wait += time.perf_counter() - t0
             groups.append(group)
-            # One group at a time: system.groups_per_row does not apply (1 group per row).
-            _, arrays = self._batch_from_groups([group], groups_per_row=1)
-            arrays = _to_device(arrays)
-            # A packed group is one row: it cannot be split further.
-            n_micro = 1 if self.algo.packed else self.group_size // mb
-            mbs = ts.split_micro_batches(arrays, n_micro)
+            _, arrays = self._batch_from_groups([group], fold)
+            mbs = ts.split_micro_batches(_to_device(arrays), fold.micro_batches)
             # The prox rule's old pass and the reference pass run inside the fold.
             acc = self._fold_group(params, self.ref_params, mbs, jnp.int32(version))
             folded = acc if folded is None else ts.add_accumulated(folded, acc)
         timings["time/wait_rollouts_s"] = wait
         self.state, metrics = self._apply_folded(self.state, folded)
-        merged = build_batch(
-            groups,
-            advantage=self.cfg.algo.advantage,
-            length_bucket=self.cfg.system.length_bucket,
-            dpo_pairs=self.cfg.algo.loss == "dpo",
-        )
+        merged, _ = make_batch(groups, self.plan.padded)
         return groups, merged, metrics
 
     # ------------------------------------------------------------------ checkpoints
