@@ -176,8 +176,16 @@ class BatchPlan:
 
     @property
     def padded(self) -> BatchPlan:
-        """The same batch in padded rows (the metrics' batch of a periodic step)."""
-        return dataclasses.replace(self, packed=False, groups_per_row=1)
+        """The same groups in padded rows, not split (the metrics' batch of a periodic step,
+        whose update came from the folds)."""
+        return dataclasses.replace(
+            self,
+            packed=False,
+            groups_per_row=1,
+            num_minibatches=1,
+            micro_batch_size=0,
+            periodic=False,
+        )
 
 
 def make_batch(

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from a3po_jax.core import placement
+from a3po_jax.core import optim, placement
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batch_plan import BatchPlan, make_batch
 from a3po_jax.core.batching import TrainBatch
@@ -398,7 +398,7 @@ class Trainer:
             mbs = ts.split_micro_batches(_to_device(arrays), fold.micro_batches)
             # The prox rule's old pass and the reference pass run inside the fold.
             acc = self._fold_group(params, self.ref_params, mbs, jnp.int32(version))
-            folded = acc if folded is None else ts.add_accumulated(folded, acc)
+            folded = acc if folded is None else optim.add_accumulated(folded, acc)
         timings["time/wait_rollouts_s"] = wait
         self.state, metrics = self._apply_folded(self.state, folded)
         merged, _ = make_batch(groups, self.plan.padded)
