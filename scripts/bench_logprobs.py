@@ -3,7 +3,7 @@
 Two ways of computing ``(logp, entropy)`` of ``softmax(h @ W / T)`` for N = B·T tokens:
 
 * ``plain``: full [B, T, V] float32 logits, then ``losses.token_logprobs`` /
-  ``losses.entropy`` (what ``train_step.forward_logprobs`` does after the layer stack);
+  ``losses.entropy`` (what ``logprobs.forward_logprobs`` does after the layer stack);
 * ``chunked``: ``core.logprobs.chunked_token_logprobs``, C tokens at a time (one entry per
   ``--chunk-sizes`` value), both passes taking the vocabulary in blocks of Vb columns (one
   entry per ``--vocab-chunk-sizes`` value: ``auto`` the library's choice, ``0`` whole rows,

@@ -5,7 +5,7 @@ the optimizer update is the same for every layout and left out). For each (P, R,
 same N groups of G responses of length R to one prompt of length P run three ways:
 
 * ``unpacked``: ``build_batch`` rows ``[prompt | response_i]`` and
-  ``train_step.forward_logprobs`` (lm_head over all B·T positions), what the trainer does;
+  ``logprobs.forward_logprobs`` (lm_head over all B·T positions), what the trainer does;
 * ``unpacked+head``: the same rows, but the lm_head only on completion positions (packing
   of one sample per row), to separate the lm_head saving from the prompt sharing;
 * ``packed``: one row ``[prompt | response_1 | … | response_G]`` per group,
@@ -39,8 +39,7 @@ import numpy as np
 from bench_common import CONFIGS, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
-from a3po_jax.core import packing
-from a3po_jax.core import train_step as ts
+from a3po_jax.core import logprobs, packing
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.types import RolloutGroup
 
@@ -113,7 +112,7 @@ def main():
         f"batch; median of {args.repeats} after warm-up"
     )
     steps = {
-        "unpacked": grad_step(ts.forward_logprobs, config),
+        "unpacked": grad_step(logprobs.forward_logprobs, config),
         "packed": grad_step(packing.packed_token_logprobs, config),
     }
     header = (

@@ -5,7 +5,7 @@ Prints a short table and one JSON line with:
 * the machine: CPU model and ISA flags (avx512f / avx2 / neon, from /proc/cpuinfo), or the
   accelerator's name; and its matmul peak measured in this run (a jitted 2048^3 matmul in
   ``--dtype``, 8192^3 on an accelerator; GFLOP/s, the fastest of 10 runs per round);
-* the policy log-prob pass (``train_step.forward_logprobs``): its forward, its
+* the policy log-prob pass (``logprobs.forward_logprobs``): its forward, its
   forward+backward (``jax.value_and_grad`` of the masked sum of the log-probs with respect
   to every parameter) and their ratio (issue 15's target: <= 3.0); the same for the layer
   stack alone (``model.hidden_states`` to the final hidden state, no lm_head: ``layers``);
@@ -16,7 +16,7 @@ Prints a short table and one JSON line with:
   1 for the pass, is 0.75);
 * achieved FLOP/s of each step and its fraction of the measured peak (target for the
   a3po step: >= 55 %);
-* the optimizer update alone (``train_step.apply_grads``: 1/count, clip, AdamW, skip if
+* the optimizer update alone (``optim.apply_grads``: 1/count, clip, AdamW, skip if
   non-finite) on the params' shapes, and its share of the a3po step;
 * peak memory: this process's peak RSS (``getrusage``; on a CPU every array lives there),
   ``memory_stats()["peak_bytes_in_use"]`` on an accelerator, and XLA's temporaries of each
@@ -85,11 +85,12 @@ import jax.numpy as jnp
 from bench_common import CONFIGS, dot_flops, matmul_size, synthetic_groups  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
-from a3po_jax.core import packing
+from a3po_jax.core import logprobs, optim, packing
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
+from a3po_jax.core.stats import Stats
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
+from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
 from a3po_jax.training.metrics import peak_memory
 
 PROX_MODES = ("recompute", "a3po", "behav")
@@ -240,7 +241,7 @@ def main(argv=None) -> dict:
         head_tokens = None
     arrays = {k: jnp.asarray(v) for k, v in arrays_np.items()}
     n_tok = int(batch.loss_mask.sum())
-    logp_fn = packing.packed_token_logprobs if args.packed else ts.forward_logprobs
+    logp_fn = packing.packed_token_logprobs if args.packed else logprobs.forward_logprobs
     params = model.init_params(mcfg, jax.random.key(0))
     info = machine()
     print(
@@ -264,7 +265,7 @@ def main(argv=None) -> dict:
 
     def layer_stack(prm, batch_arrays):
         """The decoder layers to the final hidden state (no lm_head): issue 15's second ratio."""
-        hidden_fn = packing.packed_hidden if args.packed else ts.batch_hidden
+        hidden_fn = packing.packed_hidden if args.packed else logprobs.batch_hidden
         return jnp.sum(hidden_fn(prm, batch_arrays, model_config=mcfg))
 
     programs["forward"] = (jax.jit(policy_logp), (params, arrays))
@@ -277,38 +278,39 @@ def main(argv=None) -> dict:
                 group_size=args.group_size, groups_per_step=args.batch // args.group_size
             ),
             algo=AlgoSection(prox=prox),
-        )
-        settings = dataclasses.replace(
-            step_builder.step_settings(cfg),
-            micro_batch_size=args.micro_batch,
-            packed_prompts=args.packed,
+            system=SystemSection(
+                micro_batch_size=args.micro_batch,
+                packed_prompts=args.packed,
+                groups_per_row=args.groups_per_row if args.packed else 1,
+                length_bucket=64,
+            ),
         )
         opt = step_builder.optimizer(cfg)
         step = jax.jit(
             functools.partial(
                 ts.train_step,
-                algo=ts.build_algorithm(settings),
-                model_config=mcfg,
+                algo=step_builder.algorithm(cfg, mcfg),
                 optimizer=opt,
                 grad_clip=1.0,
             ),
             donate_argnums=(0,),  # as the trainer's step
         )
         # Each step owns its state (a copy of the params): donation consumes the buffers.
-        state = ts.init_train_state(jax.tree.map(jnp.copy, params), opt)
+        state = optim.init_train_state(jax.tree.map(jnp.copy, params), opt)
         programs[prox] = (step, (state, arrays, None))
-    # The optimizer update alone (ts.apply_grads: 1/count, clip, AdamW, skip if non-finite),
-    # on gradients of the params' shapes: what a step costs beyond its passes.
+    # The optimizer update alone (optim.apply_grads: 1/count, clip, AdamW, skip if
+    # non-finite), on gradients of the params' shapes: what a step costs beyond its passes.
     update = jax.jit(
-        functools.partial(ts.apply_grads, optimizer=opt, grad_clip=1.0), donate_argnums=(0,)
+        functools.partial(optim.apply_grads, optimizer=opt, grad_clip=1.0), donate_argnums=(0,)
     )
-    acc = ts.Accumulated(
+    acc = optim.Accumulated(
         grads=jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params),
         loss_sum=jnp.ones((), jnp.float32),
         count=jnp.full((), float(n_tok), jnp.float32),
-        stats=ts.Stats(),
+        stats=Stats(),
     )
-    programs["update"] = (update, (ts.init_train_state(jax.tree.map(jnp.copy, params), opt), acc))
+    state = optim.init_train_state(jax.tree.map(jnp.copy, params), opt)
+    programs["update"] = (update, (state, acc))
 
     temporaries, executed, runs = {}, {}, {}
     for name, (fn, fn_args) in programs.items():

@@ -48,7 +48,7 @@ from a3po_jax.inference.grpc_client import GrpcInferenceClient
 from a3po_jax.inference.local_process import LocalHostProcess
 from a3po_jax.inference.pool import HostPool
 from a3po_jax.model.loader import load_model
-from a3po_jax.training import placement
+from a3po_jax.training import host_placement
 
 SINK = """
 import socket, sys, numpy as np
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None):
     if args.placement == "devices":
         return main_devices(args)
 
-    host_cores, trainer_cores = placement.split_cores(args.host_cores)
-    placement.pin_trainer(args.host_cores)
+    host_cores, trainer_cores = host_placement.split_cores(args.host_cores)
+    host_placement.pin_trainer(args.host_cores)
     machine = describe_machine()
     params = load_model(args.model).params  # the trainer's float32 weights
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -83,32 +83,29 @@ def train(steps: int, mesh_sizes: tuple[int, int, int]) -> tuple[dict, list[floa
     from test_train_step import CFG, make_config, make_groups
 
     from a3po_jax import model
-    from a3po_jax.core import train_step as ts
+    from a3po_jax.core import placement
     from a3po_jax.core.batching import build_batch
     from a3po_jax.parallel.sharding import make_mesh
     from a3po_jax.training import step_builder
     from a3po_jax.training.config import OptimSection
 
-    rows = 16  # make_config: 4 groups of 4
     # A learning rate that moves the weights by ~1e-3 per step, far above the tolerance the
     # test compares them with.
     cfg = dataclasses.replace(make_config(prox="a3po"), optim=OptimSection(learning_rate=1e-3))
-    algo = step_builder.algorithm(cfg)
+    algo = step_builder.algorithm(cfg, CFG)
     optimizer = step_builder.optimizer(cfg)
     mesh = make_mesh(*mesh_sizes)
     params = model.init_params(CFG, jax.random.key(0))
-    state = ts.place_train_state(params, optimizer, mesh)
-    step_fn = ts.jit_train_step(
+    state = placement.place_train_state(params, optimizer, mesh)
+    step_fn = placement.jit_train_step(
         state,
         mesh,
-        rows,
         algo=algo,
-        model_config=CFG,
         optimizer=optimizer,
         grad_clip=cfg.optim.grad_clip,
         with_reference=False,
     )
-    shardings = ts.batch_shardings(mesh, rows)
+    shardings = placement.batch_shardings(mesh, algo.plan.leading_rows)  # 4 groups of 4
     losses = []
     for i in range(steps + 1):
         if distributed.sync_stop(i == steps):

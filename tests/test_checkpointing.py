@@ -237,7 +237,7 @@ def test_restore_params_only(tmp_path):
 
 
 def test_train_state_round_trip_with_version_and_extra(tmp_path):
-    from a3po_jax.core.train_step import TrainState
+    from a3po_jax.core.optim import TrainState
     from a3po_jax.training.checkpointing import restore_train_state, save_train_state
 
     params, opt_state, optimizer = make_state(0)

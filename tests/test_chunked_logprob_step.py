@@ -1,7 +1,7 @@
 """The training step's log-probs come from `chunked_token_logprobs` (no [B, T, V] logits),
 and the step makes the same update as the full-logits path it replaced (issue 15).
 
-`train_step.forward_logprobs` and `packing.packed_token_logprobs` compute their log-probs as
+`logprobs.forward_logprobs` and `packing.packed_token_logprobs` compute their log-probs as
 `chunked_token_logprobs(model.hidden_states(...)[0] (packed: the completion positions'
 states), model.lm_head_kernel(params, config), targets, temperature=...)`; the
 no-full-vocabulary test checks that, the equality test that the update did not change.
@@ -25,16 +25,16 @@ from factories import synthetic_groups
 from jaxpr_inspect import largest_intermediate
 
 from a3po_jax import model
-from a3po_jax.core import losses, packing
+from a3po_jax.core import losses, optim, packing
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.logprobs import DEFAULT_CHUNK_SIZE
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
+from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
 
 
 def full_logits_forward(params, batch, *, model_config, temperature):
-    """The old `train_step.forward_logprobs`: [B, T, V] float32 logits materialised."""
+    """The old `logprobs.forward_logprobs`: [B, T, V] float32 logits materialised."""
     logits, _ = model.apply(
         params,
         batch["tokens"],
@@ -82,6 +82,7 @@ def test_step_equals_the_full_logits_step(case):
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4, temperature=temperature),
         algo=AlgoSection(**algo_fields),
+        system=SystemSection(packed_prompts=packed),
     )
     groups = synthetic_groups(
         4,
@@ -99,11 +100,10 @@ def test_step_equals_the_full_logits_step(case):
         k: jnp.asarray(v)
         for k, v in build(groups, advantage="grpo", length_bucket=16).arrays().items()
     }
-    settings = dataclasses.replace(step_builder.step_settings(cfg), packed_prompts=packed)
-    algo = ts.build_algorithm(settings)
+    algo = step_builder.algorithm(cfg, mcfg)
     reference = full_logits_packed_forward if packed else full_logits_forward
     old_algo = dataclasses.replace(
-        algo, forward=functools.partial(reference, temperature=temperature)
+        algo, forward=functools.partial(reference, model_config=mcfg, temperature=temperature)
     )
     params = model.init_params(mcfg, jax.random.key(0))
     ref_params = model.init_params(mcfg, jax.random.key(1)) if algo.needs_reference else None
@@ -111,13 +111,9 @@ def test_step_equals_the_full_logits_step(case):
 
     results = {}
     for name, a in (("chunked", algo), ("full_logits", old_algo)):
-        step = jax.jit(
-            functools.partial(
-                ts.train_step, algo=a, model_config=mcfg, optimizer=opt, grad_clip=1.0
-            )
-        )
+        step = jax.jit(functools.partial(ts.train_step, algo=a, optimizer=opt, grad_clip=1.0))
         # Trainer version 2, rollouts at versions 0 and 1: staleness 1-2, a3po interpolates.
-        state = ts.init_train_state(params, opt)._replace(step=jnp.asarray(2, jnp.int32))
+        state = optim.init_train_state(params, opt)._replace(step=jnp.asarray(2, jnp.int32))
         results[name] = step(state, batch, ref_params)
     (new, m_new), (old, m_old) = results["chunked"], results["full_logits"]
     assert float(m_new["step/skipped"]) == 0.0
@@ -137,6 +133,7 @@ def test_step_holds_no_full_vocabulary_logits(packed):
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4),
         algo=AlgoSection(prox="recompute"),
+        system=SystemSection(packed_prompts=packed),
     )
     groups = synthetic_groups(4, 4, prompt_len=60, response_len=100, vocab=mcfg.vocab_size, seed=4)
     build = packing.pack_groups if packed else build_batch
@@ -147,17 +144,16 @@ def test_step_holds_no_full_vocabulary_logits(packed):
     # Rows of the logits: the rows' completion positions [N, K] (packed) or all of [B, T].
     tokens = math.prod(batch["row_pred_pos" if packed else "tokens"].shape)
     assert tokens > DEFAULT_CHUNK_SIZE
-    settings = dataclasses.replace(step_builder.step_settings(cfg), packed_prompts=packed)
-    algo = ts.build_algorithm(settings)
+    algo = step_builder.algorithm(cfg, mcfg)
     reference = full_logits_packed_forward if packed else full_logits_forward
-    old_algo = dataclasses.replace(algo, forward=functools.partial(reference, temperature=1.0))
+    old_algo = dataclasses.replace(
+        algo, forward=functools.partial(reference, model_config=mcfg, temperature=1.0)
+    )
     opt = step_builder.optimizer(cfg)
-    state = ts.init_train_state(model.init_params(mcfg, jax.random.key(0)), opt)
+    state = optim.init_train_state(model.init_params(mcfg, jax.random.key(0)), opt)
 
     def largest(a):
-        step = functools.partial(
-            ts.train_step, algo=a, model_config=mcfg, optimizer=opt, grad_clip=1.0
-        )
+        step = functools.partial(ts.train_step, algo=a, optimizer=opt, grad_clip=1.0)
         return largest_intermediate(jax.make_jaxpr(step)(state, batch, None).jaxpr)
 
     full = tokens * mcfg.vocab_size

@@ -2,6 +2,10 @@
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +173,24 @@ def test_staleness_bound_counts_minibatches_and_refuses_before_loading():
         dataclasses.replace(
             ok, system=dataclasses.replace(base.system, mode="async", max_staleness=0)
         )
+
+
+def test_importing_the_config_loads_no_optimizer_and_no_train_step():
+    """The config validates every value (objective names come from the objectives'
+    registry, the batch plan from core/batch_plan.py) without importing the jitted step or
+    optax: a tool that only reads configs stays light."""
+    heavy = ("optax", "a3po_jax.core.train_step", "a3po_jax.core.optim")
+    code = (
+        "import sys; import a3po_jax.training.config as c; c.TrainConfig(); "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -165,14 +165,14 @@ def test_broadcast_batch_refuses_what_it_cannot_carry():
 
 
 def test_global_batch_and_gather_params_on_one_process():
-    from a3po_jax.core import train_step as ts
+    from a3po_jax.core import placement
 
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     arrays = {"tokens": np.arange(8, dtype=np.int32).reshape(4, 2), "mask": np.ones((4, 2))}
-    out = distributed.global_batch(arrays, ts.batch_shardings(mesh, 4))
+    out = distributed.global_batch(arrays, placement.batch_shardings(mesh, 4))
     for name, x in arrays.items():
         assert isinstance(out[name], jax.Array)
-        assert out[name].sharding == ts.batch_shardings(mesh, 4)
+        assert out[name].sharding == placement.batch_shardings(mesh, 4)
         np.testing.assert_array_equal(np.asarray(out[name]), x)
     params = model.init_params(model.ModelConfig.tiny(), jax.random.key(0))
     host = distributed.gather_params(params)

@@ -112,6 +112,18 @@ COMMANDS: dict[str, object] = {
     "python -m a3po_jax.cli.results runs/smoke_mismatch --out runs/smoke_mismatch/report": (
         AS_WRITTEN
     ),
+    # The objective recipe's module lives in the page: tests/test_objectives.py trains it.
+    "PYTHONPATH=plugins a3po-train experiments/smoke_tiny.py algo.loss=reinforce "
+    "algo.advantage=drgrpo": Replace(
+        "mkdir -p plugins && python -c \"import pathlib; page = pathlib.Path('docs/losses.md')"
+        ".read_text(); s = page[page.index('### Adding an objective'):]; fence = chr(96) * 3; "
+        "a = s.index(fence + 'python') + 10; "
+        "pathlib.Path('plugins/reinforce.py').write_text(s[a:s.index(fence, a)])\" && "
+        "PYTHONPATH=plugins a3po-train experiments/smoke_tiny.py algo.loss=reinforce "
+        "algo.advantage=drgrpo --print-config",
+        "the page's module written to plugins/ first; the config resolves with it (it trains "
+        "in tests/test_objectives.py)",
+    ),
     # Evaluation, serving, assets: their own parsers read the arguments.
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po": PARSE_ONLY,
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po --step 20": PARSE_ONLY,

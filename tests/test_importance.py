@@ -1,6 +1,5 @@
 """Sequence-level truncated / masked importance weights and the ``mismatch/*`` metrics."""
 
-import dataclasses
 import functools
 import math
 
@@ -11,12 +10,12 @@ import pytest
 from factories import synthetic_groups
 
 from a3po_jax import model
-from a3po_jax.core import importance, losses
+from a3po_jax.core import importance, losses, optim
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.training import config as config_lib
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
+from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
 
 CFG = model.ModelConfig.tiny()
 LN = math.log
@@ -211,6 +210,7 @@ def _step_case(seed, **algo):
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4),
         algo=AlgoSection(prox="a3po", **algo),
+        system=SystemSection(micro_batch_size=4),
     )
     groups = synthetic_groups(
         4,
@@ -226,19 +226,15 @@ def _step_case(seed, **algo):
         for k, v in build_batch(groups, advantage="grpo", length_bucket=16).arrays().items()
     }
     params = model.init_params(CFG, jax.random.key(seed))
-    algo = ts.build_algorithm(
-        dataclasses.replace(step_builder.step_settings(cfg), micro_batch_size=4)
-    )
+    algo = step_builder.algorithm(cfg, CFG)
     # Behaviour = the trainer's own log-probs plus noise: a train-inference mismatch.
-    logp, _ = algo.forward(params, batch, model_config=CFG)
+    logp, _ = algo.forward(params, batch)
     mask = np.asarray(batch["loss_mask"])
     noise = np.random.default_rng(seed).normal(0.0, 0.05, size=mask.shape) * mask
     batch["behav_logp"] = jnp.asarray((np.asarray(logp) + noise) * mask, jnp.float32)
     opt = step_builder.optimizer(cfg)
-    state = ts.init_train_state(params, opt)._replace(step=jnp.int32(1))
-    step = jax.jit(
-        functools.partial(ts.train_step, algo=algo, model_config=CFG, optimizer=opt, grad_clip=1.0)
-    )
+    state = optim.init_train_state(params, opt)._replace(step=jnp.int32(1))
+    step = jax.jit(functools.partial(ts.train_step, algo=algo, optimizer=opt, grad_clip=1.0))
     _, metrics = step(state, batch, None)
     d = 1 - np.asarray(batch["versions"])  # staleness at version 1 (valid tokens)
     return (
@@ -301,11 +297,13 @@ def test_sequence_settings_are_validated_where_they_are_read():
         AlgoSection(seq_cap_mode="clip")
     with pytest.raises(config_lib.ConfigError, match="behav_weight_cap"):
         AlgoSection(seq_weight_cap=2.0, behav_weight_cap=2.0)
-    with pytest.raises(ValueError, match="geometric_mean"):
-        ts.build_algorithm(ts.StepSettings(seq_weight_form="arith"))
-    algo = ts.build_algorithm(ts.StepSettings(seq_weight_cap=2.0, seq_cap_mode="mask"))
+    with pytest.raises(config_lib.ConfigError, match="geometric_mean"):
+        AlgoSection(seq_weight_form="arith")
+    cfg = TrainConfig(algo=AlgoSection(seq_weight_cap=2.0, seq_cap_mode="mask"))
+    algo = step_builder.algorithm(cfg, CFG)
     assert algo.loss_term.keywords["seq_correction"] is not None
-    assert ts.build_algorithm(ts.StepSettings()).loss_term.keywords["seq_correction"] is None
+    plain = step_builder.algorithm(TrainConfig(), CFG)
+    assert plain.loss_term.keywords["seq_correction"] is None
 
 
 # --------------------------------------------------------------------------------------

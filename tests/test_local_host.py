@@ -16,7 +16,7 @@ from inference_reference import collect, start_grpc_server, stop_grpc_server
 from a3po_jax.inference.grpc_client import GrpcInferenceClient
 from a3po_jax.inference.local_process import LocalHostProcess
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
-from a3po_jax.training import placement
+from a3po_jax.training import host_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 CORES = sorted(os.sched_getaffinity(0))
@@ -80,7 +80,7 @@ def test_local_host_runs_on_its_cores_with_a_private_token_and_ends_at_close():
 
 def test_core_split_leaves_the_trainer_a_core():
     with pytest.raises(ValueError, match="inference_cores=.*leave the trainer"):
-        placement.split_cores(len(CORES))
+        host_placement.split_cores(len(CORES))
 
 
 @two_cores

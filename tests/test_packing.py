@@ -14,7 +14,7 @@ from factories import synthetic_groups
 from jaxpr_inspect import count_primitive
 
 from a3po_jax import model
-from a3po_jax.core import packing
+from a3po_jax.core import logprobs, packing
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.types import Rollout, RolloutGroup
@@ -71,7 +71,7 @@ def packed_fn(config, temperature=TEMPERATURE):
 @functools.cache
 def unpacked_fn(config, temperature=TEMPERATURE):
     return jax.jit(
-        lambda p, b: ts.forward_logprobs(p, b, model_config=config, temperature=temperature)
+        lambda p, b: logprobs.forward_logprobs(p, b, model_config=config, temperature=temperature)
     )
 
 
@@ -245,7 +245,7 @@ def test_gradients_match_unpacked(groups, tiny_params):
     packed = packing.pack_groups(groups, length_bucket=8)
     unpacked = build_batch(groups, advantage="grpo", length_bucket=8)
     g_packed = masked_sum_grad(packing.packed_token_logprobs, TINY)(tiny_params, packed.arrays())
-    g_unpacked = masked_sum_grad(ts.forward_logprobs, TINY)(tiny_params, unpacked.arrays())
+    g_unpacked = masked_sum_grad(logprobs.forward_logprobs, TINY)(tiny_params, unpacked.arrays())
     assert_trees_close(g_packed, g_unpacked, rel=1e-5)
 
 
@@ -387,5 +387,5 @@ def test_smollm2_packed_matches_unpacked():
     close(np.asarray(logp)[mask], np.asarray(ref_logp)[mask])
     close(np.asarray(ent)[mask], np.asarray(ref_ent)[mask])
     g_packed = masked_sum_grad(packing.packed_token_logprobs, config)(params, packed.arrays())
-    g_unpacked = masked_sum_grad(ts.forward_logprobs, config)(params, unpacked.arrays())
+    g_unpacked = masked_sum_grad(logprobs.forward_logprobs, config)(params, unpacked.arrays())
     assert_trees_close(g_packed, g_unpacked, rel=1e-5)

@@ -28,7 +28,7 @@ from test_packing import (
 )
 
 from a3po_jax import model
-from a3po_jax.core import packing
+from a3po_jax.core import logprobs, optim, packing
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.types import RolloutGroup
@@ -189,7 +189,7 @@ def test_values_and_gradients_match_unpacked(groups, tiny_params, groups_per_row
     assert np.all(logp[~mask] == 0)
     # The gradient of Σ mask·logp is order-independent: equal to the unpacked one.
     g_packed = masked_sum_grad(packing.packed_token_logprobs, TINY)(tiny_params, packed.arrays())
-    g_unpacked = masked_sum_grad(ts.forward_logprobs, TINY)(tiny_params, unpacked.arrays())
+    g_unpacked = masked_sum_grad(logprobs.forward_logprobs, TINY)(tiny_params, unpacked.arrays())
     assert_trees_close(g_packed, g_unpacked, rel=1e-5)
     # The head runs on fewer positions than the old [B, C] layout's B·round_up(max R).
     old_head = len(groups) * g * 16  # longest completion 12 -> bucket 8 -> 16
@@ -231,28 +231,25 @@ def step_config(**system):
     return TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4, temperature=TEMPERATURE),
         algo=AlgoSection(prox="a3po"),
-        system=SystemSection(packed_prompts=True, **system),
+        system=SystemSection(**{"packed_prompts": True, **system}),
     )
 
 
 @functools.cache
-def jitted_step(packed, micro_batch_size=0):
-    cfg = step_config()
-    settings = dataclasses.replace(
-        step_builder.step_settings(cfg), packed_prompts=packed, micro_batch_size=micro_batch_size
+def jitted_step(packed, micro_batch_size=0, groups_per_row=1):
+    cfg = step_config(
+        packed_prompts=packed, micro_batch_size=micro_batch_size, groups_per_row=groups_per_row
     )
-    algo = ts.build_algorithm(settings)
+    algo = step_builder.algorithm(cfg, TINY)
     opt = step_builder.optimizer(cfg)
-    step = jax.jit(
-        functools.partial(ts.train_step, algo=algo, model_config=TINY, optimizer=opt, grad_clip=1.0)
-    )
+    step = jax.jit(functools.partial(ts.train_step, algo=algo, optimizer=opt, grad_clip=1.0))
     return step, opt
 
 
-def one_step(arrays, packed, micro_batch_size=0):
-    step, opt = jitted_step(packed, micro_batch_size)
+def one_step(arrays, packed, micro_batch_size=0, groups_per_row=1):
+    step, opt = jitted_step(packed, micro_batch_size, groups_per_row)
     params = model.init_params(TINY, jax.random.key(0))
-    state = ts.init_train_state(params, opt)._replace(step=jnp.asarray(2, jnp.int32))
+    state = optim.init_train_state(params, opt)._replace(step=jnp.asarray(2, jnp.int32))
     new, metrics = step(state, {k: jnp.asarray(v) for k, v in arrays.items()}, None)
     return new, metrics
 
@@ -282,7 +279,7 @@ def test_train_step_equal_across_groups_per_row(step_groups):
         packed = packing.pack_groups(step_groups, length_bucket=16, groups_per_row=gpr)
         if gpr == 2:
             assert packed.group_order.tolist() != [0, 1, 2, 3]  # the reordering is exercised
-        results[gpr] = one_step(packed.arrays(), True)
+        results[gpr] = one_step(packed.arrays(), True, groups_per_row=gpr)
     base_state, base = results["unpacked"]
     assert abs(float(base["loss/total"])) > 1e-4 and float(base["optim/grad_norm"]) > 1e-4
     for name in (1, 2):
@@ -295,9 +292,9 @@ def test_train_step_equal_across_groups_per_row(step_groups):
 
 def test_micro_batches_of_two_group_rows(step_groups):
     packed = packing.pack_groups(step_groups, length_bucket=16, groups_per_row=2)
-    full_state, full = one_step(packed.arrays(), True)
+    full_state, full = one_step(packed.arrays(), True, groups_per_row=2)
     # 8 sequences = one packed row of 2 groups x 4 samples per micro-batch: 2 micro-batches.
-    micro_state, micro = one_step(packed.arrays(), True, micro_batch_size=8)
+    micro_state, micro = one_step(packed.arrays(), True, micro_batch_size=8, groups_per_row=2)
     for key in ("loss/total", "optim/grad_norm"):
         chex.assert_trees_all_close(micro[key], full[key], rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(micro_state.params, full_state.params, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ import pytest
 from factories import synthetic_groups
 
 from a3po_jax import model
+from a3po_jax.core import optim
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.training import step_builder
@@ -45,19 +46,18 @@ def run_step(cfg: TrainConfig, params, batch, ref):
     fn = jax.jit(
         functools.partial(
             ts.train_step,
-            algo=step_builder.algorithm(cfg),
-            model_config=CFG,
+            algo=step_builder.algorithm(cfg, CFG),
             optimizer=opt,
             grad_clip=cfg.optim.grad_clip,
         )
     )
-    return fn(ts.init_train_state(params, opt), batch, ref)
+    return fn(optim.init_train_state(params, opt), batch, ref)
 
 
 def test_off_by_default_and_the_algorithm_keeps_a_reference_when_on():
-    off = step_builder.algorithm(make_config(prox="recompute"))
+    off = step_builder.algorithm(make_config(prox="recompute"), CFG)
     assert off.kl_metric is None and not off.needs_reference and not off.keeps_reference
-    on = step_builder.algorithm(make_config(prox="recompute", track_ref_kl=True))
+    on = step_builder.algorithm(make_config(prox="recompute", track_ref_kl=True), CFG)
     # The trainer creates ref_params exactly when keeps_reference is set.
     assert on.kl_metric is not None and on.needs_reference and on.keeps_reference
     assert on.kl_in_loss is None and on.kl_coef == 0.0
@@ -106,9 +106,9 @@ def test_value_is_the_masked_k3_mean_against_the_given_reference():
     ref = model.init_params(CFG, jax.random.key(1))  # a different "initial" policy
     batch = make_batch()
     _, metrics = run_step(cfg, params, batch, ref)
-    algo = step_builder.algorithm(cfg)
-    logp, _ = algo.forward(params, batch, model_config=CFG)
-    ref_logp, _ = algo.forward(ref, batch, model_config=CFG)
+    algo = step_builder.algorithm(cfg, CFG)
+    logp, _ = algo.forward(params, batch)
+    ref_logp, _ = algo.forward(ref, batch)
     x = np.asarray(ref_logp, np.float64) - np.asarray(logp, np.float64)
     mask = np.asarray(batch["loss_mask"], np.float64)
     want = np.sum((np.exp(x) - x - 1) * mask) / np.sum(mask)
@@ -116,6 +116,6 @@ def test_value_is_the_masked_k3_mean_against_the_given_reference():
     np.testing.assert_allclose(float(metrics["kl/ref_k3"]), want, rtol=1e-4)
 
 
-def test_step_settings_carry_the_field():
+def test_the_algorithm_reads_the_field():
     cfg = dataclasses.replace(make_config(), algo=AlgoSection(track_ref_kl=True))
-    assert step_builder.step_settings(cfg).track_ref_kl is True
+    assert step_builder.algorithm(cfg, CFG).kl_metric is not None

@@ -7,17 +7,25 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from factories import synthetic_groups
 
 from a3po_jax import model
-from a3po_jax.core import advantages, losses, prox
+from a3po_jax.core import advantages, logprobs, losses, objectives, optim, packing, prox
 from a3po_jax.core import train_step as ts
+from a3po_jax.core.algorithm import Algorithm
 from a3po_jax.core.batching import build_batch, group_advantages
+from a3po_jax.core.objectives import dpo as dpo_objective
+from a3po_jax.core.stats import finalize
 from a3po_jax.training import config as config_lib
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    ConfigError,
+    RolloutSection,
+    SystemSection,
+    TrainConfig,
+)
 
 CFG = model.ModelConfig.tiny()
 
@@ -38,32 +46,32 @@ def make_groups(num_groups=4, group_size=4, seed=0, versions_from=0, vocab=None)
     )
 
 
-def make_config(**algo):
+def make_config(group_size=4, groups=4, system=None, **algo):
+    """4 groups of 4 (DPO: pairs) unless told; ``system`` holds SystemSection fields."""
+    if algo.get("loss") == "dpo" and group_size == 4:
+        group_size, groups = 2, 2 * groups
     return TrainConfig(
-        rollout=RolloutSection(group_size=4, groups_per_step=4),
+        rollout=RolloutSection(group_size=group_size, groups_per_step=groups),
         algo=AlgoSection(**algo),
+        system=SystemSection(**(system or {})),
     )
 
 
 def setup(cfg: TrainConfig, seed=0):
     params = model.init_params(CFG, jax.random.key(seed))
     opt = step_builder.optimizer(cfg)
-    return ts.init_train_state(params, opt), opt
+    return optim.init_train_state(params, opt), opt
 
 
-def algorithm(cfg: TrainConfig, **overrides) -> ts.Algorithm:
-    return ts.build_algorithm(dataclasses.replace(step_builder.step_settings(cfg), **overrides))
+def algorithm(cfg: TrainConfig) -> Algorithm:
+    return step_builder.algorithm(cfg, CFG)
 
 
-def step_fn(cfg: TrainConfig, **overrides):
+def step_fn(cfg: TrainConfig):
     opt = step_builder.optimizer(cfg)
     return jax.jit(
         functools.partial(
-            ts.train_step,
-            algo=algorithm(cfg, **overrides),
-            model_config=CFG,
-            optimizer=opt,
-            grad_clip=cfg.optim.grad_clip,
+            ts.train_step, algo=algorithm(cfg), optimizer=opt, grad_clip=cfg.optim.grad_clip
         )
     )
 
@@ -110,8 +118,7 @@ def test_micro_batched_grads_equal_full_batch(case):
     # full batch's loss, gradient and every metric; averaging per micro-batch would not.
     algo_kwargs = MICRO_BATCH_CASES[case]
     group_size = 2 if algo_kwargs.get("loss") == "dpo" else 4
-    settings = dataclasses.replace(step_builder.step_settings(make_config()), **algo_kwargs)
-    algo = ts.build_algorithm(settings)
+    algo = algorithm(make_config(group_size, 16 // group_size, **algo_kwargs))
     params = model.init_params(CFG, jax.random.key(1))
     ref_params = model.init_params(CFG, jax.random.key(2))
     groups = make_groups(num_groups=16 // group_size, group_size=group_size, versions_from=2)
@@ -121,9 +128,9 @@ def test_micro_batched_grads_equal_full_batch(case):
 
     def accumulate(m):
         mbs = ts.split_micro_batches(batch, m)
-        old, ref = ts.auxiliary_logprobs(params, ref_params, mbs, algo=algo, model_config=CFG)
+        old, ref = ts.auxiliary_logprobs(params, ref_params, mbs, algo=algo)
         return ts.accumulate_grads(
-            params, mbs, version=version, old_logp=old, ref_logp=ref, algo=algo, model_config=CFG
+            params, mbs, version=version, old_logp=old, ref_logp=ref, algo=algo
         )
 
     one, four = accumulate(1), accumulate(4)
@@ -131,7 +138,7 @@ def test_micro_batched_grads_equal_full_batch(case):
     np.testing.assert_allclose(one.count, four.count)
     chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)
     # Every metric, reduced once from its sums, is the full batch's (not a mean of means).
-    m1, m4 = ts.finalize(one.stats), ts.finalize(four.stats)
+    m1, m4 = finalize(one.stats), finalize(four.stats)
     assert m1.keys() == m4.keys()
     # atol: dpo's rewards are β times a difference of two float32 sums of log-probs (tens of
     # nats), whose rounding in two differently compiled programs reaches a few 1e-7.
@@ -176,9 +183,8 @@ def test_periodic_arrival_order_equals_sync_update(prox_rule):
             ts.split_micro_batches(part, 2),
             state.step,
             algo=algo,
-            model_config=CFG,
         )
-        total = acc if total is None else ts.add_accumulated(total, acc)
+        total = acc if total is None else optim.add_accumulated(total, acc)
     periodic_state, metrics = ts.apply_accumulated(
         state, total, optimizer=opt, grad_clip=cfg.optim.grad_clip
     )
@@ -221,10 +227,7 @@ def test_minibatches_count_versions():
 
 @pytest.mark.parametrize("algo", [dict(loss="dpo"), dict(kl_coef=0.1, kl_kind="k3")])
 def test_reference_losses_run(algo):
-    cfg = TrainConfig(
-        rollout=RolloutSection(group_size=2 if algo.get("loss") == "dpo" else 4, groups_per_step=4),
-        algo=AlgoSection(**algo),
-    )
+    cfg = make_config(2 if algo.get("loss") == "dpo" else 4, 4, **algo)
     state, _ = setup(cfg)
     groups = make_groups(group_size=cfg.rollout.group_size, seed=4)
     batch = build_batch(
@@ -248,9 +251,7 @@ def test_train_step_traces_once_per_bucket_shape():
     @functools.partial(jax.jit, donate_argnums=(0,))
     @chex.assert_max_traces(n=1)
     def step(state, batch):
-        return ts.train_step(
-            state, batch, None, algo=algo, model_config=CFG, optimizer=opt, grad_clip=1.0
-        )
+        return ts.train_step(state, batch, None, algo=algo, optimizer=opt, grad_clip=1.0)
 
     state, _ = setup(cfg)
     for seed in range(3):
@@ -263,24 +264,22 @@ def test_train_step_traces_once_per_bucket_shape():
 def test_packed_and_one_pass_steps_equal_the_plain_recompute_step():
     # Shared-prompt packing changes the layout, not the math; the one-pass old policy
     # (old = sg(current) with one optimizer step) equals a separate no-grad pass.
-    from a3po_jax.core.packing import pack_groups
-
-    cfg = make_config(prox="recompute")
     groups = make_groups(seed=6)
     plain_batch = as_jnp(build_batch(groups, advantage="grpo", length_bucket=16))
     packed_arrays = {
         k: jnp.asarray(v)
-        for k, v in pack_groups(groups, advantage="grpo", length_bucket=16).arrays().items()
+        for k, v in packing.pack_groups(groups, advantage="grpo", length_bucket=16).arrays().items()
     }
     results = {}
-    for name, batch, overrides in (
+    for name, batch, system in (
         ("plain", plain_batch, {}),
         ("packed", packed_arrays, {"packed_prompts": True}),
         ("one_pass", plain_batch, {"one_pass_old": True}),
         ("packed_one_pass", packed_arrays, {"packed_prompts": True, "one_pass_old": True}),
     ):
+        cfg = make_config(prox="recompute", system=system)
         state, _ = setup(cfg)
-        results[name], metrics = step_fn(cfg, **overrides)(state, batch, None)
+        results[name], metrics = step_fn(cfg)(state, batch, None)
         assert float(metrics["step/skipped"]) == 0.0
     for name in ("packed", "one_pass", "packed_one_pass"):
         chex.assert_trees_all_close(
@@ -300,7 +299,7 @@ def test_prox_equal_to_behav_is_plain_ppo():
     params = model.init_params(CFG, jax.random.key(2))
 
     def ppo(p):
-        logp, _ = ts.forward_logprobs(p, batch, model_config=CFG, temperature=1.0)
+        logp, _ = logprobs.forward_logprobs(p, batch, model_config=CFG, temperature=1.0)
         loss, _ = losses.ppo_clip_loss(
             logp, batch["behav_logp"], batch["advantages"], batch["loss_mask"], clip_eps=0.2
         )
@@ -315,7 +314,6 @@ def test_prox_equal_to_behav_is_plain_ppo():
             old_logp=None,
             ref_logp=None,
             algo=algorithm(make_config(prox=rule)),
-            model_config=CFG,
         )
         got = jax.tree.map(lambda g: g / acc.count, acc.grads)  # noqa: B023
         chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-7)
@@ -346,7 +344,7 @@ def test_metrics_cover_every_minibatch():
 @pytest.mark.parametrize(
     "field, value, allowed",
     [
-        ("loss", "reinforce", ts.LOSS_TERMS),
+        ("loss", "bogus_objective", objectives.names()),
         ("prox", "bogus", prox.PROX_RULES),
         ("advantage", "gae", advantages.ESTIMATORS),
         ("aggregation", "seq_sum", losses.AGGREGATIONS),
@@ -355,12 +353,11 @@ def test_metrics_cover_every_minibatch():
         ("a3po_zero_staleness", "never", prox.ZERO_STALENESS),
     ],
 )
-def test_unknown_algorithm_names_fail_when_the_step_is_built(field, value, allowed):
-    # The names are resolved against the tables once, before any array exists; the error
-    # lists what is allowed.
-    settings = dataclasses.replace(ts.StepSettings(), **{field: value})
-    with pytest.raises(ValueError, match=repr(value)) as err:
-        ts.build_algorithm(settings)
+def test_unknown_algorithm_names_fail_when_the_config_is_built(field, value, allowed):
+    # Each name is validated once, in the config, before any model or array exists; the
+    # error names the field and lists what is allowed.
+    with pytest.raises(ConfigError, match=f"algo.{field}={value!r}") as err:
+        make_config(**{field: value})
     for name in allowed:
         assert name in str(err.value)
 
@@ -373,10 +370,12 @@ def test_algorithm_holds_the_chosen_functions():
         assert algo.needs_reference is False and algo.kl_in_loss is None
         prox_fn = algo.loss_term.keywords["prox_fn"]
         assert getattr(prox_fn, "func", prox_fn) is prox.PROX_RULES[rule].fn
-    one_pass = algorithm(make_config(prox="recompute"), one_pass_old=True)
+    one_pass = algorithm(make_config(prox="recompute", system={"one_pass_old": True}))
     assert one_pass.needs_old_pass is False
-    dpo = ts.build_algorithm(ts.StepSettings(loss="dpo"))
-    assert dpo.loss_term.func is ts.dpo_term and dpo.needs_reference and not dpo.needs_old_pass
+    dpo = algorithm(make_config(loss="dpo"))
+    assert dpo.loss_term.func is dpo_objective.dpo_term
+    assert dpo.needs_reference and not dpo.needs_old_pass
+    assert dpo.objective.layout is objectives.PAIRS and dpo.plan.layout.pairs
     kl = algorithm(make_config(kl_coef=0.1))
     assert kl.needs_reference and kl.kl_in_loss is not None and kl.kl_in_reward is None
     shaped = algorithm(make_config(kl_coef=0.1, kl_in_reward=True))
@@ -384,25 +383,32 @@ def test_algorithm_holds_the_chosen_functions():
 
 
 def test_config_choices_are_the_core_tables():
+    # algo.loss is checked against the objectives' registry itself (see the test above).
     assert config_lib.PROX_MODES == tuple(prox.PROX_RULES)
-    assert config_lib.LOSSES == tuple(ts.LOSS_TERMS)
     assert config_lib.ADVANTAGES == tuple(advantages.ESTIMATORS)
     assert config_lib.AGGREGATIONS == tuple(losses.AGGREGATORS)
     assert config_lib.KL_KINDS == tuple(losses.KL_ESTIMATORS)
 
 
-def test_step_settings_come_from_the_config_by_field_name():
+def test_algorithm_and_plan_come_from_the_config():
+    """The step reads the validated config's sections as they are: no settings value
+    repeats their fields. Each value lands in the function or the plan that uses it."""
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4, temperature=0.7),
         algo=AlgoSection(prox="recompute", clip_eps_high=0.28, num_minibatches=2),
-        system=config_lib.SystemSection(micro_batch_size=4, packed_prompts=True),
+        system=SystemSection(micro_batch_size=4, packed_prompts=True),
     )
-    s = step_builder.step_settings(cfg)
-    assert (s.prox, s.clip_eps_high, s.num_minibatches) == ("recompute", 0.28, 2)
-    assert (s.temperature, s.micro_batch_size, s.packed_prompts) == (0.7, 4, True)
-    # A field with no home in the given sections is refused, naming it.
-    with pytest.raises(TypeError, match="'temperature'"):
-        step_builder._by_name({"algo": cfg.algo}, ["temperature"], "StepSettings")
+    algo = algorithm(cfg)
+    assert algo.forward.func is packing.packed_token_logprobs
+    assert algo.forward.keywords == {"model_config": CFG, "temperature": 0.7}
+    assert algo.loss_term.keywords["clip_eps_high"] == 0.28
+    assert algo.needs_old_pass and algo.model_config is CFG
+    plan = algo.plan
+    assert plan == cfg.batch_plan
+    assert (plan.num_minibatches, plan.micro_batch_size, plan.packed) == (2, 4, True)
+    # 16 sequences, 2 minibatches of 8, micro-batches of 4 (one group: one packed row).
+    assert (plan.rows, plan.micro_batches, plan.leading_rows) == (16, 4, 4)
+    assert plan.leading_rows_per_micro_batch == 1
 
 
 def test_kl_in_reward_is_the_shaped_reward_and_its_advantages():
@@ -414,174 +420,17 @@ def test_kl_in_reward_is_the_shaped_reward_and_its_advantages():
     algo = algorithm(make_config(kl_coef=0.5, kl_kind="k1", kl_in_reward=True))
     params = model.init_params(CFG, jax.random.key(0))
     ref_params = model.init_params(CFG, jax.random.key(1))
-    fn = jax.jit(functools.partial(ts.kl_in_reward, algo=algo, model_config=CFG, group_size=4))
+    fn = jax.jit(functools.partial(ts.kl_in_reward, algo=algo))
 
     same_r, same_adv = fn(params, params, batch, rewards)
     np.testing.assert_allclose(same_r, b.rewards, atol=1e-6)
     np.testing.assert_allclose(same_adv, b.advantages, atol=1e-5)
 
     shaped, adv = fn(params, ref_params, batch, rewards)
-    logp, _ = ts.forward_logprobs(params, batch, model_config=CFG, temperature=1.0)
-    ref, _ = ts.forward_logprobs(ref_params, batch, model_config=CFG, temperature=1.0)
+    logp, _ = logprobs.forward_logprobs(params, batch, model_config=CFG, temperature=1.0)
+    ref, _ = logprobs.forward_logprobs(ref_params, batch, model_config=CFG, temperature=1.0)
     kl_seq = np.sum(np.asarray(logp - ref) * b.loss_mask, axis=-1)  # k1 = logp - ref
     want = b.rewards - 0.5 * kl_seq
     np.testing.assert_allclose(shaped, want, rtol=1e-5, atol=1e-5)
     want_adv = group_advantages(want, 4, "grpo")[:, None] * b.loss_mask
     np.testing.assert_allclose(adv, want_adv, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("grad_clip", [0.0, 1.0, 1e-3])
-def test_apply_grads_is_optax_clip_then_adamw(grad_clip):
-    """The update (one scale for 1/count and the clip, a branch for the skip, norms as dot
-    products) equals optax's own chain on the averaged gradient, and its metrics equal
-    optax's norms."""
-    params = model.init_params(CFG, jax.random.key(0))
-    opt = ts.make_optimizer(learning_rate=1e-2, weight_decay=0.1)
-    state = ts.TrainState(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    grad_sums = treedef.unflatten(
-        [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-    )
-    count = 7.0
-    acc = ts.Accumulated(grad_sums, jnp.float32(3.0), jnp.float32(count), ts.Stats())
-    new, stats = jax.jit(functools.partial(ts.apply_grads, optimizer=opt, grad_clip=grad_clip))(
-        state, acc
-    )
-    grads = jax.tree.map(lambda g: g / count, grad_sums)
-    ref_opt = optax.chain(optax.clip_by_global_norm(grad_clip), opt) if grad_clip else opt
-    ref_state = ref_opt.init(params)
-    updates, ref_new_state = ref_opt.update(grads, ref_state, params)
-    chex.assert_trees_all_close(
-        new.params, optax.apply_updates(params, updates), rtol=1e-5, atol=1e-7
-    )
-    # The moments and counts too (the clip's own state is empty).
-    ref_adam_state = ref_new_state[1] if grad_clip else ref_new_state
-    chex.assert_trees_all_close(new.opt_state, ref_adam_state, rtol=1e-5, atol=1e-7)
-    assert int(new.step) == 1
-    means = {k: float(v[0] / v[1]) for k, v in stats.means.items()}
-    np.testing.assert_allclose(means["optim/grad_norm"], optax.tree.norm(grads), rtol=1e-5)
-    np.testing.assert_allclose(means["optim/update_norm"], optax.tree.norm(updates), rtol=1e-5)
-    np.testing.assert_allclose(means["optim/param_norm"], optax.tree.norm(new.params), rtol=1e-5)
-    np.testing.assert_allclose(means["loss/total"], 3.0 / count, rtol=1e-6)
-    assert float(stats.maxima["step/skipped"]) == 0.0
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: ts.make_optimizer(learning_rate=1e-2, warmup_steps=3, weight_decay=0.1),
-        lambda: optax.sgd(optax.linear_schedule(0.1, 0.01, 5), momentum=0.9),
-    ],
-    ids=["adamw-warmup", "sgd-momentum-schedule"],
-)
-def test_update_leaf_by_leaf_equals_one_update_of_the_whole_tree(make):
-    """Over three steps: the same params, optimizer state (moments, counts) and update norm
-    as ``optimizer.update`` over the whole tree."""
-    opt = make()
-    params = model.init_params(CFG, jax.random.key(0))
-    leaves, treedef = jax.tree.flatten(params)
-    state, ref_state, ref_params = opt.init(params), opt.init(params), params
-    fn = jax.jit(functools.partial(ts.update_leaf_by_leaf, opt))
-    for step in range(3):
-        keys = jax.random.split(jax.random.key(step + 1), len(leaves))
-        grads = treedef.unflatten(
-            [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-        )
-        params, state, norm = fn(grads, state, params)
-        updates, ref_state = opt.update(grads, ref_state, ref_params)
-        ref_params = optax.apply_updates(ref_params, updates)
-        chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
-        chex.assert_trees_all_close(state, ref_state, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(norm, optax.tree.norm(updates), rtol=1e-5)
-
-
-def test_apply_grads_updates_an_optimizer_not_known_to_be_leafwise_over_the_whole_tree():
-    """A plain optax chain with a global transform inside (its clip sees every leaf at
-    once): apply_grads does not split it by leaf. Leaf by leaf it would clip each leaf on
-    its own norm, and the second step's params would differ."""
-    assert isinstance(ts.make_optimizer(learning_rate=1e-2), ts.LeafwiseOptimizer)
-    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
-    assert not isinstance(opt, ts.LeafwiseOptimizer)
-    params = {"a": jnp.zeros((2,), jnp.float32), "b": jnp.zeros((2,), jnp.float32)}
-    state = ts.TrainState(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
-    ref_params, ref_state = params, opt.init(params)
-    step = jax.jit(functools.partial(ts.apply_grads, optimizer=opt, grad_clip=0.0))
-    grad_steps = (
-        {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0, 0.0])},
-        {"a": jnp.array([0.1, 0.1]), "b": jnp.array([1.0, 0.0])},
-    )
-    for grads in grad_steps:
-        state, stats = step(
-            state, ts.Accumulated(grads, jnp.float32(0.0), jnp.float32(1.0), ts.Stats())
-        )
-        updates, ref_state = opt.update(grads, ref_state, ref_params)
-        ref_params = optax.apply_updates(ref_params, updates)
-        np.testing.assert_allclose(
-            float(stats.means["optim/update_norm"][0]), optax.tree.norm(updates), rtol=1e-5
-        )
-    chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-7)
-    # Leaf by leaf, the same chain gives other params: the comparison above can fail.
-    leafwise = params, opt.init(params)
-    for grads in grad_steps:
-        p, s, _ = ts.update_leaf_by_leaf(opt, grads, leafwise[1], leafwise[0])
-        leafwise = p, s
-    assert not np.allclose(leafwise[0]["b"], ref_params["b"], rtol=1e-3)
-
-
-def test_update_leaf_by_leaf_holds_one_leafs_update_at_a_time():
-    """XLA's own memory figure for the compiled update of eight 4 MiB leaves, params and
-    state donated as the train step donates them: at most three leaves' worth of
-    temporaries, where one ``optimizer.update`` over the tree with the norm of its updates
-    holds every leaf's update (design §6)."""
-    leaf_bytes = 4 * 2**20
-    params = {f"w{i}": jnp.full((1024, 1024), 0.1 * i, jnp.float32) for i in range(8)}
-    grads = jax.tree.map(lambda x: x + 1.0, params)
-    opt = ts.make_optimizer(learning_rate=1e-2)
-    state = opt.init(params)
-
-    # Arguments in the outputs' order: jit pairs donated buffers with outputs in order.
-    def leaf_by_leaf(params, state, grads):
-        return ts.update_leaf_by_leaf(opt, grads, state, params)
-
-    def whole_tree(params, state, grads):
-        updates, new_state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), new_state, ts.tree_norm(updates)
-
-    def temp_leaves(fn):
-        compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(params, state, grads).compile()
-        analysis = compiled.memory_analysis()
-        if analysis is None:
-            pytest.skip("this backend reports no memory analysis")
-        return analysis.temp_size_in_bytes / leaf_bytes
-
-    leafwise, whole = temp_leaves(leaf_by_leaf), temp_leaves(whole_tree)
-    print(f"temporaries in leaves: leaf by leaf {leafwise:.2f}, whole tree {whole:.2f}")
-    assert leafwise <= 3.0, leafwise
-
-    # And through apply_grads, which takes that path on a CPU only.
-    if jax.default_backend() != "cpu":
-        return
-    train_state = ts.init_train_state(params, opt)
-    acc = ts.Accumulated(grads, jnp.float32(1.0), jnp.float32(2.0), ts.Stats())
-    step = jax.jit(
-        functools.partial(ts.apply_grads, optimizer=opt, grad_clip=1.0), donate_argnums=(0,)
-    )
-    analysis = step.lower(train_state, acc).compile().memory_analysis()
-    assert analysis.temp_size_in_bytes / leaf_bytes <= 3.0
-
-
-def test_apply_grads_skips_a_non_finite_gradient_untouched():
-    params = model.init_params(CFG, jax.random.key(0))
-    opt = ts.make_optimizer(learning_rate=1e-2)
-    state = ts.TrainState(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
-    grad_sums = jax.tree.map(jnp.ones_like, params)
-    grad_sums["final_norm"]["scale"] = grad_sums["final_norm"]["scale"].at[0].set(jnp.inf)
-    acc = ts.Accumulated(grad_sums, jnp.float32(1.0), jnp.float32(2.0), ts.Stats())
-    new, stats = jax.jit(functools.partial(ts.apply_grads, optimizer=opt, grad_clip=1.0))(
-        state, acc
-    )
-    chex.assert_trees_all_equal(new.params, params)
-    chex.assert_trees_all_equal(new.opt_state, state.opt_state)
-    assert int(new.step) == 0 and float(stats.maxima["step/skipped"]) == 1.0
-    assert float(stats.means["optim/update_norm"][0]) == 0.0

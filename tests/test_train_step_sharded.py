@@ -14,14 +14,14 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, "tests")
     from test_train_step import make_groups, make_config, CFG
     from a3po_jax import model
-    from a3po_jax.core import train_step as ts
+    from a3po_jax.core import placement
     from a3po_jax.training import step_builder
     from a3po_jax.core.batching import build_batch
     from a3po_jax.parallel.sharding import make_mesh
 
     assert len(jax.devices()) == 8, jax.devices()
     cfg = make_config(prox="a3po")
-    algo = step_builder.algorithm(cfg)
+    algo = step_builder.algorithm(cfg, CFG)
     opt = step_builder.optimizer(cfg)
     batch = build_batch(make_groups(versions_from=1), advantage="grpo", length_bucket=16)
     arrays = batch.arrays()
@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent(
     out = {}
     for name, mesh in (("one", make_mesh(1, 1, 1, devices=jax.devices()[:1])),
                        ("eight", make_mesh(2, 2, 2))):
-        state = ts.place_train_state(params, opt, mesh)
-        step = ts.jit_train_step(state, mesh, 16, algo=algo, model_config=CFG,
-                                 optimizer=opt, grad_clip=1.0, with_reference=False)
+        state = placement.place_train_state(params, opt, mesh)
+        step = placement.jit_train_step(state, mesh, algo=algo, optimizer=opt, grad_clip=1.0,
+                                        with_reference=False)
         state, metrics = step(state, arrays, None)
         state, metrics = step(state, arrays, None)
         out[name] = (jax.device_get(state.params), float(metrics["loss/total"]))
@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
     np.testing.assert_allclose(out["one"][1], out["eight"][1], rtol=1e-4)
     # A mesh that does not divide the batch is refused with both numbers named.
     try:
-        ts.batch_shardings(make_mesh(1, 8, 1), 12)
+        placement.batch_shardings(make_mesh(1, 8, 1), 12)
     except ValueError as err:
         assert "12" in str(err) and "8" in str(err), err
     else:

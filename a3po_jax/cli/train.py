@@ -118,10 +118,10 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.system.inference_cores:
         # Split cores: this process on its share before JAX starts (XLA sizes its thread
         # pool from it); the trainer starts the host process on the others.
-        from a3po_jax.training import placement
+        from a3po_jax.training import host_placement
 
         try:
-            placement.pin_trainer(cfg.system.inference_cores)
+            host_placement.pin_trainer(cfg.system.inference_cores)
         except ValueError as err:
             raise Refused(f"config error: {err}") from err
 
@@ -247,14 +247,14 @@ def latest_checkpoint_step(run_dir: str | Path) -> int:
 
 def connect_hosts(system):
     """A `HostPool` over the gRPC hosts of ``system.inference_hosts`` (comma-separated;
-    `a3po_jax.training.placement.host_pool`)."""
-    from a3po_jax.training import placement
+    `a3po_jax.training.host_placement.host_pool`)."""
+    from a3po_jax.training import host_placement
 
     token = _read_token(system.host_token_file)
     addresses = [a.strip() for a in system.inference_hosts.split(",") if a.strip()]
     if len(set(addresses)) != len(addresses):
         raise Refused(f"config error: system.inference_hosts lists a host twice: {addresses}")
-    return placement.host_pool(addresses, token, system)
+    return host_placement.host_pool(addresses, token, system)
 
 
 def _read_token(path: str) -> str:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from a3po_jax.core import losses
+from a3po_jax.core.checks import check_choice
 
 Estimator = Callable[[jax.Array, int], jax.Array]  # (rewards [N*G], G) -> advantages [N*G]
 
@@ -33,8 +34,7 @@ ESTIMATORS: Mapping[str, Estimator] = {
 
 def estimator(name: str) -> Estimator:
     """The estimator called ``name``; a ValueError names the allowed ones."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage {name!r}; allowed: {', '.join(ESTIMATORS)}")
+    check_choice("advantage", name, ESTIMATORS)
     return ESTIMATORS[name]
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from a3po_jax.core import advantages
-from a3po_jax.core.types import RolloutGroup
+from a3po_jax.core.types import Rollout, RolloutGroup
 
 
 @dataclasses.dataclass
@@ -66,6 +66,16 @@ def group_advantages(rewards: np.ndarray, group_size: int, kind: str) -> np.ndar
     return np.asarray(advantages.estimator(kind)(rewards, group_size), np.float32)
 
 
+def group_rows(group: RolloutGroup, *, dpo_pairs: bool = False) -> list[Rollout]:
+    """A group's samples in the order they take as batch rows: sample order, or with
+    ``dpo_pairs`` (chosen, rejected) by reward (a stable sort: a tie keeps sample order).
+    The one row order of the padded batch and of the packed layout built from it."""
+    rollouts = list(group.rollouts)
+    if dpo_pairs:
+        rollouts.sort(key=lambda r: -float(r.reward))
+    return rollouts
+
+
 def build_batch(
     groups: Sequence[RolloutGroup],
     *,
@@ -93,15 +103,12 @@ def build_batch(
             raise ValueError(
                 f"group {group.group_id} has {group.size} samples, expected {group_size}"
             )
-        rollouts = list(group.rollouts)
-        for r in rollouts:
+        for r in group.rollouts:
             if r.reward is None:
                 raise ValueError(f"group {group.group_id} sample {r.sample_index} has no reward")
-        if dpo_pairs:
-            if group_size != 2:
-                raise ValueError(f"DPO pairs need groups of 2, got {group_size}")
-            rollouts.sort(key=lambda r: -float(r.reward))
-        rows.extend(rollouts)
+        if dpo_pairs and group_size != 2:
+            raise ValueError(f"DPO pairs need groups of 2, got {group_size}")
+        rows.extend(group_rows(group, dpo_pairs=dpo_pairs))
 
     b = len(rows)
     lengths = [r.prompt_tokens.shape[0] + r.completion_tokens.shape[0] for r in rows]

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from a3po_jax.core.checks import check_choice
+
 # --------------------------------------------------------------------------------------
 # Sequence-level weights.
 # --------------------------------------------------------------------------------------
@@ -85,11 +87,6 @@ class SequenceCorrection(NamedTuple):
     token_weight: jax.Array  # [B, T] float32: the capped W_b on each of its tokens
 
 
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
-
-
 def make_sequence_correction(
     cap: float, *, mode: str = "truncate", form: str = "product"
 ) -> Callable[[jax.Array, jax.Array], SequenceCorrection]:
@@ -130,8 +127,8 @@ def make_sequence_correction(
     Raises:
       ValueError: for an unknown mode or form, or C ≤ 1, naming the allowed values.
     """
-    _check_choice("seq_cap_mode", mode, SEQ_CAP_MODES)
-    _check_choice("seq_weight_form", form, SEQ_FORMS)
+    check_choice("seq_cap_mode", mode, SEQ_CAP_MODES)
+    check_choice("seq_weight_form", form, SEQ_FORMS)
     if not cap > 1.0:
         raise ValueError(f"sequence weight cap must be > 1, got {cap!r}")
     seq_log_weight = SEQ_WEIGHT_FORMS[form]
@@ -150,13 +147,6 @@ def make_sequence_correction(
         return SequenceCorrection(log_seq, keep, truncated & (jnp.sum(m, -1) > 0), token_weight)
 
     return correction
-
-
-def sequence_weights(
-    log_w: jax.Array, mask: jax.Array, *, cap: float, mode: str = "truncate", form: str = "product"
-) -> SequenceCorrection:
-    """:func:`make_sequence_correction` resolved and applied at once (eager use, tests)."""
-    return make_sequence_correction(cap, mode=mode, form=form)(log_w, mask)
 
 
 # --------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ head gradient it accumulates). On a CPU a chunk's logits are further made a bloc
 columns at a time (``VOCAB_BLOCK_BYTES``), so no pass holds more than [C, Vb]. The values
 and gradients equal the plain path's to float rounding (tests/test_logprobs.py).
 
+:func:`forward_logprobs` is the policy's pass over a padded batch (``build_batch``'s rows):
+the layer stack, then this head; ``packing.packed_token_logprobs`` is the packed layout's.
+
 Shape letters: B batch, T time, D model width, V vocab, N = B·T tokens, C chunk, K chunks,
 Vb vocabulary block.
 """
@@ -24,6 +27,8 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from a3po_jax import model
 
 # Default tokens per chunk (C). Two costs pull in opposite directions:
 # * memory: one [C, V] float32 buffer of 4·C·V bytes per pass (the forward's logits; the
@@ -438,3 +443,49 @@ def _flat_logprobs_bwd(temperature, chunk_size, vocab_chunk_size, table, residua
 
 
 _flat_logprobs.defvjp(_flat_logprobs_fwd, _flat_logprobs_bwd)
+
+
+# --------------------------------------------------------------------------------------
+# The policy's log-probs of a padded batch.
+# --------------------------------------------------------------------------------------
+
+
+def batch_hidden(
+    params: model.Params, batch: dict[str, jax.Array], *, model_config: model.ModelConfig
+) -> jax.Array:
+    """[B, T, D] float32 final-norm hidden states of a ``TrainBatch.arrays()`` batch (no
+    lm_head; ``packing.packed_hidden`` is the packed layout's)."""
+    hidden, _ = model.hidden_states(
+        params,
+        batch["tokens"],
+        batch["positions"],
+        config=model_config,
+        segment_ids=batch["segment_ids"],
+    )
+    return hidden
+
+
+def forward_logprobs(
+    params: model.Params,
+    batch: dict[str, jax.Array],
+    *,
+    model_config: model.ModelConfig,
+    temperature: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Token log-probs of the targets under ``softmax(logits / temperature)`` and entropies.
+
+    The behaviour log-probs from the inference host are taken at the sampling temperature,
+    so the trainer's must be too, or the importance ratio is off by the temperature.
+
+    The head runs chunk by chunk over tokens (:func:`chunked_token_logprobs`, which
+    recomputes each chunk's logits in the backward pass), so neither pass holds the
+    [B, T, V] logits; the values equal ``token_logprobs(apply(...) / temperature)``.
+
+    Returns:
+      (logp [B, T], entropy [B, T]) float32.
+    """
+    hidden = batch_hidden(params, batch, model_config=model_config)  # [B, T, D] float32
+    head, is_table = model.lm_head_for_logprobs(params, model_config)  # [V, D] tied, [D, V]
+    return chunked_token_logprobs(
+        hidden, head, batch["targets"], temperature=temperature, head_is_table=is_table
+    )

@@ -60,8 +60,8 @@ import numpy as np
 
 from a3po_jax import model
 from a3po_jax.core import logprobs, prox
-from a3po_jax.core.batching import TrainBatch, build_batch, round_up
-from a3po_jax.core.types import Rollout, RolloutGroup
+from a3po_jax.core.batching import TrainBatch, build_batch, group_rows, round_up
+from a3po_jax.core.types import RolloutGroup
 
 Params = Any
 PackedArrays = Mapping[str, jax.Array]
@@ -143,14 +143,6 @@ class PackedBatch:
         unpacked = self.batch.arrays()
         out.update({k: unpacked[k] for k in _LOSS_FIELDS})
         return out
-
-
-def _ordered_rollouts(group: RolloutGroup, dpo_pairs: bool) -> list[Rollout]:
-    """The group's samples in the row order ``build_batch`` uses (same stable sort)."""
-    rollouts = list(group.rollouts)
-    if dpo_pairs:
-        rollouts.sort(key=lambda r: -float(r.reward))
-    return rollouts
 
 
 def balanced_group_order(lengths: Sequence[int], groups_per_row: int) -> np.ndarray:
@@ -252,7 +244,8 @@ def pack_groups(
     num_groups, g = len(groups), groups[0].size
     n = num_groups // groups_per_row
     s = g * groups_per_row  # samples per row
-    ordered = [_ordered_rollouts(group, dpo_pairs) for group in groups]
+    # The rows build_batch made, in its order: sample b = gi·G + i is ordered[gi][i].
+    ordered = [group_rows(group, dpo_pairs=dpo_pairs) for group in groups]
 
     prompt_len = np.array([rs[0].prompt_tokens.shape[0] for rs in ordered], np.int32)
     response_len = np.array([r.num_tokens for rs in ordered for r in rs], np.int32)
@@ -304,13 +297,6 @@ def pack_groups(
                 )[:k]
                 row_targets[row, listed_span] = r.completion_tokens
                 row_valid[row, listed_span] = 1.0
-                # The unpacked row must hold the same completion at the same window; a
-                # change in build_batch's ordering would otherwise pair wrong targets.
-                if not np.array_equal(batch.targets[b, p - 1 : p - 1 + k], r.completion_tokens):
-                    raise AssertionError(
-                        f"build_batch row {b} does not hold group {gi} sample {i}; its row "
-                        "order changed and pack_groups must follow it"
-                    )
                 start += k
                 listed += k
 
@@ -447,7 +433,7 @@ def packed_token_logprobs(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-sample target-aligned log-probs and entropies from one pass over packed rows.
 
-    Drop-in for ``train_step.forward_logprobs`` (same signature, same ``[B, T]`` layout):
+    Drop-in for ``logprobs.forward_logprobs`` (same signature, same ``[B, T]`` layout):
     on every position where ``loss_mask`` is 1 the values equal those of the unpacked
     ``build_batch`` rows; elsewhere they are 0 (the loss never reads them).
 
@@ -541,7 +527,7 @@ def policy_old_ref_logprobs(
     Args:
       params: current policy parameters.
       batch: ``PackedBatch.arrays()`` for the default ``forward``; a ``TrainBatch.arrays()``
-        dict with ``forward=train_step.forward_logprobs``.
+        dict with ``forward=logprobs.forward_logprobs``.
       model_config, temperature: as for ``forward``.
       ref_params: frozen reference parameters, or None.
       old_is_current: old = stop_gradient(current) (exclusive with ``old_params``).

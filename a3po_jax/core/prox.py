@@ -10,7 +10,7 @@ the data. The loss (:func:`a3po_jax.core.losses.decoupled_ppo_loss`) does not kn
   weights ARE the current ones, so the pass can be skipped: old = sg(current)
   (:func:`old_is_current`, Periodic Asynchrony's unified pass, arXiv 2511.18871).
 * ``a3po``: A-3PO's interpolation between behav and sg(current) by staleness, no pass
-  (:func:`a3po_jax.core.losses.a3po_prox_logp`, arXiv 2512.06547).
+  (:func:`a3po_prox_logp`, arXiv 2512.06547).
 * ``behav``: prox = behav, i.e. plain PPO against the behaviour policy (naive async PPO).
 
 Every rule has one signature, ``rule(logp, behav_logp, staleness, old_logp) -> prox_logp``
@@ -27,11 +27,84 @@ import functools
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
-from a3po_jax.core import losses
+from a3po_jax.core.checks import check_choice, check_rank, check_same_shape
 
 ProxFn = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
-ZERO_STALENESS: tuple[str, ...] = ("current", "behav")
+# A-3PO's α at d = 0: the paper's prox = current (α = 0) or AReaL's prox = behav (α = 1).
+_ALPHA_AT_ZERO = {"current": 0.0, "behav": 1.0}
+ZERO_STALENESS: tuple[str, ...] = tuple(_ALPHA_AT_ZERO)
+
+
+def a3po_alpha(staleness: jax.Array, *, zero_staleness: str = "current") -> jax.Array:
+    """A-3PO's staleness-aware interpolation weight α (arXiv 2512.06547).
+
+    α_t = 0 if d_t = 0, 1/d_t if d_t ≥ 1.   With ``zero_staleness="behav"`` (AReaL's
+    ``prox_logp_method: loglinear``) α_t = 1 when d_t = 0, i.e. prox = behav.
+
+    Args:
+      staleness: integer array of any shape, d = v_θ - v_behav ≥ 0.
+      zero_staleness: ``"current"`` (the paper) or ``"behav"`` (AReaL's code).
+
+    Returns:
+      float32 array of α with the shape of ``staleness``.
+    """
+    check_choice("zero_staleness", zero_staleness, ZERO_STALENESS)
+    d = jnp.asarray(staleness).astype(jnp.float32)
+    at_zero = _ALPHA_AT_ZERO[zero_staleness]
+    # max(d, 1) keeps 1/d finite on the branch `where` discards.
+    return jnp.where(d >= 1.0, 1.0 / jnp.maximum(d, 1.0), at_zero)
+
+
+def a3po_prox_logp(
+    logp: jax.Array,
+    behav_logp: jax.Array,
+    staleness: jax.Array,
+    *,
+    zero_staleness: str = "current",
+) -> jax.Array:
+    """A-3PO's proximal log-prob, interpolated instead of recomputed.
+
+    prox_t = α_t · behav_t + (1 - α_t) · sg(logp_t),   α_t = 0 (d_t = 0), 1/d_t (d_t ≥ 1)
+
+    Replaces decoupled PPO's extra forward pass with the weights at the start of the step
+    (arXiv 2512.06547, seeds 000/001). ``logp`` enters only through ``stop_gradient``: the
+    trust-region ratio exp(logp - prox) must keep its gradient through the numerator alone,
+    otherwise with α = 0 the ratio would be the constant 1.
+
+    Args:
+      logp: ``[B, T]`` current policy log-probs (the differentiated ones).
+      behav_logp: ``[B, T]`` behaviour log-probs from the inference host.
+      staleness: ``[B, T]`` integer d_t = v_θ - v_behav,t ≥ 0 per token (tokens of one
+        sequence can differ when weights changed mid-generation). Values at masked
+        positions are ignored by the loss but must still be ≥ 0 when checked eagerly.
+      zero_staleness: ``"current"`` (default, the paper: prox = sg(logp) at d = 0) or
+        ``"behav"`` (AReaL's ``loglinear`` code: prox = behav at d = 0). They differ only
+        where inference and training numerics disagree.
+
+    Returns:
+      ``[B, T]`` float32 proximal log-probs carrying no gradient.
+
+    Raises:
+      ValueError: on shape mismatch, or on negative staleness when the values are concrete
+        (outside jit). Under jit, negative staleness yields NaN so the loss is non-finite and
+        the trainer's non-finite guard stops on it; the trainer also checks on the host.
+    """
+    check_rank("logp", logp, 2, "[B, T]")
+    check_same_shape("logp", logp, behav_logp=behav_logp, staleness=staleness)
+    if not isinstance(staleness, jax.core.Tracer) and bool(jnp.any(jnp.asarray(staleness) < 0)):
+        raise ValueError(
+            f"staleness must be >= 0 (d = trainer version - behaviour version), got min "
+            f"{int(jnp.min(jnp.asarray(staleness)))}"
+        )
+    alpha = a3po_alpha(staleness, zero_staleness=zero_staleness)
+    alpha = jnp.where(jnp.asarray(staleness) < 0, jnp.nan, alpha)
+    prox = alpha * behav_logp.astype(jnp.float32) + (1.0 - alpha) * jax.lax.stop_gradient(
+        logp.astype(jnp.float32)
+    )
+    # prox is an anchor, never a path for gradients (behav carries none either).
+    return jax.lax.stop_gradient(prox)
 
 
 def old_is_current(logp: jax.Array) -> jax.Array:
@@ -62,7 +135,7 @@ def _current(logp, behav_logp, staleness, old_logp):
 def _a3po(logp, behav_logp, staleness, old_logp, *, zero_staleness: str = "current"):
     """prox = A-3PO's staleness interpolation between behav and sg(current)."""
     del old_logp
-    return losses.a3po_prox_logp(logp, behav_logp, staleness, zero_staleness=zero_staleness)
+    return a3po_prox_logp(logp, behav_logp, staleness, zero_staleness=zero_staleness)
 
 
 def _behav(logp, behav_logp, staleness, old_logp):
@@ -100,12 +173,8 @@ def make_prox_rule(
     Raises:
       ValueError: naming the unknown value and the allowed ones.
     """
-    if name not in PROX_RULES:
-        raise ValueError(f"unknown prox rule {name!r}; allowed: {', '.join(PROX_RULES)}")
-    if zero_staleness not in ZERO_STALENESS:
-        raise ValueError(
-            f"unknown zero_staleness {zero_staleness!r}; allowed: {', '.join(ZERO_STALENESS)}"
-        )
+    check_choice("prox", name, PROX_RULES)
+    check_choice("zero_staleness", zero_staleness, ZERO_STALENESS)
     if one_pass_old and name != "recompute":
         raise ValueError(f"one_pass_old applies to prox rule 'recompute' only, got {name!r}")
     if one_pass_old:

@@ -19,14 +19,15 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from a3po_jax.core import advantages, importance, losses, prox
-from a3po_jax.core.train_step import LOSS_TERMS
+from a3po_jax.core import advantages, importance, losses, objectives, prox
+from a3po_jax.core.batch_plan import BatchPlan
+from a3po_jax.core.checks import check_choice
 from a3po_jax.rollout.queue import CONSUME_ORDERS
 
 MODES = ("sync", "periodic", "one_step_off", "async")
 # The algorithm choices are the keys of the core's tables: one list, where the code is.
+# Objectives (algo.loss) are looked up in a3po_jax.core.objectives' registry.
 PROX_MODES = tuple(prox.PROX_RULES)
-LOSSES = tuple(LOSS_TERMS)
 ADVANTAGES = tuple(advantages.ESTIMATORS)
 AGGREGATIONS = losses.AGGREGATIONS
 KL_KINDS = losses.KL_KINDS
@@ -78,8 +79,7 @@ def staleness_bound(mode: str, max_staleness: int, num_minibatches: int = 1) -> 
 
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{section}.{name}={value!r} is not one of {', '.join(allowed)}")
+    check_choice(f"{section}.{name}", value, allowed, error=ConfigError)
 
 
 def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -159,7 +159,7 @@ class RolloutSection:
 class AlgoSection:
     """The loss and where its pieces come from."""
 
-    loss: str = "ppo"  # "ppo" (clip family) or "dpo" (Online DPO)
+    loss: str = "ppo"  # objective: "ppo" (clip family), "dpo" (Online DPO) or a module's
     prox: str = "a3po"  # proximal policy: "recompute", "a3po" or "behav" (naive)
     a3po_zero_staleness: str = "current"  # A-3PO at d=0: "current" (paper) or "behav" (AReaL)
     advantage: str = "grpo"  # "grpo", "drgrpo" (no std division) or "rloo"
@@ -181,7 +181,7 @@ class AlgoSection:
     num_minibatches: int = 1  # optimizer steps per batch (each is one version)
 
     def __post_init__(self):
-        _choice("algo", "loss", self.loss, LOSSES)
+        objectives.get(self.loss, what="algo.loss", error=ConfigError)
         _choice("algo", "prox", self.prox, PROX_MODES)
         _choice("algo", "a3po_zero_staleness", self.a3po_zero_staleness, ZERO_STALENESS)
         _choice("algo", "advantage", self.advantage, ADVANTAGES)
@@ -371,26 +371,17 @@ class TrainConfig:
         _positive("", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("", "eval_every", self.eval_every, allow_zero=True)
         _positive("", "eval_prompts", self.eval_prompts)
-        if self.algo.loss == "dpo" and self.rollout.group_size != 2:
+        layout = objectives.get(self.algo.loss).layout
+        if layout.group_size is not None and self.rollout.group_size != layout.group_size:
             raise ConfigError(
-                "algo.loss='dpo' compares 2 samples per prompt: rollout.group_size must be 2, "
-                f"got {self.rollout.group_size}"
+                f"algo.loss={self.algo.loss!r} trains on {layout.name} of samples of one "
+                f"prompt: rollout.group_size must be {layout.group_size}, got "
+                f"{self.rollout.group_size}"
             )
         if self.algo.advantage == "rloo" and self.rollout.group_size < 2:
             raise ConfigError("algo.advantage='rloo' needs rollout.group_size >= 2")
         _ = self.staleness_bound  # refuses async η < k - 1 before anything loads
-        batch = self.rollout.group_size * self.rollout.groups_per_step
-        if batch % self.algo.num_minibatches:
-            raise ConfigError(
-                f"algo.num_minibatches={self.algo.num_minibatches} must divide the batch of "
-                f"{batch} sequences (rollout.group_size x rollout.groups_per_step)"
-            )
-        mb = self.system.micro_batch_size
-        if mb and (batch // self.algo.num_minibatches) % mb:
-            raise ConfigError(
-                f"system.micro_batch_size={mb} must divide the minibatch of "
-                f"{batch // self.algo.num_minibatches} sequences"
-            )
+        _ = self.batch_plan  # refuses a batch that does not split as configured
         if self.system.one_pass_old and (
             self.algo.prox != "recompute" or self.algo.num_minibatches != 1
         ):
@@ -398,59 +389,16 @@ class TrainConfig:
                 "system.one_pass_old=true reuses the current log-probs as the old policy's, "
                 "which is exact only with algo.prox='recompute' and algo.num_minibatches=1"
             )
-        if self.system.packed_prompts and mb and (mb % self.rollout.group_size):
-            raise ConfigError(
-                f"system.packed_prompts packs whole groups: system.micro_batch_size={mb} must "
-                f"be a multiple of rollout.group_size={self.rollout.group_size}"
-            )
-        self._check_groups_per_row()
-        if (
-            self.system.mode == "periodic"
-            and mb
-            and not self.system.packed_prompts
-            and self.rollout.group_size % mb
-        ):
-            raise ConfigError(
-                "system.mode='periodic' folds each group into the gradient as it arrives: "
-                f"system.micro_batch_size={mb} must divide rollout.group_size="
-                f"{self.rollout.group_size}"
-            )
-        if self.system.mode == "periodic" and self.algo.num_minibatches != 1:
-            raise ConfigError(
-                "system.mode='periodic' takes one optimizer step per iteration: "
-                "algo.num_minibatches must be 1"
-            )
 
-    def _check_groups_per_row(self) -> None:
-        """system.groups_per_row: packed rows must split evenly into the minibatches and
-        micro-batches (the step splits the packed arrays along their rows)."""
-        gpr = self.system.groups_per_row
-        if gpr == 1:
-            return
-        if not self.system.packed_prompts:
-            raise ConfigError(
-                f"system.groups_per_row={gpr} packs groups into rows: it needs "
-                "system.packed_prompts=true"
-            )
-        groups, k = self.rollout.groups_per_step, self.algo.num_minibatches
-        if groups % gpr:
-            raise ConfigError(
-                f"system.groups_per_row={gpr} must divide rollout.groups_per_step={groups}"
-            )
-        if self.system.mode != "periodic" and groups % (gpr * k):
-            raise ConfigError(
-                f"system.groups_per_row={gpr}: each of the algo.num_minibatches={k} "
-                f"minibatches of rollout.groups_per_step={groups} groups must hold whole "
-                f"packed rows of {gpr} groups"
-            )
-        mb = self.system.micro_batch_size
-        row = gpr * self.rollout.group_size
-        if self.system.mode != "periodic" and mb and mb % row:
-            raise ConfigError(
-                f"system.micro_batch_size={mb} must be a multiple of a packed row's "
-                f"{row} sequences (system.groups_per_row={gpr} x rollout.group_size="
-                f"{self.rollout.group_size})"
-            )
+    @property
+    def batch_plan(self) -> BatchPlan:
+        """The step's batch geometry (:class:`a3po_jax.core.batch_plan.BatchPlan`): rows,
+        minibatches, micro-batches and packing, computed from this config in one place;
+        raises :class:`ConfigError` naming the fields when the batch does not split."""
+        try:
+            return BatchPlan.from_config(self)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

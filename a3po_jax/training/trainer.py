@@ -43,8 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from a3po_jax.core import optim, placement
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batching import TrainBatch, build_batch
+from a3po_jax.core.batch_plan import BatchPlan, make_batch
+from a3po_jax.core.batching import TrainBatch
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.protocol import Host
@@ -55,7 +57,7 @@ from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
-from a3po_jax.training import heap, placement, recording, step_builder
+from a3po_jax.training import heap, host_placement, recording, step_builder
 from a3po_jax.training.checkpointing import (
     CheckpointManager,
     async_save_pays,
@@ -187,24 +189,24 @@ class Trainer:
 
         # Training state on the trainer's mesh. Built before the inference host starts, so a
         # mesh or batch that does not fit fails before anything runs. With split devices the
-        # embedded host gets a mesh of its own (placement.py).
+        # embedded host gets a mesh of its own (host_placement.py).
         if self.multi_process and cfg.system.inference_devices:
             raise ValueError(
                 "system.inference_devices runs in one process so far; with several processes "
                 "serve from hosts of their own (system.inference_hosts, scripts/launch.py)"
             )
-        self.mesh, self._host_mesh = placement.meshes(cfg.system)
-        # The algorithm is resolved from its tables here, once (an unknown name fails now).
-        self.algo = step_builder.algorithm(cfg)
+        self.mesh, self._host_mesh = host_placement.meshes(cfg.system)
+        # The algorithm is resolved from its tables here, once, with the batch plan.
+        self.algo = step_builder.algorithm(cfg, policy.config)
         self.optimizer = step_builder.optimizer(cfg)
-        self.state = ts.place_train_state(policy.params, self.optimizer, self.mesh)
+        self.state = placement.place_train_state(policy.params, self.optimizer, self.mesh)
         # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
         self.ref_params = (
             jax.tree.map(jnp.copy, self.state.params) if self.algo.keeps_reference else None
         )
         self._build_jitted()
 
-        # A host this trainer starts (and closes): embedded, or a local process (placement.py).
+        # A host this trainer starts (and closes): embedded, or a local process (host_placement.py).
         self._own_host = host is None and self.leader and self.replay_dir is None
         self._local_host = None
         if self._own_host:
@@ -280,30 +282,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ jitted pieces
 
+    @property
+    def plan(self) -> BatchPlan:
+        """The batch plan the algorithm was built with (rows, minibatches, packing)."""
+        return self.algo.plan
+
     def _build_jitted(self) -> None:
-        common = dict(algo=self.algo, model_config=self.policy.config)
-        batch_rows = self.group_size * self.batch_groups
-        mb = self.algo.micro_batch_size or batch_rows // self.algo.num_minibatches
         from a3po_jax.parallel.sharding import TRAIN_RULES, check_batch_divisible
 
-        # Each micro-batch splits evenly over the mesh (packed arrays lead with packed rows
-        # of system.groups_per_row groups each).
-        gpr = self.cfg.system.groups_per_row
-        rows_per_micro = mb // (self.group_size * gpr) if self.algo.packed else mb
-        check_batch_divisible(rows_per_micro, self.mesh, TRAIN_RULES)
-        step_rows = self.batch_groups // gpr if self.algo.packed else batch_rows
-        self._batch_sharding = ts.batch_shardings(self.mesh, step_rows)
-        self._train_step = ts.jit_train_step(
+        # Each micro-batch splits evenly over the mesh (packed arrays lead with packed rows).
+        check_batch_divisible(self.plan.leading_rows_per_micro_batch, self.mesh, TRAIN_RULES)
+        self._batch_sharding = placement.batch_shardings(self.mesh, self.plan.leading_rows)
+        self._train_step = placement.jit_train_step(
             self.state,
             self.mesh,
-            step_rows,
+            algo=self.algo,
             optimizer=self.optimizer,
             grad_clip=self.cfg.optim.grad_clip,
             with_reference=self.ref_params is not None,
-            **common,
         )
         # Periodic mode: fold each arriving group into the gradient, one update at the end.
-        self._fold_group = jax.jit(functools.partial(ts.fold_group, **common))
+        self._fold_group = jax.jit(functools.partial(ts.fold_group, algo=self.algo))
         self._apply_folded = jax.jit(
             functools.partial(
                 ts.apply_accumulated,
@@ -314,9 +313,7 @@ class Trainer:
         )
         self._kl_in_reward = None
         if self.algo.kl_in_reward is not None:
-            self._kl_in_reward = jax.jit(
-                functools.partial(ts.kl_in_reward, group_size=self.group_size, **common)
-            )
+            self._kl_in_reward = jax.jit(functools.partial(ts.kl_in_reward, algo=self.algo))
 
     @property
     def queue(self) -> RolloutQueue:
@@ -326,49 +323,28 @@ class Trainer:
     # ------------------------------------------------------------------ batches
 
     def _batch_from_groups(
-        self, groups: list[RolloutGroup], groups_per_row: int | None = None
+        self, groups: list[RolloutGroup], plan: BatchPlan
     ) -> tuple[TrainBatch, dict[str, np.ndarray]]:
-        """The padded batch (for metrics) and the arrays the jitted step reads: the batch's
-        own, or the shared-prompt packed layout with ``system.packed_prompts``.
+        """The padded batch (for metrics) and the arrays the jitted step reads, in the
+        plan's layout (:func:`a3po_jax.core.batch_plan.make_batch`), with KL-in-reward's
+        shaped rewards and advantages when the algorithm charges the KL to the reward.
 
-        With ``system.groups_per_row`` > 1 and one minibatch, ``pack_groups`` reorders the
-        groups to balance its rows, and the returned batch (advantages, versions, the
-        metrics' staleness) follows that order; with k > 1 minibatches the order decides
-        which groups train at which version, so it is kept."""
-        kwargs = dict(
-            advantage=self.cfg.algo.advantage,
-            length_bucket=self.cfg.system.length_bucket,
-            dpo_pairs=self.cfg.algo.loss == "dpo",
-        )
-        if self.algo.packed:
-            from a3po_jax.core.packing import pack_groups
-
-            gpr = self.cfg.system.groups_per_row if groups_per_row is None else groups_per_row
-            packed = pack_groups(
-                groups,
-                groups_per_row=gpr,
-                balance_rows=self.algo.num_minibatches == 1,
-                **kwargs,
-            )
-            batch, arrays_of = packed.batch, packed.arrays
-        else:
-            batch = build_batch(groups, **kwargs)
-            arrays_of = batch.arrays
+        With ``system.groups_per_row`` > 1 and one minibatch, packing reorders the groups to
+        balance its rows, and the returned batch (advantages, versions, the metrics'
+        staleness) follows that order."""
+        batch, arrays = make_batch(groups, plan)
         if self._kl_in_reward is not None:
             # KL in the reward: R_i ← R_i − β Σ_t KL_t, then the advantages of those rewards
             # (core.train_step.kl_in_reward); the step then reads the new advantages.
             rewards, adv = self._kl_in_reward(
-                self.state.params,
-                self.ref_params,
-                _to_device(arrays_of()),
-                jnp.asarray(batch.rewards),
+                self.state.params, self.ref_params, _to_device(arrays), jnp.asarray(batch.rewards)
             )
             batch.rewards = np.asarray(rewards, np.float32)
-            batch.advantages = np.asarray(adv, np.float32)
-        return batch, arrays_of()
+            batch.advantages = arrays["advantages"] = np.asarray(adv, np.float32)
+        return batch, arrays
 
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
-        batch, arrays = self._batch_from_groups(groups)
+        batch, arrays = self._batch_from_groups(groups, self.plan)
         self.state, metrics = self._train_step(
             self.state, self._step_input(arrays), self.ref_params
         )
@@ -418,7 +394,7 @@ class Trainer:
         folded = None
         groups: list[RolloutGroup] = []
         wait = 0.0
-        mb = self.cfg.system.micro_batch_size or self.group_size
+        fold = self.plan.fold  # one group per row and per batch
         for _ in range(self.batch_groups):
             t0 = time.perf_counter()
             (group,) = self.queue.get_batch(
@@ -426,23 +402,14 @@ class Trainer:
             )
             wait += time.perf_counter() - t0
             groups.append(group)
-            # One group at a time: system.groups_per_row does not apply (1 group per row).
-            _, arrays = self._batch_from_groups([group], groups_per_row=1)
-            arrays = _to_device(arrays)
-            # A packed group is one row: it cannot be split further.
-            n_micro = 1 if self.algo.packed else self.group_size // mb
-            mbs = ts.split_micro_batches(arrays, n_micro)
+            _, arrays = self._batch_from_groups([group], fold)
+            mbs = ts.split_micro_batches(_to_device(arrays), fold.micro_batches)
             # The prox rule's old pass and the reference pass run inside the fold.
             acc = self._fold_group(params, self.ref_params, mbs, jnp.int32(version))
-            folded = acc if folded is None else ts.add_accumulated(folded, acc)
+            folded = acc if folded is None else optim.add_accumulated(folded, acc)
         timings["time/wait_rollouts_s"] = wait
         self.state, metrics = self._apply_folded(self.state, folded)
-        merged = build_batch(
-            groups,
-            advantage=self.cfg.algo.advantage,
-            length_bucket=self.cfg.system.length_bucket,
-            dpo_pairs=self.cfg.algo.loss == "dpo",
-        )
+        merged, _ = make_batch(groups, self.plan.padded)
         return groups, merged, metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -661,19 +628,19 @@ class Trainer:
             self._sigterm.uninstall()  # the handlers from before this trainer, back
 
     def _start_host(self, params: Any) -> Host:
-        """The run's own inference host, placed as ``system`` says (`placement.py`): a local
+        """The run's own inference host, placed as ``system`` says (`host_placement.py`): a local
         host process on cores of its own behind a pool, or an embedded host."""
         system, rollout = self.cfg.system, self.cfg.rollout
         if system.inference_cores:
-            placement.pin_trainer(system.inference_cores)  # the CLI did, before JAX started
-            self._local_host = placement.start_local_host(
+            host_placement.pin_trainer(system.inference_cores)  # the CLI did, before JAX started
+            self._local_host = host_placement.start_local_host(
                 self.cfg,
                 num_slots=rollout.num_slots,
                 prefill_buckets=tuple(rollout.prompt_buckets),
                 max_cache_len=max(rollout.prompt_buckets) + rollout.max_new_tokens,
             )
             try:
-                return placement.host_pool(
+                return host_placement.host_pool(
                     [self._local_host.address], self._local_host.token, system
                 )
             except BaseException:

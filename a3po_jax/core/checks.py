@@ -1,0 +1,50 @@
+"""Argument checks of the core's public functions: one choice check, ranks, shapes, bounds.
+
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
+They run when a function is traced (shapes and Python hyperparameters are static), so they
+cost nothing inside jit. :func:`check_choice` is the one check of a name against its
+allowed values: the run configuration uses it too (with its own error type), so a refusal
+reads the same wherever it comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+
+
+def check_choice(
+    name: str,
+    value: str,
+    allowed: Iterable[str],
+    *,
+    error: type[Exception] = ValueError,
+    hint: str = "",
+) -> None:
+    """Raise ``error`` naming ``name``, the value and the allowed values (then ``hint``)
+    unless ``value`` is one of ``allowed`` (a tuple of names or a table keyed by them)."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise error(f"{name}={value!r} is not one of {', '.join(allowed)}{hint}")
+
+
+def check_rank(name: str, x: jax.Array, rank: int, what: str) -> None:
+    if jnp.ndim(x) != rank:
+        raise ValueError(f"{name} must have rank {rank} ({what}), got shape {jnp.shape(x)}")
+
+
+def check_same_shape(ref_name: str, ref: jax.Array, **others: jax.Array | None) -> None:
+    for name, x in others.items():
+        if x is not None and jnp.shape(x) != jnp.shape(ref):
+            raise ValueError(
+                f"{name} has shape {jnp.shape(x)} but {ref_name} has shape {jnp.shape(ref)}; "
+                "they must match exactly (no implicit broadcasting)"
+            )
+
+
+def check_positive(name: str, value: float | None, *, minimum: float = 0.0) -> None:
+    if value is not None and not value > minimum:
+        raise ValueError(f"{name} must be > {minimum}, got {value!r}")

@@ -1,0 +1,40 @@
+"""Training objectives, one module per family, and the registry that names them.
+
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
+* :mod:`~a3po_jax.core.objectives.ppo`: decoupled PPO with its prox rules (``algo.loss=ppo``);
+* :mod:`~a3po_jax.core.objectives.dpo`: Online DPO on pairs (``algo.loss=dpo``);
+* :mod:`~a3po_jax.core.objectives.registry`: :func:`register`, :func:`get`, :func:`names`.
+
+Each module holds its per-token maths, the public loss (``decoupled_ppo_loss``,
+``online_dpo_loss``), the train step's term built from the same sums, its metrics and its
+registration. Adding an objective is one module that registers itself (see
+:mod:`~a3po_jax.core.objectives.registry`); ``algo.loss=<name>`` finds it.
+"""
+
+from a3po_jax.core.objectives import dpo, ppo
+from a3po_jax.core.objectives.registry import (
+    PAIRS,
+    ROWS,
+    BatchLayout,
+    Objective,
+    Term,
+    TermFn,
+    get,
+    names,
+    register,
+)
+
+__all__ = [
+    "PAIRS",
+    "ROWS",
+    "BatchLayout",
+    "Objective",
+    "Term",
+    "TermFn",
+    "dpo",
+    "get",
+    "names",
+    "ppo",
+    "register",
+]

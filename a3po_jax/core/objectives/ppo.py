@@ -1,0 +1,497 @@
+"""Decoupled PPO (the clip family: A-3PO, recompute, naive PPO): maths, term, metrics.
+
+Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
+
+    r_t = exp(logp_t - prox_t),  w_t = sg(exp(prox_t - behav_t))
+    ℓ_t = w_t · max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high))
+
+Hilton et al., "Batch size-invariance for policy optimization", arXiv 2110.00641; AReaL,
+arXiv 2505.24298; A-3PO's prox, arXiv 2512.06547 (:mod:`a3po_jax.core.prox`).
+
+One road from the per-token maths to both callers:
+
+* :func:`decoupled_ppo_per_token`: ℓ_t and per-token diagnostics, unreduced;
+* :func:`decoupled_ppo_sums`: their ``(loss_sum, count, Stats)``, which add across
+  micro-batches, minibatches and arriving groups;
+* :func:`ppo_term`: the train step's term for one micro-batch: the prox rule, then the sums;
+* :func:`decoupled_ppo_loss` / :func:`ppo_clip_loss`: the public losses, the sums of a
+  whole batch finalized (``loss = loss_sum / count``, metrics divided once).
+
+The objective ``ppo`` (``algo.loss=ppo``) binds the prox rule (``algo.prox``), the caps and
+the aggregation from the config once, in :func:`ppo`.
+
+Shape letters: B sequences (b in a micro-batch), T tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from a3po_jax.core import importance, prox
+from a3po_jax.core.aggregation import AGGREGATIONS, TINY, aggregate_sum
+from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
+from a3po_jax.core.importance import SequenceCorrection
+from a3po_jax.core.objectives.registry import Term, register
+from a3po_jax.core.stats import Stats, combine, finalize, masked_max, masked_min, masked_pair
+
+Batch = dict[str, jax.Array]
+Aggregate = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+# Token-level cap of the behaviour weight w (Yao et al. 2025, TIS/MIS): over = w > cap
+# (valid tokens only) -> (weight, keep, masked, truncated). Chosen by table lookup when the
+# loss is traced; no string is compared inside the math.
+_TOKEN_CAPS = {
+    "mask": lambda weight, keep, over, cap: (weight, keep & ~over, over, jnp.zeros_like(over)),
+    "truncate": lambda weight, keep, over, cap: (
+        jnp.minimum(weight, cap),
+        keep,
+        jnp.zeros_like(over),
+        over,
+    ),
+}
+CAP_MODES: tuple[str, ...] = tuple(_TOKEN_CAPS)
+
+
+# --------------------------------------------------------------------------------------
+# Per-token maths.
+# --------------------------------------------------------------------------------------
+
+
+def decoupled_ppo_per_token(
+    logp: jax.Array,
+    prox_logp: jax.Array,
+    behav_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = None,
+    cap_mode: str = "mask",
+    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Per-token decoupled PPO loss ℓ_t and per-token diagnostics, nothing reduced.
+
+    The formula, symbols and paper are those of :func:`decoupled_ppo_loss`, which is
+    ``aggregate`` of this function's ℓ. A train step that splits a batch into micro-batches
+    reduces these values once, with ``aggregate_sum``, instead of averaging averages.
+
+    Args:
+      logp, prox_logp, behav_logp, advantages, mask: ``[B, T]`` as for
+        :func:`decoupled_ppo_loss`.
+      clip_eps, clip_eps_high, dual_clip, behav_weight_cap, cap_mode: as there.
+      seq_correction: sequence-level weights from
+        :func:`a3po_jax.core.importance.make_sequence_correction` (seq-TIS / seq-MIS), which
+        replace the token weight w_t by the capped sequence weight ω_b on every token of
+        sequence b; None keeps the token-level w_t. Not together with ``behav_weight_cap``.
+
+    Returns:
+      ``(per_token, diagnostics)``: ``per_token`` ``[B, T]`` float32 ℓ_t (0 where masked or
+      dropped by the cap); ``diagnostics`` maps ``"clipped"``, ``"dual_clipped"``,
+      ``"capped"`` (0/1 per token), ``"masked"`` / ``"truncated"`` (0/1: the token left the
+      loss / its weight was lowered, by either cap), ``"is_weight"`` (the weight used),
+      ``"log_is_weight"`` (log w_t = prox - behav before any cap) and ``"kl_behav_k3"`` to
+      ``[B, T]`` float32 arrays, meaningful where ``mask`` is 1; with ``seq_correction``
+      also ``"seq_log_weight"`` ``[B]`` (log W_b before the cap) and ``"seq_masked"`` /
+      ``"seq_truncated"`` ``[B]`` 0/1.
+    """
+    check_rank("logp", logp, 2, "[B, T]")
+    check_same_shape(
+        "logp",
+        logp,
+        prox_logp=prox_logp,
+        behav_logp=behav_logp,
+        advantages=advantages,
+        mask=mask,
+    )
+    check_positive("clip_eps", clip_eps)
+    check_positive("clip_eps_high", clip_eps_high)
+    check_positive("dual_clip", dual_clip, minimum=1.0)
+    check_positive("behav_weight_cap", behav_weight_cap)
+    check_choice("cap_mode", cap_mode, CAP_MODES)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+
+    valid = mask.astype(bool)
+    logp = logp.astype(jnp.float32)
+    # The anchor and the behaviour policy are data, never differentiated.
+    prox = jax.lax.stop_gradient(prox_logp.astype(jnp.float32))
+    behav = jax.lax.stop_gradient(behav_logp.astype(jnp.float32))
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+
+    # Log-ratios are masked to 0 before exp so padding (where log-probs may be garbage or
+    # -inf) cannot create inf * 0 = NaN in the sums.
+    log_r = jnp.where(valid, logp - prox, 0.0)
+    log_w = jnp.where(valid, prox - behav, 0.0)
+    ratio = jnp.exp(log_r)
+    weight = jnp.exp(log_w)
+
+    keep = valid
+    none = jnp.zeros_like(valid)
+    masked = truncated = none
+    seq_diag = {}
+    if seq_correction is not None and behav_weight_cap is not None:
+        raise ValueError(
+            "behav_weight_cap (token-level) and seq_correction (sequence-level) are "
+            "alternatives: set one of them"
+        )
+    if seq_correction is not None:
+        corr = seq_correction(log_w, valid)
+        weight = corr.token_weight
+        keep = valid & corr.seq_keep[:, None]
+        masked = valid & ~corr.seq_keep[:, None]
+        truncated = valid & corr.seq_truncated[:, None]
+        capped = masked | truncated
+        seq_diag = {
+            "seq_log_weight": corr.log_seq_weight,
+            "seq_masked": (~corr.seq_keep).astype(jnp.float32),
+            "seq_truncated": corr.seq_truncated.astype(jnp.float32),
+        }
+    elif behav_weight_cap is not None:
+        capped = (weight > behav_weight_cap) & valid
+        weight, keep, masked, truncated = _TOKEN_CAPS[cap_mode](
+            weight, keep, capped, behav_weight_cap
+        )
+    else:
+        capped = none
+
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    pg = jnp.maximum(unclipped, clipped)
+    clip_hit = (clipped > unclipped) & valid
+    dual_hit = jnp.zeros_like(valid)
+    if dual_clip is not None:
+        bound = -dual_clip * adv  # positive where adv < 0
+        dual_hit = (adv < 0) & (pg > bound) & valid
+        pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
+    per_token = jnp.where(keep, weight * pg, 0.0)
+
+    x = behav - logp  # k3 estimator of KL(π_behav ‖ π_θ) on samples from π_behav
+    k3 = jnp.where(valid, jnp.expm1(jnp.where(valid, x, 0.0)) - x, 0.0)
+    f32 = jnp.float32
+    diagnostics = {
+        "clipped": clip_hit.astype(f32),
+        "dual_clipped": dual_hit.astype(f32),
+        "capped": capped.astype(f32),
+        "masked": masked.astype(f32),
+        "truncated": truncated.astype(f32),
+        "is_weight": weight,
+        "log_is_weight": log_w,
+        "kl_behav_k3": jax.lax.stop_gradient(k3),
+        **seq_diag,
+    }
+    return per_token, diagnostics
+
+
+# --------------------------------------------------------------------------------------
+# Sums and metrics that add across micro-batches.
+# --------------------------------------------------------------------------------------
+
+
+def decoupled_ppo_sums(
+    logp: jax.Array,
+    prox_logp: jax.Array,
+    behav_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    aggregate: Aggregate,
+    staleness: jax.Array | None = None,
+    **clip: Any,
+) -> tuple[jax.Array, jax.Array, Stats]:
+    """:func:`decoupled_ppo_per_token` reduced by ``aggregate`` into ``(loss_sum, count)``,
+    with its metrics as :class:`~a3po_jax.core.stats.Stats`; ``loss = loss_sum / count``.
+
+    Args:
+      logp, prox_logp, behav_logp, advantages, mask: ``[B, T]`` as for
+        :func:`decoupled_ppo_loss`.
+      aggregate: ``(per_token [B, T], mask [B, T]) -> (numerator, count)``, e.g.
+        ``functools.partial(aggregation.aggregate_sum, mode="token_mean")``.
+      staleness: ``[B, T]`` d_t, for the ``staleness/*`` and fresh-token metrics, or None.
+      clip: ``clip_eps``, ``clip_eps_high``, ``dual_clip``, ``behav_weight_cap``,
+        ``cap_mode``, ``seq_correction`` of :func:`decoupled_ppo_per_token`.
+
+    Returns:
+      ``(loss_sum, count, stats)``: ``loss/clipfrac``, ``loss/dual_clipfrac``,
+      ``is/weight_mean|max|min``, ``is/capped_frac``, ``kl/behav_k3``, with staleness
+      ``staleness/mean|max``, and the ``mismatch/*`` metrics of :func:`mismatch_stats`.
+    """
+    per_token, diag = decoupled_ppo_per_token(logp, prox_logp, behav_logp, advantages, mask, **clip)
+    loss_sum, count = aggregate(per_token, mask)
+    d = None if staleness is None else staleness.astype(jnp.float32)
+    means = {
+        "loss/clipfrac": masked_pair(diag["clipped"], mask),
+        "loss/dual_clipfrac": masked_pair(diag["dual_clipped"], mask),
+        "is/weight_mean": masked_pair(diag["is_weight"], mask),
+        "is/capped_frac": masked_pair(diag["capped"], mask),
+        "kl/behav_k3": masked_pair(diag["kl_behav_k3"], mask),
+    }
+    if d is not None:
+        means["staleness/mean"] = masked_pair(d, mask)
+    maxima = {"is/weight_max": masked_max(diag["is_weight"], mask)}
+    if d is not None:
+        maxima["staleness/max"] = masked_max(d, mask)
+    stats = Stats(
+        means=means,
+        maxima=maxima,
+        minima={"is/weight_min": masked_min(diag["is_weight"], mask)},
+    )
+    return loss_sum, count, combine(stats, mismatch_stats(logp, behav_logp, staleness, mask, diag))
+
+
+def mismatch_stats(
+    logp: jax.Array,
+    behav_logp: jax.Array,
+    staleness: jax.Array | None,
+    mask: jax.Array,
+    diag: dict[str, jax.Array],
+) -> Stats:
+    """The train-inference mismatch of one micro-batch, as :class:`Stats` that add.
+
+    mismatch/k3_kl_fresh       k3 estimate of KL(π_behav ‖ π_θ), x = behav - logp,
+                               k3 = e^x - 1 - x, over valid tokens with staleness d = 0
+                               only: there π_behav and π_θ are the same weights, so what
+                               remains is the mismatch of the two programs
+    mismatch/fresh_tokens      the count of those tokens (a total)
+    mismatch/iw_p01|p50|p99    quantiles of the token weight w_t = π_prox/π_behav before
+                               any cap, over every valid token of the step (a histogram,
+                               see :mod:`a3po_jax.core.importance`); iw_min / iw_max exact
+    mismatch/masked_frac       valid tokens dropped from the loss by the token or the
+                               sequence cap; truncated_frac: weight lowered to the cap
+    mismatch/seq_masked_frac   sequences (with ≥ 1 valid token) dropped / truncated by
+    mismatch/seq_truncated_frac  the sequence cap (0 with the token-level cap)
+    mismatch/seq_log_iw_min|max  log W_b = Σ_t log w_t of the sequences (log: a product
+                               over a long response overflows float32)
+
+    Args:
+      logp, behav_logp: ``[b, T]`` current and behaviour log-probs.
+      staleness: ``[b, T]`` d_t, or None (then no ``k3_kl_fresh`` / ``fresh_tokens``).
+      mask: ``[b, T]`` loss mask.
+      diag: :func:`decoupled_ppo_per_token`'s diagnostics.
+    """
+    valid = mask > 0
+    fresh = None if staleness is None else valid & (staleness == 0)
+    if fresh is not None:
+        x = jnp.where(fresh, behav_logp.astype(jnp.float32) - logp.astype(jnp.float32), 0.0)
+        k3 = jax.lax.stop_gradient(jnp.expm1(x) - x)
+    log_w = diag["log_is_weight"]
+    w = jnp.exp(log_w)
+    rows = jnp.any(valid, axis=-1)  # [b] sequences with a valid token
+    if "seq_log_weight" in diag:  # the sequence-level correction is on
+        log_seq, seq_masked, seq_truncated = (
+            diag["seq_log_weight"],
+            diag["seq_masked"],
+            diag["seq_truncated"],
+        )
+    else:
+        log_seq = jnp.sum(jnp.where(valid, log_w, 0.0), axis=-1)
+        seq_masked = seq_truncated = jnp.zeros_like(log_seq)
+    means = {} if fresh is None else {"mismatch/k3_kl_fresh": masked_pair(k3, fresh)}
+    means.update(
+        {
+            "mismatch/masked_frac": masked_pair(diag["masked"], mask),
+            "mismatch/truncated_frac": masked_pair(diag["truncated"], mask),
+            "mismatch/seq_masked_frac": masked_pair(seq_masked, rows),
+            "mismatch/seq_truncated_frac": masked_pair(seq_truncated, rows),
+        }
+    )
+    totals = {} if fresh is None else {"mismatch/fresh_tokens": jnp.sum(fresh.astype(jnp.float32))}
+    return Stats(
+        means=means,
+        totals=totals,
+        maxima={
+            "mismatch/iw_max": masked_max(w, mask),
+            "mismatch/seq_log_iw_max": masked_max(log_seq, rows),
+        },
+        minima={
+            "mismatch/iw_min": masked_min(w, mask),
+            "mismatch/seq_log_iw_min": masked_min(log_seq, rows),
+        },
+        histograms={"mismatch/iw": importance.log_weight_histogram(log_w, mask)},
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The train step's term and the objective's registration.
+# --------------------------------------------------------------------------------------
+
+
+def ppo_term(
+    logp: jax.Array,
+    mb: Batch,
+    *,
+    staleness: jax.Array,
+    old_logp: jax.Array | None,
+    ref_logp: jax.Array | None,
+    prox_fn: prox.ProxFn,
+    aggregate: Aggregate,
+    **clip: Any,
+) -> tuple[jax.Array, jax.Array, Stats]:
+    """Decoupled PPO on one micro-batch: prox from ``prox_fn``, then
+    :func:`decoupled_ppo_sums` of the micro-batch's arrays.
+
+    ``clip`` holds ``clip_eps``, ``clip_eps_high``, ``dual_clip``, ``behav_weight_cap``,
+    ``cap_mode`` and ``seq_correction`` (bound when the step is built, by :func:`ppo`).
+    """
+    del ref_logp
+    behav = mb["behav_logp"]
+    prox_logp = prox_fn(logp, behav, staleness, old_logp)
+    return decoupled_ppo_sums(
+        logp,
+        prox_logp,
+        behav,
+        mb["advantages"],
+        mb["loss_mask"],
+        aggregate=aggregate,
+        staleness=staleness,
+        **clip,
+    )
+
+
+@register("ppo")
+def ppo(cfg: Any) -> Term:
+    """``algo.loss=ppo``: :func:`ppo_term` with the prox rule (``algo.prox``,
+    ``algo.a3po_zero_staleness``, ``system.one_pass_old``), the clip, the token or sequence
+    cap and the aggregation of the validated config bound once."""
+    a = cfg.algo
+    rule = prox.make_prox_rule(
+        a.prox, zero_staleness=a.a3po_zero_staleness, one_pass_old=cfg.system.one_pass_old
+    )
+    seq_correction = None
+    if a.seq_weight_cap > 0:
+        seq_correction = importance.make_sequence_correction(
+            a.seq_weight_cap, mode=a.seq_cap_mode, form=a.seq_weight_form
+        )
+    fn = functools.partial(
+        ppo_term,
+        prox_fn=rule.fn,
+        aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
+        clip_eps=a.clip_eps,
+        clip_eps_high=a.clip_eps_high or None,
+        dual_clip=a.dual_clip or None,
+        behav_weight_cap=a.behav_weight_cap or None,
+        cap_mode=a.cap_mode,
+        seq_correction=seq_correction,
+    )
+    return Term(fn, needs_old_pass=rule.needs_old_pass)
+
+
+# --------------------------------------------------------------------------------------
+# The public losses: a whole batch's sums, finalized.
+# --------------------------------------------------------------------------------------
+
+
+def decoupled_ppo_loss(
+    logp: jax.Array,
+    prox_logp: jax.Array,
+    behav_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = None,
+    cap_mode: str = "mask",
+    aggregation: str = "token_mean",
+    denominator: jax.Array | float | None = None,
+    max_len: int | None = None,
+    staleness: jax.Array | None = None,
+    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decoupled PPO clip loss with separate behaviour and proximal policies.
+
+    r_t = exp(logp_t - prox_t)                               trust-region ratio
+    w_t = sg(exp(prox_t - behav_t))                          off-policy correction
+    ℓ_t = w_t · max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high))
+    dual clip (A_t < 0):  ℓ_t = min(ℓ_t, -c · A_t · w_t),  c > 1
+    cap: tokens with w_t > cap dropped ("mask") or w_t := cap ("truncate")
+    or, sequence-level (``seq_correction``): w_t := ω_b, the capped Π_t w_t of the token's
+    sequence (see :func:`a3po_jax.core.importance.make_sequence_correction`)
+    loss = aggregate(ℓ, m)
+
+    Symbols: logp = log π_θ (differentiated), prox = log π_prox (the trust-region anchor:
+    recomputed, A-3PO-interpolated, or behav — this function does not know which), behav =
+    log π_behav (the policy that sampled the data), A advantages, m the completion mask.
+    Hilton et al., "Batch size-invariance for policy optimization", arXiv 2110.00641; used
+    for asynchronous RL by AReaL, arXiv 2505.24298. With prox = behav it is exactly PPO's
+    clipped objective against the behaviour policy (``ppo_clip_loss``). The per-token ℓ and
+    diagnostics, unreduced, are :func:`decoupled_ppo_per_token`; this function is
+    ``finalize`` of :func:`decoupled_ppo_sums`, the same sums the train step adds across
+    micro-batches (:func:`ppo_term`), divided once.
+
+    Args:
+      logp: ``[B, T]`` current log-probs.
+      prox_logp: ``[B, T]`` proximal log-probs (gradient is stopped here regardless).
+      behav_logp: ``[B, T]`` behaviour log-probs.
+      advantages: ``[B, T]`` per-token advantages (broadcast sequence advantages yourself).
+      mask: ``[B, T]`` 1 for tokens that count.
+      clip_eps: ε_low > 0.
+      clip_eps_high: ε_high > 0 (DAPO's clip-higher); defaults to ``clip_eps``.
+      dual_clip: c > 1 for dual clipping of negative advantages, or None.
+      behav_weight_cap: cap > 0 on w_t, or None.
+      cap_mode: ``"mask"`` or ``"truncate"``.
+      aggregation: one of ``AGGREGATIONS``.
+      denominator: global count for micro-batching (see ``aggregate``).
+      max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
+      staleness: optional ``[B, T]`` d_t, only for the ``staleness/*`` diagnostics.
+      seq_correction: sequence-level TIS / MIS instead of the token cap (see
+        :func:`decoupled_ppo_per_token`).
+
+    Returns:
+      ``(loss, metrics)``: scalar loss and a dict of scalar diagnostics: ``loss/clipfrac``,
+      ``loss/dual_clipfrac``, ``is/weight_mean|max|min``, ``is/capped_frac``,
+      ``kl/behav_k3`` (approx KL(π_behav‖π_θ) with k3), ``loss/num_tokens``, the
+      ``mismatch/*`` metrics of :func:`mismatch_stats` and, with staleness,
+      ``staleness/mean|max`` and ``mismatch/k3_kl_fresh|fresh_tokens``.
+    """
+    check_same_shape("logp", logp, staleness=staleness)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    loss_sum, count, stats = decoupled_ppo_sums(
+        logp,
+        prox_logp,
+        behav_logp,
+        advantages,
+        mask,
+        aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
+        staleness=staleness,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip,
+        behav_weight_cap=behav_weight_cap,
+        cap_mode=cap_mode,
+        seq_correction=seq_correction,
+    )
+    # A caller-given denominator is the whole batch's count (micro-batch losses then add).
+    loss = loss_sum / (count + TINY if denominator is None else denominator)
+    metrics = finalize(stats)
+    metrics["loss/num_tokens"] = jnp.sum(mask.astype(jnp.float32))
+    return loss, metrics
+
+
+def ppo_clip_loss(
+    logp: jax.Array,
+    behav_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    **kwargs,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Standard PPO clip loss against the behaviour policy (naive async PPO, sync GRPO).
+
+    ℓ_t = max(-A_t r_t, -A_t clip(r_t, 1 - ε_low, 1 + ε_high)),  r_t = exp(logp_t - behav_t)
+
+    The special case prox = behav of ``decoupled_ppo_loss`` (w_t = 1); Schulman et al.,
+    arXiv 1707.06347. Keyword arguments are those of ``decoupled_ppo_loss``.
+
+    Args:
+      logp, behav_logp, advantages, mask: ``[B, T]``.
+
+    Returns:
+      ``(loss, metrics)`` as ``decoupled_ppo_loss``.
+    """
+    return decoupled_ppo_loss(logp, behav_logp, behav_logp, advantages, mask, **kwargs)
