@@ -27,6 +27,7 @@ from a3po_jax.training.config import AlgoSection, ConfigError, RolloutSection, T
 ROOT = Path(__file__).resolve().parents[1]
 CFG = model.ModelConfig.tiny()
 
+
 # The recipe's module, as docs/losses.md shows it ("Adding an objective"): plain REINFORCE
 # with a group-mean baseline, written as a user would, outside the package. Read from the
 # page, so that the page and the test cannot drift apart.
