@@ -142,8 +142,10 @@ def test_four_devices_split_run_trains_as_the_one_device_run(tmp_path):
     reference = json.loads(open(os.environ[REFERENCE_ENV]).read())
     assert [r["version"] for r in records] == [r["version"] for r in reference] == [1, 2, 3]
     for got, ref in zip(records, reference, strict=True):
-        # The host stamped each step's tokens with the weights the trainer pushed last.
-        assert got["host/version"] == got["version"] and got["staleness/max"] == 0
+        # Each step's tokens are stamped with the weights the trainer pushed last (sync: d = 0);
+        # the host serves the step's new push once its serving loop swaps it in.
+        assert got["staleness/max"] == 0 and got["staleness/mean"] == 0
+        assert got["host/version"] in (got["version"] - 1, got["version"])
         assert got["time/weight_push_s"] > 0
         for key in COMPARED:
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-4, atol=1e-5, err_msg=key)
