@@ -23,7 +23,7 @@ What it shows: Periodic Asynchrony (arXiv 2511.18871, seeds 002/003): weights ar
           eval curves), and the time per step should drop (compare time/step_s and
           time/wait_rollouts_s; the paper reports ~2x from asynchrony on NPUs and GPUs).
           On one CPU both phases share the same cores, so expect no speed-up there
-          (design §6): the CPU run checks correctness, not throughput.
+          (docs/performance.md): the CPU run checks correctness, not throughput.
 Hardware: sized for 2 GPUs of 80 GB (one training, one serving) or a TPU slice with an
           inference VM. Not run for this repository's results (no GPU here).
 Parent:   experiments/a3po_qwen25_1p5b_gsm8k.py (model, GSM8K, batch, lengths, optimizer);
