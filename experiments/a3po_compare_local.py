@@ -40,7 +40,8 @@ def config() -> TrainConfig:
     parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
     return dataclasses.replace(
         parent,
-        # Keep the parent's packing and length bucket (unpacked steps were ~3x slower).
+        # Keep the parent's packing and length bucket: unpacked rows pay for every padded
+        # token (docs/performance.md).
         system=dataclasses.replace(parent.system, max_staleness=2),
         steps=12,
         run_dir="runs/a3po_compare_local",

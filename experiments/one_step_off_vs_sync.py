@@ -9,7 +9,7 @@ What it shows: the claim of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.
           reaches the same reward per step as synchronous training, at lower wall-clock.
           Compare reward/mean per step (same seeds: same prompts, same sampling seeds) and
           per wall-clock second (time/step_s). On one CPU generation and training share
-          the same two cores (design §6), so the wall-clock gain cannot be the paper's.
+          the same two cores (docs/performance.md), so the wall-clock gain cannot be the paper's.
           With one minibatch and d <= 1, A-3PO's proximal policy is the behaviour policy,
           so both modes train plain clipped PPO on group-normalised advantages.
 Parent:   experiments/quickstart_a3po.py (model, task, batch, lengths, optimizer, 24 steps);

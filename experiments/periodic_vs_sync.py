@@ -8,7 +8,7 @@ Command:  inference host on its own GPU, trainer on another (where the gain can 
                 run_dir=runs/periodic_vs_sync/sync model.name=/path/to/Qwen2.5-1.5B-Instruct
           both in one go (embedded host): python scripts/run_sweep.py
               experiments/periodic_vs_sync.py model.name=/path/to/Qwen2.5-1.5B-Instruct
-          CPU check of correctness only (2-core CPU, SmolLM2, ~15 min per mode):
+          CPU check of correctness only (2-core CPU, SmolLM2; see Hardware):
             python scripts/run_sweep.py experiments/periodic_vs_sync.py model.name=smollm2 \\
               task.name=chain_sum \\
               'task.options={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}' \\
@@ -23,9 +23,10 @@ What it shows: Periodic Asynchrony (arXiv 2511.18871, seeds 002/003): weights ar
           eval curves), and the time per step should drop (compare time/step_s and
           time/wait_rollouts_s; the paper reports ~2x from asynchrony on NPUs and GPUs).
           On one CPU both phases share the same cores, so expect no speed-up there
-          (design §6): the CPU run checks correctness, not throughput.
+          (docs/performance.md): the CPU run checks correctness, not throughput.
 Hardware: sized for 2 GPUs of 80 GB (one training, one serving) or a TPU slice with an
-          inference VM. Not run for this repository's results (no GPU here).
+          inference VM. Not run for this repository's results (no GPU here). The CPU
+          check takes about 15 minutes per mode on a 2-core CPU.
 Parent:   experiments/a3po_qwen25_1p5b_gsm8k.py (model, GSM8K, batch, lengths, optimizer);
           changes: on-policy GRPO (algo.prox=behav, η = 0), mode "periodic" (SWEEP adds
           "sync"), micro-batches of 4 sequences (one group), 100 steps, evaluation every 20.

@@ -13,7 +13,7 @@ What it shows: Periodic Asynchrony (arXiv 2511.18871): weights synced only at th
           every token is on-policy (staleness 0) and the update equals the synchronous
           one up to summation order: the reward per step should match sync's within the
           seeds' spread. On one CPU generation and training share the same two cores
-          (design §6), so the paper's ~2x throughput cannot show; compare time/step_s
+          (docs/performance.md), so the paper's ~2x throughput cannot show; compare time/step_s
           and time/wait_rollouts_s anyway. The paper-scale file is
           experiments/periodic_vs_sync.py (Qwen2.5-1.5B, GSM8K, two devices).
 Parent:   experiments/quickstart_a3po.py (model, task, batch, lengths, optimizer, 24 steps);

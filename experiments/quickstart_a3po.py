@@ -2,8 +2,8 @@
 
 Command:  a3po-train experiments/quickstart_a3po.py
 Hardware: a 2-core laptop/CI CPU, embedded inference host in the same process; about
-          2.5 minutes for 24 steps (5.5 s per step on an idle 2-core AMD EPYC, plus
-          loading and compiling). On a GPU add rollout.groups_per_step=32 and more steps.
+          2.5 minutes for 24 steps, loading and compiling included (the current figure:
+          docs/performance.md). On a GPU add rollout.groups_per_step=32 and more steps.
 What it shows: reward on 2-term 1-digit sums (reasoning-gym chain_sum) rising from the
           untrained model's level, trained asynchronously (η = 1, in-flight weight
           updates) with A-3PO's interpolated proximal policy (no extra forward pass).
@@ -51,8 +51,8 @@ def config() -> TrainConfig:
             length_bucket=64,
             packed_prompts=True,
             groups_per_row=2,
-            # Freed heap handed back every 0.25 s, not every second: reliably under 4 GB for
-            # a few per cent more seconds per step (docs/performance.md, docs/log.md).
+            # Freed heap handed back four times as often as the default: reliably under 4 GB
+            # for a few per cent more seconds per step (docs/performance.md, docs/log.md).
             trim_heap_every_s=0.25,
         ),
         steps=24,

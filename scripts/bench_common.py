@@ -119,8 +119,8 @@ def op_profile(run_once: Callable[[], Any], hlo_text: str, *, calls: int = 3) ->
 
     Returns [{"op", "shape", "count", "ms"}] per call, largest first. Ops on two threads
     can overlap, so the sum can exceed the wall time a little. CPU only: on a GPU the
-    kernels' events are not named after the instructions (tried on an H200, 2026-11-26:
-    neither their names nor an "hlo_op" stat matched), so nothing is found there.
+    kernels' events are not named after the instructions (neither their names nor an
+    "hlo_op" stat matched; docs/log.md), so nothing is found there.
     """
     from jax.profiler import ProfileData
 

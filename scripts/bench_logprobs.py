@@ -7,7 +7,8 @@ Two ways of computing ``(logp, entropy)`` of ``softmax(h @ W / T)`` for N = B·T
 * ``chunked``: ``core.logprobs.chunked_token_logprobs``, C tokens at a time (one entry per
   ``--chunk-sizes`` value), both passes taking the vocabulary in blocks of Vb columns (one
   entry per ``--vocab-chunk-sizes`` value: ``auto`` the library's choice, ``0`` whole rows,
-  i.e. one block of V, the head before 2026-11-26).
+  i.e. one block of V, as an accelerator runs it and as the CPU did before the blocks,
+  docs/log.md).
 
 Each runs jitted two ways: ``forward`` (the values) and ``grad`` (forward + backward of a
 masked sum of both outputs, gradients w.r.t. h and W, what the policy pass needs). Reported

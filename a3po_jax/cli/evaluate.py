@@ -30,7 +30,7 @@ from a3po_jax.tasks import make_task, render_prompt
 from a3po_jax.training.config import ConfigError, ModelSection, config_from_dict
 
 PROG = "python -m a3po_jax.cli.evaluate"
-# What is scored without a run: SmolLM2's README figure (2-term, 1-digit chain_sum).
+# What is scored without a run: docs/tasks.md's SmolLM2 figure (2-term, 1-digit chain_sum).
 DEFAULT_SPEC = EvalSpec(
     task="chain_sum",
     task_options='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',

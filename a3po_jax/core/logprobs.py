@@ -30,38 +30,13 @@ import numpy as np
 
 from a3po_jax import model
 
-# Default tokens per chunk (C). Two costs pull in opposite directions:
-# * memory: one [C, V] float32 buffer of 4·C·V bytes per pass (the forward's logits; the
-#   backward's logits turned in place into their cotangent) plus, in the backward, the
-#   [D, V] float32 head gradient. XLA's memory analysis of the jitted function at SmolLM2's
-#   head (D=576, V=49152) and 4096 tokens, temporaries in MiB, forward / forward+backward:
-#   plain 1536 / 2304; C=256 49 / 157; C=512 97 / 205; C=1024 194 / 302; C=2048 389 / 497.
-# * speed: every chunk streams the whole head W ([D, V]) through the matmul, so a chunk does
-#   2·C·D·V FLOPs per 4·D·V bytes of W read: C/2 FLOP/byte, and the backward's dW += hᵀ·dz
-#   reads and writes the accumulator too (C/4). A CPU is compute-bound from about 15
-#   FLOP/byte (300 GFLOP/s over ~20 GB/s), an H100 in bfloat16 only from about 300
-#   (990 TFLOP/s over 3.35 TB/s), i.e. C ≳ 600; 1024 is the next power of two.
-# At 1024 the vocabulary work stays at matmul speed on both kinds of machine while the
-# memory is already 7-8x below the plain path at 4096 tokens. A caller short on memory (a
-# large vocabulary on a small machine) passes a smaller chunk_size; a CPU is still
-# compute-bound at 256. `scripts/bench_logprobs.py --chunk-sizes ...` measures both.
+# Tokens per chunk (C): one [C, V] float32 buffer per pass (192 MiB at C=1024 and SmolLM2's
+# V) and C/2 FLOP per byte of the head it streams, compute-bound from C ≈ 600 on a CPU and on
+# a GPU in bfloat16 alike; 1024 is the next power of two (docs/performance.md).
 DEFAULT_CHUNK_SIZE = 1024
-
-# The vocabulary blocks on a CPU. A chunk's whole [C, V] logits (201 MB at C=1024 and
-# SmolLM2's V), and in the backward their cotangent, are fresh memory per call that the
-# kernel zero-fills page by page, and the max, the sums and dz read them back from memory.
-# Taken in blocks of a few MB the logits stay in cache and in memory that malloc reuses:
-# the forward folds each block into running sums with an online maximum
-# (``_online_block``), the backward recomputes a block at a time (``_chunk_backward``).
-# SmolLM2's head, float32, temperature 0.7, on the 2-core AMD EPYC (min of 5, same run),
-# forward only:
-#   1280 tokens: whole rows 746-786 ms; blocks of 1024 columns 385, 2048 401, 4096 463;
-#   3104 tokens: 1501-1573 ms; 512 columns 968, 1024 1167, 2048 1234;
-#    256 tokens:  144-168 ms; 2048 columns 84, 8192 93.
-# About 5-8 MB of logits per block is best, so the block is the largest power of two of
-# columns within VOCAB_BLOCK_BYTES. Forward + backward (scripts/bench_logprobs.py, medians):
-# 1280 tokens 1.65 -> 1.64 s, 3072 tokens 4.50 -> 4.06 s, the temporaries 657 -> 29 MiB and
-# 384 -> 19 MiB. Accelerators keep one block: no page faults there, and not measured.
+# On a CPU both passes take a chunk's logits in vocabulary blocks of at most this many bytes
+# (``_online_block``, ``_chunk_backward``), which stay in cache instead of a fresh [C, V]
+# buffer faulted in and read back (docs/performance.md; the sizes tried: docs/log.md).
 VOCAB_BLOCK_BYTES = 8 << 20
 MIN_VOCAB_BLOCK = 128
 
@@ -200,7 +175,7 @@ def _vocab_block(n_tokens: int, vocab: int, requested: int | None = None) -> int
     The caller's ``requested`` width (at most the vocabulary) if given; else, on a CPU, the
     largest power of two whose [n_tokens, block] float32 logits fit in ``VOCAB_BLOCK_BYTES``
     (at least ``MIN_VOCAB_BLOCK``, at most the vocabulary); on an accelerator the whole
-    vocabulary (one block: the head as it was; blocks were not measured there).
+    vocabulary (one block: no page faults to avoid there, and blocks were not measured).
     """
     if requested:
         return min(vocab, requested)
@@ -280,9 +255,9 @@ def _chunk_forward(h, w, tgt, temperature, vocab_block, table):
     (in the shifted y, so a peaked softmax does not subtract two numbers of z's size),
     accumulated block by block with the maximum updated online (``_online_block``).
     `jax.nn.logsumexp` and then `losses.entropy`'s -Σ p log p took two passes of exp over
-    the [C, V] logits; on XLA:CPU that was a third of the head's forward (SmolLM2 head,
-    1024 tokens: 759 -> 631 ms, the matmul alone 370 ms). Equal to those to float rounding
-    (tests/test_logprobs.py). A target outside [0, V) matches no column: logp = -lse.
+    the [C, V] logits, a third of the head's forward on XLA:CPU (docs/log.md). Equal to
+    those to float rounding (tests/test_logprobs.py). A target outside [0, V) matches no
+    column: logp = -lse.
     """
     c = h.shape[0]
     start = (jnp.full((c,), -1e30, jnp.float32), *(jnp.zeros((c,), jnp.float32),) * 3)

@@ -116,13 +116,11 @@ def update_leaf_by_leaf(
     ``clip_by_global_norm`` inside, which :func:`apply_grads` does itself). Why: a norm of
     the updates is a second reader of every update beside the parameter write, so XLA
     materialises them; XLA:CPU then schedules every leaf's update before any is applied and
-    holds them all at once (0.64 GiB of temporaries and 0.37 s against 0.13 s without the
-    norm, SmolLM2-135M float32 on the 2-core EPYC; design §6). Here each leaf's gradient
-    carries a zero-valued dependency on the previous leaf's applied update and norm
-    (``g + 0 * dep``: XLA keeps it, as ``x * 0`` is not 0 for a NaN or an infinity, and it
-    drops optimization barriers before scheduling), so one leaf's update is alive at a time
-    (0.21 GiB, 0.25 s). A compiler that folded it would give the same values with the old
-    memory.
+    holds them all at once. Here each leaf's gradient carries a zero-valued dependency on
+    the previous leaf's applied update and norm (``g + 0 * dep``: XLA keeps it, as ``x * 0``
+    is not 0 for a NaN or an infinity, and it drops optimization barriers before
+    scheduling), so one leaf's update is alive at a time (the figures: docs/performance.md).
+    A compiler that folded it would give the same values with the old memory.
 
     Returns:
       (new_params, new_opt_state, update_norm).
@@ -181,7 +179,7 @@ def apply_grads(
     """
     denominator = jnp.maximum(acc.count, TINY)
     # Norms as dot products (every axis contracted): XLA's CPU reductions run far below
-    # memory speed, its dots do not (README, "optimizer update", for the figures).
+    # memory speed, its dots do not (docs/performance.md).
     grad_norm = tree_norm(acc.grads) / denominator
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(acc.loss_sum)
     # 1/denominator and the clip (same rule as optax.clip_by_global_norm, done here to
@@ -193,9 +191,8 @@ def apply_grads(
     def update(state: TrainState) -> tuple[TrainState, jax.Array]:
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), acc.grads)
         if isinstance(optimizer, LeafwiseOptimizer) and jax.default_backend() == "cpu":
-            # On a CPU only: XLA:GPU fuses the whole-tree update and its norm well, and the
-            # leaf-by-leaf chain made it slower and larger there (H200, Qwen2.5-1.5B shapes,
-            # float32: 15.6 -> 18.6 ms, temporaries 1.44 -> 5.75 GiB; design §6).
+            # On a CPU only: XLA:GPU fuses the whole-tree update with its norm, and the
+            # leaf-by-leaf chain made it slower and larger there (docs/log.md).
             params, opt_state, update_norm = update_leaf_by_leaf(
                 optimizer, grads, state.opt_state, state.params
             )

@@ -1,4 +1,4 @@
-"""Shared-prompt packing and one-pass policy / old / reference log-probs (design §6).
+"""Shared-prompt packing and one-pass policy / old / reference log-probs (docs/performance.md).
 
 Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 # Explicit so that keys (and thus samples) do not change with jax's default PRNG config.
 _PRNG_IMPL = "threefry2x32"
-# `sample_tokens_vocab_major` reduces down the vocabulary-major columns from this many slots
-# (batch 8 ran as fast either way, 32 faster this way, one slot slower: design §6).
+# `sample_tokens_vocab_major` reduces down the vocabulary-major columns from this many slots:
+# narrower columns have too few lanes to vectorise (docs/performance.md).
 MIN_VOCAB_MAJOR_SLOTS = 8
 
 
@@ -66,8 +66,8 @@ def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """`jnp.argmax(x, axis)` (the first index of each maximum along `axis`; of the first NaN
     if there is one) as two plain reductions, a max and then a min over the indices that
     reach it. XLA:CPU runs argmax as one variadic (value, index) reduction, which it does not
-    vectorise: over [32, 49152] float32 logits it took 3.5 ms, and these two 0.8 ms (2-core
-    AMD EPYC, min of 30). Same result, including ties and NaNs (XLA's max propagates NaN).
+    vectorise, and these two plain reductions it does (docs/performance.md). Same result,
+    including ties and NaNs (XLA's max propagates NaN).
 
     Args:
       x: floats.
@@ -161,11 +161,9 @@ def sample_tokens_vocab_major(
     That is the layout the decode step's lm_head produces (the [V, D] table is the GEMM's
     left operand, `decode_layout.apply_decode(..., vocab_major=True)`), and every reduction over
     the vocabulary then runs down the columns, N contiguous slots at a time, which XLA:CPU
-    vectorises; over `[N, V]` rows it reduced each row alone. At batch 32 and SmolLM2's
-    49152 tokens the greedy max / first-argmax / log-normaliser passes took about 10 ms of
-    an 88 ms decode step from `[N, V]` logits and about 3 ms this way (2-core AMD EPYC; A/B
-    in design §6). Below `MIN_VOCAB_MAJOR_SLOTS` slots a column is too narrow to vectorise,
-    and the few rows are reduced instead. Greedy rows take the argmax of the raw logits
+    vectorises; over `[N, V]` rows it reduced each row alone (docs/performance.md). Below
+    `MIN_VOCAB_MAJOR_SLOTS` slots a column is too narrow to vectorise, and the few rows are
+    reduced instead. Greedy rows take the argmax of the raw logits
     (T := 1 there, the same index); sampled rows are drawn from `[N, V]` rows
     (`categorical`'s Gumbel noise is drawn a row per key), transposed only in that branch.
 
@@ -182,8 +180,7 @@ def sample_tokens_vocab_major(
     """
     chex.assert_rank(logits_t, 2)
     # Down the columns from MIN_VOCAB_MAJOR_SLOTS slots; with fewer, a column has too few
-    # lanes and each reduction runs one element at a time (one slot: log Z's sum took 1.2 ms
-    # against 0.14 along a row), so the few rows are reduced.
+    # lanes and each reduction runs one element at a time, so the few rows are reduced.
     if logits_t.shape[1] >= MIN_VOCAB_MAJOR_SLOTS:
         return _sample(logits_t, 0, keys, temperature, top_k, top_p)
     return _sample(logits_t.T, 1, keys, temperature, top_k, top_p)  # free for one slot

@@ -7,7 +7,7 @@ float32 whatever the compute dtype, a masked key gets the finite `MASK_VALUE` (a
 row, a padding query, softmaxes to a uniform distribution instead of NaN).
 
 Two things make it faster than the softmax written out under autodiff on XLA:CPU
-(design §6, "Attention"):
+(docs/log.md, "Attention with its own backward"):
 
 * *Batch dimensions first.* The G query heads of a kv head are laid out as one [G·T, K]
   block per (row, kv head): q -> [B, N, G·T, K], keys and values -> [B, N, S, K]. Every

@@ -3,7 +3,7 @@
 Model layer (pure core): imports only the core, model and parallel layers.
 
 Reading never needs torch: `config.json` is read as JSON with the config classes' defaults
-(`_HF_CONFIG_DEFAULTS`; transformers' config module would import torch, 0.25 GiB and seconds),
+(`_HF_CONFIG_DEFAULTS`; transformers' config module would import torch, hundreds of MB),
 `*.safetensors` through `safetensors` with numpy (sharded checkpoints follow
 `model.safetensors.index.json`), GGUF through PyPI `gguf` (dequantised to float, Q/K rows
 un-permuted back to the Hugging Face layout). Layers are stacked on a leading L axis as
@@ -154,7 +154,7 @@ def load_hf_config(path: str | os.PathLike, **kwargs) -> ModelConfig:
 
     The file is read as JSON and a field it leaves out takes its architecture's
     transformers default (`_HF_CONFIG_DEFAULTS`), so loading needs neither transformers'
-    config classes nor the torch they import (0.25 GiB of memory and seconds of start-up).
+    config classes nor the torch they import (hundreds of MB and seconds of start-up).
     An unknown architecture or a missing shape field is named in the error.
     """
     config_file = pathlib.Path(path) / "config.json"
@@ -653,7 +653,7 @@ def load_tokenizer(path: str | os.PathLike):
         raise CheckpointError(f"no tokenizer.json or tokenizer_config.json in {path}")
     if _plain_fast_tokenizer(path):
         # The class AutoTokenizer would pick, without the auto-class lookup (which imports
-        # torch: 0.25 GiB and seconds, for nothing a tokenizer uses).
+        # torch: hundreds of MB and seconds, for nothing a tokenizer uses).
         return transformers.PreTrainedTokenizerFast.from_pretrained(
             str(path), local_files_only=True
         )

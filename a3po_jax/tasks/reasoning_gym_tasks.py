@@ -70,8 +70,8 @@ def dataset_options(dataset_name: str) -> tuple[str, ...]:
 class _LazyPrompts(Sequence):
     """The prompts of one split, generated on first access and then cached.
 
-    Some generators are slow (countdown: ~25 ms per item), so building a 10 000-item
-    train split up front would take minutes; the iterator touches items as it uses them.
+    Some generators are slow (countdown), so building a 10 000-item train split up front
+    would take minutes; the iterator touches items as it uses them.
     """
 
     def __init__(self, task: ReasoningGymTask, split: str, dataset: Any, size: int):

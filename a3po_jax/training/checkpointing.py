@@ -103,8 +103,8 @@ class CheckpointManager:
             enable_async_checkpointing=async_save,
         )
         # The arrays' bytes as they are, not zstd-compressed: float weights and Adam moments
-        # barely compress, and a compressing write buffers every encoded chunk (SmolLM2's
-        # trained state: +1.40 GiB of RSS for 3.4 s, against +0.01 GiB for 2.3 s unencoded).
+        # barely compress, and a compressing write buffers the whole encoded state
+        # (docs/performance.md).
         tree = lambda: ocp.PyTreeCheckpointHandler(use_compression=False)  # noqa: E731
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -246,10 +246,8 @@ def async_save_pays(devices: Iterable[jax.Device]) -> bool:
 
     On a CPU the save holds the state's own buffers while it writes; the next train step,
     which donates them, then copies the whole state, and the write competes with the step
-    for the same cores. SmolLM2-135M's state (1.5 GiB) saved and then donated by a step:
-    +1.91 GiB of peak RSS asynchronously against +0.34 GiB saved in place, 1.41 against
-    0.84 s in all (2-core AMD EPYC, 2026-11-26); on the quickstart the step after each
-    asynchronous save took 10 s instead of 5.
+    for the same cores: more peak memory and a slower step after each save than a save in
+    place (docs/performance.md).
     """
     return any(d.platform != "cpu" for d in devices)
 

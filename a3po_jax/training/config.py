@@ -268,7 +268,7 @@ class SystemSection:
     # Every consumed batch to run_dir/rollouts/ for a3po-train --replay (training/recording.py)
     record_rollouts: bool = False  # write each step's consumed groups, in consumption order
     # Queue order: "completion" (first finished first; long answers train staler, are
-    # dropped more) or "admission" (oldest admitted first, waiting for it; README)
+    # dropped more) or "admission" (oldest admitted first, waiting for it; docs/training.md)
     consume_order: str = "completion"  # "completion" or "admission" (rollout/queue.py)
     # Freed heap memory back to the OS every this many seconds (glibc malloc_trim, a thread;
     # training/heap.py): a CPU run's RSS stays near its live memory instead of creeping up

@@ -8,17 +8,16 @@ keeps what is freed for reuse: blocks above its mmap threshold go back to the sy
 the many medium blocks of a step (activations, gradients of one layer, the host's decode
 temporaries) are carved from heaps that do not shrink while a live block sits above the
 free ones, and each thread (the trainer's, the embedded host's) has its own. The process's
-resident memory then creeps up step after step with nothing live in it: the quickstart
-measured 4.7 GiB peak RSS in step 1 and 6.2 GiB by step 8, with the same 2.5 GiB of live
-arrays between steps.
+resident memory then creeps up step after step with the same live arrays between steps
+(docs/performance.md, "Memory of the main job").
 
 ``trim()`` calls ``malloc_trim(0)``, which hands every free page of every heap back
 (``madvise``); what is touched again is page-faulted once. Elsewhere (musl, macOS, Windows)
 there is no ``malloc_trim`` and ``trim()`` does nothing. The trainer runs a `Trimmer`, a
 thread calling it every ``system.trim_heap_every_s`` seconds: memory is freed at many
-points (the step's end, a weight push, the host's swap to new weights, in two threads), and
-trimming once per step at its start left the quickstart at 5.5 GiB, every second at
-4.9 GiB, with the same seconds per step (design §6).
+points (the step's end, a weight push, the host's swap to new weights, in two threads), so
+a trim at a fixed point of the step leaves more resident than one on a clock, at the same
+seconds per step (docs/log.md).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def _summary_writer_class():
     """tensorboardX's SummaryWriter, imported without torch.
 
     tensorboardX's writer module imports torch, if installed, only to accept torch tensors
-    as values; for a JAX trainer that costs 0.25 GiB of memory and seconds of start-up.
+    as values; for a JAX trainer that costs hundreds of MB of memory and seconds of start-up.
     Unless something imported torch already, the import runs with torch hidden
     (``sys.modules["torch"] = None`` makes ``import torch`` raise ImportError, which
     tensorboardX catches), and torch is importable again afterwards.

@@ -378,9 +378,9 @@ class Trainer:
         The host frees that copy when the new weights start serving (its next decode step
         under the in-flight policies), but glibc keeps the freed pages until the heap trimmer
         comes by, up to `system.trim_heap_every_s` later: by then the next step's temporaries
-        are resident too, and the run's peak holds both (0.3-0.4 GiB on the quickstart;
-        design §6). So wait for the swap, briefly, and trim. Under "drain" the swap waits
-        for older requests to finish: nothing to wait for here.
+        are resident too, and the run's peak holds both (docs/performance.md). So wait for
+        the swap, briefly, and trim. Under "drain" the swap waits for older requests to
+        finish: nothing to wait for here.
         """
         if self._trimmer is None or self.host.update_policy == "drain":
             return
