@@ -105,7 +105,7 @@ COMMANDS: dict[str, object] = {
     ),
     # Tiny real runs, and what the pages do with them afterwards.
     "a3po-train experiments/smoke_tiny.py": TINY_RUN,
-    "python -m a3po_jax.rollout.ledger runs/smoke_tiny": AS_WRITTEN,
+    "python -m a3po_jax.cli.ledger runs/smoke_tiny": AS_WRITTEN,
     "a3po-train experiments/smoke_tiny.py system.record_rollouts=true run_dir=runs/rec": (TINY_RUN),
     "a3po-train --replay runs/rec": AS_WRITTEN,
     "a3po-train experiments/smoke_tiny.py run_dir=runs/smoke_mismatch": TINY_RUN,

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from a3po_jax.cli import ledger as ledger_cli
 from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.inference.types import ErrorKind, SampleResult, SamplingParams, error_result
 from a3po_jax.model.char_tokenizer import char_tokenizer
-from a3po_jax.rollout import ledger as ledger_mod
 from a3po_jax.rollout.ledger import Ledger, audit
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
@@ -352,13 +352,14 @@ def test_audit_catches_the_old_resume(tmp_path):
     assert set(result.drawn_twice) == {(0, 1), (0, 2)}
     assert result.lost == [(0, 1)]
     assert "FAILED" in result.summary()
-    assert ledger_mod.main([str(tmp_path)]) == 1
+    assert ledger_cli.main([str(tmp_path)]) == 1
 
 
 def test_audit_cli(tmp_path, capsys):
     write_ledger(tmp_path / "ledger.jsonl", [admit(0, 0), train(0, 1)])
-    assert ledger_mod.main([str(tmp_path)]) == 0
+    assert ledger_cli.main([str(tmp_path)]) == 0
     assert "ledger audit: OK" in capsys.readouterr().out
+    assert ledger_cli.main([]) == 2 and "usage" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------

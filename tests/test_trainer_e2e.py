@@ -2,6 +2,8 @@
 jitted step, on a tiny random model and a toy task, in every mode and with every loss."""
 
 import dataclasses
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,3 +227,28 @@ def test_async_with_two_minibatches_keeps_every_token_within_eta_versions(tmp_pa
         assert r["staleness/max"] == r["staleness/max_observed"] == len(counts) - 1
         # Minibatch 1 always trains at least 1 version after every token was drawn.
         assert sum(counts[1:]) > 0
+
+
+def test_single_process_features_are_refused_by_name_in_a_multi_process_job():
+    from a3po_jax.training.trainer import refuse_unsupported
+
+    base = make_cfg(Path("/tmp"), "refuse", mode="sync")
+    cases = {
+        "system.mode='periodic'": dataclasses.replace(
+            base, system=dataclasses.replace(base.system, mode="periodic")
+        ),
+        "eval_every": dataclasses.replace(base, eval_every=2),
+        "algo.kl_in_reward=True": dataclasses.replace(
+            base, algo=dataclasses.replace(base.algo, kl_coef=0.1, kl_in_reward=True)
+        ),
+        "system.inference_devices": dataclasses.replace(
+            base, system=dataclasses.replace(base.system, inference_devices=1)
+        ),
+    }
+    for what, cfg in cases.items():
+        refuse_unsupported(cfg, processes=1, host=None, replay_dir=None)  # one process: fine
+        with pytest.raises(ValueError, match=rf"{re.escape(what)}.*one process so far.* 2 "):
+            refuse_unsupported(cfg, processes=2, host=None, replay_dir=None)
+    with pytest.raises(ValueError, match="a replay runs in one process without an inference"):
+        refuse_unsupported(base, processes=1, host=object(), replay_dir=Path("/tmp/rec"))
+    refuse_unsupported(base, processes=1, host=None, replay_dir=Path("/tmp/rec"))

@@ -21,7 +21,7 @@ Rollout layer (host-side shell; plain Python, nothing pickled, nothing enters ji
 * ``reissue``: a pending group of the checkpoint regenerated after the resume (same group
   id, same position).
 
-Check a run: ``python -m a3po_jax.rollout.ledger RUN_DIR`` (exit status 1 if the audit
+Check a run: ``python -m a3po_jax.cli.ledger RUN_DIR`` (exit status 1 if the audit
 fails).
 """
 
@@ -32,7 +32,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -343,17 +342,3 @@ def audit(path: str | Path) -> Audit:
             (epoch, i) for i in range(max(indices) + 1) if i not in indices
         )
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: python -m a3po_jax.rollout.ledger RUN_DIR|LEDGER_FILE", file=sys.stderr)
-        return 2
-    result = audit(args[0])
-    print(result.summary())
-    return 0 if result.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

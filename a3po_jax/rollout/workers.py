@@ -108,7 +108,11 @@ class RolloutWorkers:
         # Pending groups of a restored checkpoint, submitted again before any new admission:
         # (group id, prompt, admitted version).
         self._to_submit: list[tuple[int, Any, int]] = []
-        self._reissue_ids: dict[int, str] = {}  # re-issued group id -> its request id
+        # The wire id each pending group was submitted under, and back: a result is filed by
+        # looking its request id up, never by parsing it; an id not here (a group dropped
+        # earlier, or one a host that outlived an old process still sends) is ignored.
+        self._request_ids: dict[int, str] = {}  # group id -> request id
+        self._group_of: dict[str, int] = {}  # request id -> group id
         # Groups the trainer consumed and threw away (skipped steps): their admissions were
         # given back, so they do not count against the budget after a resume.
         self._discarded_groups = 0
@@ -167,7 +171,7 @@ class RolloutWorkers:
         with self._inflight_lock:
             for group in groups:
                 self._inflight.pop(group.group_id, None)
-                self._reissue_ids.pop(group.group_id, None)
+                self._unroute(group.group_id)
                 if self.ledger is not None and step is not None:
                     if skipped:
                         self.ledger.drop(group.group_id, "nonfinite_step", step=step)
@@ -294,14 +298,11 @@ class RolloutWorkers:
         while not self._stop.is_set():
             with self._inflight_lock:
                 reissue = self._to_submit.pop(0) if self._to_submit else None
-            request_id = None
             if reissue is not None:  # pending at the resumed checkpoint: already counted
                 group_id, prompt, version = reissue
                 # A wire id of its own: a host that outlived the old process may still hold
                 # (or deliver) the old "g<id>" request, which must not mix into this one.
                 request_id = f"g{group_id}.re{version}"
-                with self._inflight_lock:
-                    self._reissue_ids[group_id] = request_id
             else:
                 try:
                     group_id, version = self.controller.wait_admit(timeout=0.5)
@@ -317,10 +318,14 @@ class RolloutWorkers:
                     self._inflight[group_id] = (prompt, version, before)
                     if self.ledger is not None:
                         self.ledger.admit(group_id, prompt.prompt_id, before, version)
+                request_id = f"g{group_id}"
+            with self._inflight_lock:
+                self._request_ids[group_id] = request_id
+                self._group_of[request_id] = group_id
             tokens = render_prompt(self.tokenizer, prompt)
             self.host.submit(
                 GenerateRequest(
-                    request_id=request_id or f"g{group_id}",
+                    request_id=request_id,
                     prompt_tokens=tuple(int(t) for t in tokens),
                     num_samples=self.group_size,
                     sampling=self.sampling,
@@ -331,11 +336,10 @@ class RolloutWorkers:
     def _collector(self) -> None:
         while not self._stop.is_set():
             for res in self.host.poll(timeout=0.2):
-                group_id = int(res.request_id[1:].split(".")[0])
                 with self._inflight_lock:
-                    entry = self._inflight.get(group_id)
-                    expected = self._reissue_ids.get(group_id, f"g{group_id}")
-                if entry is None or res.request_id != expected:
+                    group_id = self._group_of.get(res.request_id)
+                    entry = None if group_id is None else self._inflight.get(group_id)
+                if entry is None:
                     continue  # a group dropped earlier (e.g. after an error), or an old wire id
                 prompt, version, _ = entry
                 if res.finish_reason == "error":
@@ -367,7 +371,13 @@ class RolloutWorkers:
     def _forget(self, group_id: int) -> None:
         with self._inflight_lock:
             self._inflight.pop(group_id, None)
-            self._reissue_ids.pop(group_id, None)
+            self._unroute(group_id)
+
+    def _unroute(self, group_id: int) -> None:
+        """Forgets a group's wire id (call with the lock held)."""
+        request_id = self._request_ids.pop(group_id, None)
+        if request_id is not None:
+            self._group_of.pop(request_id, None)
 
     def _on_drop(self, group_id: int, reason: str) -> None:
         """The queue dropped a group (stale, host error, aborted): its admission is given
@@ -375,7 +385,7 @@ class RolloutWorkers:
         it, so a checkpoint sees it either pending or dropped)."""
         self.controller.release()
         with self._inflight_lock:
-            self._reissue_ids.pop(group_id, None)
+            self._unroute(group_id)
             if self._inflight.pop(group_id, None) is not None and self.ledger is not None:
                 self.ledger.drop(group_id, reason)
 

@@ -101,6 +101,57 @@ def load_policy(section) -> Policy:
     )
 
 
+def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_dir) -> None:
+    """ValueError naming what this job cannot run: the single-process features in a
+    multi-process job, and a replay given a host or several processes."""
+    if processes > 1:
+        single = (
+            (cfg.system.mode == "periodic", "system.mode='periodic' (it folds groups in as they "
+             "arrive)"),
+            (bool(cfg.eval_every), "eval_every (the evaluation host needs the whole params on "
+             "process 0; set eval_every=0 and evaluate checkpoints with python -m "
+             "a3po_jax.cli.evaluate --run-dir RUN_DIR --step N)"),
+            (cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward, "algo.kl_in_reward=True (process "
+             "0 scores the batch with the sharded params)"),
+            (bool(cfg.system.inference_devices), "system.inference_devices (serve from hosts "
+             "of their own: system.inference_hosts, scripts/launch.py)"),
+        )  # fmt: skip
+        for on, what in single:
+            if on:
+                raise ValueError(
+                    f"{what} runs in one process so far; this job has {processes} processes"
+                )
+    if replay_dir is not None and (host is not None or processes > 1):
+        raise ValueError(
+            "a replay runs in one process without an inference host (it reads the groups "
+            f"recorded in {replay_dir})"
+        )
+
+
+def sampling_params(rollout, tokenizer: Any) -> SamplingParams:
+    """The rollout section's sampling settings, stopping at the tokenizer's end token."""
+    eos = tokenizer.eos_token_id
+    return SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+        stop_tokens=() if eos is None else (int(eos),),
+    )
+
+
+def check_update_policy(host: Host, system) -> None:
+    """A host started elsewhere has its update policy fixed: refuse a mismatch now rather
+    than train on samples that span versions in a mode that forbids it."""
+    want = system.effective_update_policy
+    got = host.stats().get("update_policy", want)
+    if got != want:
+        raise ValueError(
+            f"system.mode={system.mode!r} needs inference hosts with update policy {want!r}, "
+            f"but the host runs {got!r} (start it with --update-policy {want})"
+        )
+
+
 class Trainer:
     """Runs one configured RL run against an inference host.
 
@@ -133,33 +184,14 @@ class Trainer:
     ):
         self.cfg = cfg
         self.on_step = on_step
-        self.policy = policy
+        self.console = console
         # Process 0 talks to the inference hosts; the others only run the step with it.
         self.leader = distributed.is_coordinator()
         self.multi_process = jax.process_count() > 1
-        if self.multi_process and cfg.system.mode == "periodic":
-            raise ValueError(
-                "system.mode='periodic' runs in one process so far (it folds groups in as they "
-                f"arrive); this job has {jax.process_count()} processes"
-            )
-        if self.multi_process and cfg.eval_every:
-            raise ValueError(
-                "eval_every runs in one process so far (the evaluation host needs the whole "
-                f"params on process 0); this job has {jax.process_count()} processes: set "
-                "eval_every=0 and evaluate checkpoints with python -m a3po_jax.cli.evaluate "
-                "--run-dir RUN_DIR --step N"
-            )
-        if self.multi_process and cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward:
-            raise ValueError(
-                "algo.kl_in_reward=True runs in one process so far (process 0 scores the batch "
-                f"with the sharded params); this job has {jax.process_count()} processes"
-            )
         self.replay_dir = None if replay_dir is None else Path(replay_dir)
-        if self.replay_dir is not None and (host is not None or self.multi_process):
-            raise ValueError(
-                "a replay runs in one process without an inference host (it reads the groups "
-                f"recorded in {self.replay_dir})"
-            )
+        refuse_unsupported(
+            cfg, processes=jax.process_count(), host=host, replay_dir=self.replay_dir
+        )
         self.mode = cfg.system.mode
         self.num_minibatches = cfg.algo.num_minibatches
         # Staleness in optimizer versions: k minibatches per batch, k versions per step.
@@ -168,33 +200,46 @@ class Trainer:
         self.batch_groups = cfg.rollout.groups_per_step
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.console = console
-
         self.task = task if task is not None else make_task(cfg.task.name, **cfg.task.kwargs)
-        prompts = self.task.prompts(cfg.task.split)
-        if not prompts:
-            raise ValueError(f"task {cfg.task.name!r} has no prompts in split {cfg.task.split!r}")
-        prompt_iter = PromptIterator(prompts, batch_size=1, seed=cfg.seed)
-        reward_cfg = RewardConfig(
-            format_reward=cfg.task.format_reward, no_eos_penalty=cfg.task.no_eos_penalty
-        )
-        eos = policy.tokenizer.eos_token_id
-        self.sampling = SamplingParams(
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            stop_tokens=() if eos is None else (int(eos),),
-        )
+        self.sampling = sampling_params(cfg.rollout, policy.tokenizer)
 
-        # Training state on the trainer's mesh. Built before the inference host starts, so a
-        # mesh or batch that does not fit fails before anything runs. With split devices the
-        # embedded host gets a mesh of its own (host_placement.py).
-        if self.multi_process and cfg.system.inference_devices:
-            raise ValueError(
-                "system.inference_devices runs in one process so far; with several processes "
-                "serve from hosts of their own (system.inference_hosts, scripts/launch.py)"
-            )
+        # Training state first: a mesh or batch that does not fit fails before a host starts.
+        self._build_train_state(policy)
+        # A host this trainer starts (and closes): embedded, or a local process.
+        self._own_host = host is None and self.leader and self.replay_dir is None
+        self._local_host = None
+        if self._own_host:
+            host = self._start_host(policy.params)
+        elif self.leader and host is not None:
+            check_update_policy(host, cfg.system)
+        self.host = host
+        self._embedded = isinstance(host, InferenceHost)
+        # The state and the embedded host hold copies of the initial params; the trainer keeps
+        # only the policy's config and tokenizer, so a caller that drops its own reference
+        # (the CLI does) frees one whole copy of the weights.
+        self.policy = dataclasses.replace(policy, params=None)
+        # Evaluation gets a host of its own (built at the first evaluation): the rollout host
+        # is busy with training groups, and its results go to the collector.
+        self._eval_host = None
+
+        self.workers = self._rollout_source(host, policy.tokenizer)
+        self.recorder = self._recorder()
+        self._nonfinite_in_a_row = 0
+        self.skipped_steps = 0
+        self.ledger: Ledger | None = None  # opened by run() once the run is accepted
+        self._sigterm = install_sigterm_handler()
+        self.checkpoints = self._checkpoint_manager()
+        # Freed heap pages back to the OS while the run goes on (training/heap.py).
+        every = cfg.system.trim_heap_every_s
+        self._trimmer = heap.Trimmer(every) if every > 0 else None
+
+    # ------------------------------------------------------------------ construction
+
+    def _build_train_state(self, policy: Policy) -> None:
+        """The meshes (the host's too, with split devices: host_placement.py), the algorithm
+        with its batch plan, the optimizer, the placed train state, the frozen reference and
+        the jitted step."""
+        cfg = self.cfg
         self.mesh, self._host_mesh = host_placement.meshes(cfg.system)
         # The algorithm is resolved from its tables here, once, with the batch plan.
         self.algo = step_builder.algorithm(cfg, policy.config)
@@ -206,79 +251,58 @@ class Trainer:
         )
         self._build_jitted()
 
-        # A host this trainer starts (and closes): embedded, or a local process (host_placement.py).
-        self._own_host = host is None and self.leader and self.replay_dir is None
-        self._local_host = None
-        if self._own_host:
-            host = self._start_host(policy.params)
-        self.host = host
-        self._embedded = isinstance(host, InferenceHost)
-        # The state and the embedded host hold copies of the initial params; the trainer keeps
-        # only the policy's config and tokenizer, so a caller that drops its own reference
-        # (the CLI does) frees one whole copy of the weights (0.5 GB for SmolLM2 in float32).
-        self.policy = dataclasses.replace(policy, params=None)
-        # Evaluation gets a host of its own (built at the first evaluation): the rollout host
-        # is busy with training groups, and its results go to the collector.
-        self._eval_host = None
-        if self.leader and host is not None and not self._own_host:
-            # A remote host's update policy is fixed when it starts: refuse a mismatch now
-            # rather than train on samples that span versions in a mode that forbids it.
-            want = cfg.system.effective_update_policy
-            got = host.stats().get("update_policy", want)
-            if got != want:
-                raise ValueError(
-                    f"system.mode={self.mode!r} needs inference hosts with update policy "
-                    f"{want!r}, but the host runs {got!r} (start it with --update-policy {want})"
-                )
-
+    def _rollout_source(self, host: Host | None, tokenizer: Any):
+        """Where batches come from: the rollout threads over `host`, or, in a replay, the
+        recorded groups step by step in place of the threads and the host."""
+        cfg = self.cfg
         if self.replay_dir is not None:
-            # Replay: the recorded groups, step by step, in place of the threads and the host.
-            self.workers = recording.ReplaySource(
+            return recording.ReplaySource(
                 self.replay_dir, group_size=self.group_size, batch_groups=self.batch_groups
             )
-        else:
-            self.workers = RolloutWorkers(
-                host=host,
-                task=self.task,
-                tokenizer=policy.tokenizer,
-                prompts=prompt_iter,
-                sampling=self.sampling,
-                reward_config=reward_cfg,
-                group_size=self.group_size,
-                batch_groups=self.batch_groups,
-                max_staleness=self.eta,
-                versions_per_batch=self.num_minibatches,
-                seed=cfg.seed,
-                consume_order=cfg.system.consume_order,
-            )
-        self.recorder = (
+        prompts = self.task.prompts(cfg.task.split)
+        if not prompts:
+            raise ValueError(f"task {cfg.task.name!r} has no prompts in split {cfg.task.split!r}")
+        return RolloutWorkers(
+            host=host,
+            task=self.task,
+            tokenizer=tokenizer,
+            prompts=PromptIterator(prompts, batch_size=1, seed=cfg.seed),
+            sampling=self.sampling,
+            reward_config=RewardConfig(
+                format_reward=cfg.task.format_reward, no_eos_penalty=cfg.task.no_eos_penalty
+            ),
+            group_size=self.group_size,
+            batch_groups=self.batch_groups,
+            max_staleness=self.eta,
+            versions_per_batch=self.num_minibatches,
+            seed=cfg.seed,
+            consume_order=cfg.system.consume_order,
+        )
+
+    def _recorder(self) -> recording.RolloutRecorder | None:
+        """The recorder of consumed batches (``system.record_rollouts``); warns where the
+        recording or a replay cannot be reproduced exactly."""
+        recorder = (
             recording.RolloutRecorder(self.run_dir)
-            if cfg.system.record_rollouts and self.leader
+            if self.cfg.system.record_rollouts and self.leader
             else None
         )
-        if self.recorder is not None or self.replay_dir is not None:
+        if recorder is not None or self.replay_dir is not None:
             reason = recording.nondeterminism_warning(
                 jax.default_backend(), os.environ.get("XLA_FLAGS", "")
             )
             if reason:
                 log.warning(reason)
-        self._nonfinite_in_a_row = 0
-        self.skipped_steps = 0
-        self.ledger: Ledger | None = None  # opened by run() once the run is accepted
-        self._sigterm = install_sigterm_handler()
+        return recorder
 
-        self.checkpoints = (
-            CheckpointManager(
-                self.run_dir / "checkpoints",
-                save_interval_steps=cfg.checkpoint_every,
-                async_save=async_save_pays(self.mesh.devices.flat),
-            )
-            if cfg.checkpoint_every
-            else None
+    def _checkpoint_manager(self) -> CheckpointManager | None:
+        if not self.cfg.checkpoint_every:
+            return None
+        return CheckpointManager(
+            self.run_dir / "checkpoints",
+            save_interval_steps=self.cfg.checkpoint_every,
+            async_save=async_save_pays(self.mesh.devices.flat),
         )
-        # Freed heap pages back to the OS while the run goes on (training/heap.py).
-        every = cfg.system.trim_heap_every_s
-        self._trimmer = heap.Trimmer(every) if every > 0 else None
 
     # ------------------------------------------------------------------ jitted pieces
 
