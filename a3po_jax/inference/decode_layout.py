@@ -120,8 +120,12 @@ def _decode_layers(stacked: Params, out_major: bool = True, shards: int = 1) -> 
     n_layers = stacked["input_norm"]["scale"].shape[0]
 
     def matrix(kernels: list[jax.Array]) -> Params:  # [I, O_j] fused, in the layout
-        fused = _shard_major(kernels, shards)
-        return {"kernel_t": fused.T} if out_major else {"kernel": fused}
+        if not out_major:
+            return {"kernel": _shard_major(kernels, shards)}
+        # Each piece transposed, then stacked by rows: the same order as transposing the
+        # fused matrix, as one copy per piece instead of a concatenation and then a transpose.
+        pieces = [k.reshape(k.shape[0], shards, -1) for k in kernels]  # [I, S, O_j / S]
+        return {"kernel_t": jnp.concatenate([p[:, s].T for s in range(shards) for p in pieces])}
 
     def layer(i: int) -> Params:
         # The projections are laid out anew; every other weight (norms, an architecture's
