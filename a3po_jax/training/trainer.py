@@ -185,6 +185,7 @@ class Trainer:
         self.cfg = cfg
         self.on_step = on_step
         self.console = console
+        self.policy = policy  # its params are dropped once the state and the host hold copies
         # Process 0 talks to the inference hosts; the others only run the step with it.
         self.leader = distributed.is_coordinator()
         self.multi_process = jax.process_count() > 1
