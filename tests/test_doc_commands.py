@@ -103,6 +103,14 @@ COMMANDS: dict[str, object] = {
         "each process resolves its config; two processes training like one is "
         "tests/test_trainer_multiprocess.py",
     ),
+    # Placements: the config resolves (a split run is tests/test_local_host.py and
+    # tests/test_split_devices.py).
+    "a3po-train experiments/quickstart_a3po.py system.inference_cores=1": PRINT_CONFIG,
+    "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.inference_devices=4 "
+    "system.inference_mesh_tensor=2": PRINT_CONFIG,
+    "python scripts/launch.py tpu-pod experiments/a3po_qwen3_8b_math.py --tpu my-v5p-32 "
+    "--zone us-east5-a --workers 4 --inference-tpu my-v5e-8 --inference-address 10.0.0.7 "
+    "--dry-run": AS_WRITTEN,
     # Tiny real runs, and what the pages do with them afterwards.
     "a3po-train experiments/smoke_tiny.py": TINY_RUN,
     "python -m a3po_jax.cli.ledger runs/smoke_tiny": AS_WRITTEN,
@@ -196,7 +204,11 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_logprobs.py --batch 10 --seq 128 --vocab-chunk-sizes auto,0": (
         PARSE_ONLY
     ),
-    "python scripts/bench_modes.py": PARSE_ONLY,
+    "python scripts/bench_modes.py --experiment experiments/quickstart_a3po.py --steps 10 "
+    "--warmup 2": PARSE_ONLY,
+    "python scripts/bench_weight_push.py": PARSE_ONLY,
+    "python scripts/bench_weight_push.py --dtype bfloat16": PARSE_ONLY,
+    "python scripts/bench_weight_push.py --placement devices": PARSE_ONLY,
     "python scripts/bench_packing.py": PARSE_ONLY,
     "python scripts/bench_decode_dispatch.py --models smollm2,qwen2.5-1.5b --dtype bfloat16": (
         PARSE_ONLY
