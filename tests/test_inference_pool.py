@@ -435,3 +435,39 @@ def test_a_failed_background_push_is_raised_at_the_next_call():
         pool.update_weights({"w": np.zeros((2, 3), np.float32)}, 2)
         with pytest.raises(ValueError, match="expected x"):
             pool.wait_pushed(timeout=5)
+
+
+class StalledPushHost(FakeHost):
+    """A FakeHost that freezes in the middle of a weight push (a SIGSTOPped process whose
+    socket still accepts bytes): the push returns only when the host is thawed."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.thawed = threading.Event()
+
+    def update_weights(self, params, version):
+        if self.frozen.is_set():
+            self.thawed.wait(timeout=60)
+        super().update_weights(params, version)
+
+
+def test_a_push_stalled_on_a_frozen_host_does_not_hold_up_the_next_pushes():
+    a, b = StalledPushHost("a"), FakeHost("b")
+    with make_pool([a, b]) as pool:
+        pool.update_weights(PARAMS, 1)
+        a.frozen.set()  # a freezes; the next push to it hangs until it is thawed
+        pool.update_weights(PARAMS, 2)  # returns once a is marked down
+        assert pool.counters()["host_failures"]["a"] == 1
+        t0 = time.monotonic()
+        for version in range(3, 7):  # the stalled push holds its staged weights meanwhile
+            pool.update_weights(PARAMS, version)
+        assert time.monotonic() - t0 < 10, "a push waited on the frozen host"
+        assert b.weight_pushes == [1, 2, 3, 4, 5, 6] and a.weight_pushes == [1]
+        assert pool._staging.num_sets <= 2 + 2
+        a.frozen.clear()
+        a.thawed.set()  # the stalled push lands; a rejoins with the newest weights
+        deadline = time.monotonic() + 10
+        while pool.counters()["host_returns"]["a"] == 0:
+            assert time.monotonic() < deadline, pool.stats()
+            time.sleep(0.05)
+        assert a.version == 6 and a.weight_pushes == [1, 2, 6]

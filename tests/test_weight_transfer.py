@@ -183,3 +183,20 @@ def test_staging_buffers_are_reused_and_a_held_set_is_never_overwritten():
         staging.release(c)
     with pytest.raises(ValueError, match="missing tensors"):
         staging.stage({"embed": params["embed"]})
+
+
+def test_staging_buffers_grow_up_to_max_sets_before_waiting():
+    params = scaled_params(0)
+    staging = weight_sync.StagingBuffers(weight_sync.tensor_specs(params), sets=2, max_sets=3)
+    held = [staging.stage(scaled_params(i)) for i in range(3)]  # the third set is new
+    assert sorted(s.slot for s in held) == [0, 1, 2] and staging.num_sets == 3
+    for i, staged in enumerate(held):  # each keeps its own values
+        expected = weight_sync.flatten_params(scaled_params(i))
+        for name, array in staged.arrays.items():
+            np.testing.assert_array_equal(array, np.asarray(expected[name]))
+    with pytest.raises(TimeoutError):  # at max_sets, all held: it waits
+        staging.stage(params, timeout=0.01)
+    staging.release(held[1])
+    assert staging.stage(params).slot == 1 and staging.num_sets == 3
+    with pytest.raises(ValueError, match="max_sets"):
+        weight_sync.StagingBuffers(staging.specs, sets=2, max_sets=1)

@@ -307,7 +307,11 @@ class HostPool:
                         log.info("host %s did not give its tensor specs: %s", member.name, err)
             if specs is None:
                 specs = weight_sync.tensor_specs(params)
-            self._staging = weight_sync.StagingBuffers(specs, sets=2)
+            # One set per host that may hold a stalled push (a push per host at a time), so
+            # staging never waits on a frozen host.
+            self._staging = weight_sync.StagingBuffers(
+                specs, sets=2, max_sets=2 + len(self._members)
+            )
         return self._staging
 
     def _start_push(

@@ -198,19 +198,29 @@ class Staged:
 class StagingBuffers:
     """Host copies of parameter trees in buffers allocated once, `sets` of them used in turn.
 
-    `stage(params)` copies the params into a set no one holds (waiting for one if needed) and
-    returns it held once by the caller; readers (a push to each host) `hold` it and `release`
-    it when done. With two sets the newest weights can stay held (for a host that returns
-    later) while the next ones are staged.
+    `stage(params)` copies the params into a set no one holds and returns it held once by the
+    caller; readers (a push to each host) `hold` it and `release` it when done. With two sets
+    the newest weights can stay held (for a host that returns later) while the next ones are
+    staged. When every set is held, a new one is allocated up to `max_sets`, and only then
+    does `stage` wait: a push stalled on a frozen host holds its set until its connection
+    times out, and the trainer must not wait for that.
     """
 
-    def __init__(self, specs: list[TensorSpec], sets: int = 2):
-        if sets < 1:
-            raise ValueError(f"sets must be >= 1, got {sets}")
+    def __init__(self, specs: list[TensorSpec], sets: int = 2, max_sets: int | None = None):
+        max_sets = sets if max_sets is None else max_sets
+        if sets < 1 or max_sets < sets:
+            raise ValueError(f"need 1 <= sets <= max_sets, got sets={sets}, max_sets={max_sets}")
         self.specs = list(specs)
+        self.max_sets = int(max_sets)
         self._sets: list[dict[str, np.ndarray] | None] = [None] * sets
         self._holds = [0] * sets
         self._cond = threading.Condition()
+
+    @property
+    def num_sets(self) -> int:
+        """Sets allocated or reserved so far."""
+        with self._cond:
+            return len(self._holds)
 
     @property
     def nbytes(self) -> int:
@@ -223,8 +233,12 @@ class StagingBuffers:
         flat = as_flat(params)
         check_names({s.name: s for s in self.specs}, flat)
         with self._cond:
-            if not self._cond.wait_for(lambda: 0 in self._holds, timeout=timeout):
+            free = lambda: 0 in self._holds or len(self._holds) < self.max_sets  # noqa: E731
+            if not self._cond.wait_for(free, timeout=timeout):
                 raise TimeoutError(f"no free staging buffers after {timeout} s")
+            if 0 not in self._holds:
+                self._sets.append(None)
+                self._holds.append(0)
             slot = self._holds.index(0)
             self._holds[slot] = 1
         try:
