@@ -108,6 +108,38 @@ def test_four_devices_host_on_a_mesh_generates_what_one_device_does(data, tensor
     assert {int(v) for v in got[("after", 0)].versions} == {1}
 
 
+def swap_mid_decode(mesh) -> dict:
+    """Samples of a host on `mesh` (None: one device) whose weights are swapped in flight
+    after exactly 4 decode steps (`serve_once`), so the running samples' caches are
+    recomputed on the mesh; keyed by (request id, sample index)."""
+    host = InferenceHost(CFG, scaled_params(0), num_slots=4, prefill_buckets=(8, 16), mesh=mesh)
+    for i in range(2):
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+        host.submit(GenerateRequest(f"s{i}", (5 + i, 6, 7, 8), 2, sampling, seed=i))
+    for _ in range(4):
+        host.serve_once()
+    host.update_weights(scaled_params(1), 1)
+    out: dict = {}
+    while len(out) < 4:
+        host.serve_once()
+        out.update({(r.request_id, r.sample_index): r for r in host.poll(timeout=0)})
+    assert host.stats()["kv_recomputes"] == 1
+    host.close()
+    return out
+
+
+@four_only
+@pytest.mark.parametrize("data,tensor", [(1, 2), (2, 2)])
+def test_four_devices_an_in_flight_swap_on_a_mesh_recomputes_as_one_device_does(data, tensor):
+    reference = swap_mid_decode(None)
+    got = swap_mid_decode(make_mesh(data, 1, tensor, devices=jax.devices()[-data * tensor :]))
+    for key, ref in reference.items():
+        assert set(ref.versions.tolist()) == {0, 1}, "the swap did not land mid-sample"
+        np.testing.assert_array_equal(got[key].tokens, ref.tokens, err_msg=str(key))
+        np.testing.assert_array_equal(got[key].versions, ref.versions)
+        np.testing.assert_allclose(got[key].logprobs, ref.logprobs, atol=1e-5)
+
+
 @four_only
 def test_four_devices_a_model_larger_than_one_devices_share_serves():
     params = scaled_params(0)

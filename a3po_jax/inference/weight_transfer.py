@@ -53,6 +53,8 @@ _FRAME = struct.Struct("<4sQ")
 _MAX_HEADER_BYTES = 64 << 20  # a manifest of a few thousand tensors is a few hundred KiB
 # recv_into asks for at most this much per call (the kernel returns what it has).
 _RECV_BYTES = 16 << 20
+# Seconds a connection may take to prove the token: a stranger cannot hold a thread long.
+AUTH_TIMEOUT_S = 10.0
 
 
 class WeightAuthError(InferenceError):
@@ -171,7 +173,7 @@ class WeightReceiver:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(self._timeout)
+            conn.settimeout(min(self._timeout, AUTH_TIMEOUT_S))  # the long one once proven
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 self._exchange(conn)
@@ -190,6 +192,7 @@ class WeightReceiver:
         conn.sendall(MAGIC + nonce)
         if not hmac.compare_digest(_recv_exact(conn, 32), _mac(self._key, nonce)):
             raise WeightAuthError("missing or wrong host token")
+        conn.settimeout(self._timeout)
         specs = weight_sync.tensor_specs(self._host.params_spec)
         _send_json(conn, b"SPEC", {"tensors": [s.to_json() for s in specs]})
         kind, payload = _recv_frame(conn)

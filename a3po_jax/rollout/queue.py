@@ -42,6 +42,15 @@ T = TypeVar("T")
 CONSUME_ORDERS = ("completion", "admission")
 
 
+# How often an interruptible wait asks whether to stop: well inside a preemption notice.
+INTERRUPT_POLL_S = 0.25
+
+
+class WaitInterrupted(Exception):
+    """The waiter asked to stop (a SIGTERM to the trainer) before what it waited for came;
+    nothing was taken."""
+
+
 class RolloutTimeout(TimeoutError):
     """No batch (or no room) arrived in time; the message carries the queue counters so a
     dead or stalled producer is visible in the trainer's traceback."""
@@ -57,6 +66,7 @@ def wait_until(
     *,
     timeout: float | None,
     timeout_message: Callable[[], str],
+    interrupted: Callable[[], bool] | None = None,
 ) -> T:
     """The one wait loop of the queue and the controller: with ``cond`` held, calls
     ``ready()`` until it returns something other than None, and returns that.
@@ -64,16 +74,22 @@ def wait_until(
     ``ready`` runs under the lock each time the condition is notified; it may raise (e.g.
     ``QueueClosed``) to end the wait. After ``timeout`` seconds (None: never) raises
     :class:`RolloutTimeout` with ``timeout_message()``, computed under the lock so it can
-    show the counters at that moment.
+    show the counters at that moment. With ``interrupted``, it is asked at least every
+    `INTERRUPT_POLL_S` and a true answer raises :class:`WaitInterrupted` (a signal handler
+    cannot notify the condition, so the wait comes round to ask).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         result = ready()
         if result is not None:
             return result
+        if interrupted is not None and interrupted():
+            raise WaitInterrupted("stop requested while waiting for rollouts")
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise RolloutTimeout(timeout_message())
+        if interrupted is not None:
+            remaining = INTERRUPT_POLL_S if remaining is None else min(remaining, INTERRUPT_POLL_S)
         cond.wait(remaining)
 
 
@@ -289,7 +305,12 @@ class RolloutQueue:
     # -- consumer side ----------------------------------------------------------------------
 
     def get_batch(
-        self, num_groups: int, *, trainer_version: int, timeout: float | None
+        self,
+        num_groups: int,
+        *,
+        trainer_version: int,
+        timeout: float | None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> list[RolloutGroup]:
         """Takes ``num_groups`` whole groups after dropping stale ones: first completed first,
         or (``consume_order="admission"``) the oldest ``num_groups`` admitted, once complete.
@@ -300,11 +321,13 @@ class RolloutQueue:
             last minibatch trains at ``trainer_version + versions_per_batch - 1``, and
             staleness is measured against that.
           timeout: seconds to wait for enough groups; None waits forever.
+          interrupted: asked while waiting; true ends the wait (`WaitInterrupted`).
         Returns:
           ``num_groups`` groups, none with a token that would train staler than
           ``max_staleness`` in any minibatch.
         Raises:
           RolloutTimeout if not enough groups arrived in time (nothing is taken).
+          WaitInterrupted if ``interrupted()`` said so first (nothing is taken).
           QueueClosed once :meth:`close` was called.
           ValueError if a group holds a token newer than ``trainer_version`` (a version
             bookkeeping bug: staleness cannot be negative).
@@ -353,6 +376,7 @@ class RolloutQueue:
                         f"out after {timeout}s (producer dead or too slow?): "
                         f"{self._counters_text()}"
                     ),
+                    interrupted=interrupted,
                 )
         finally:
             self._run_drop_callbacks(drops)

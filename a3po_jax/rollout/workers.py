@@ -138,13 +138,22 @@ class RolloutWorkers:
             raise RuntimeError("a rollout thread failed") from self._error
 
     def get_batch(
-        self, num_groups: int, *, trainer_version: int, timeout: float | None
+        self,
+        num_groups: int,
+        *,
+        trainer_version: int,
+        timeout: float | None,
+        interrupted=None,
     ) -> list[RolloutGroup]:
-        """``num_groups`` whole groups from the queue; a worker's failure is raised here."""
+        """``num_groups`` whole groups from the queue; a worker's failure is raised here.
+        ``interrupted`` (asked while waiting) ends the wait with `WaitInterrupted`."""
         self.raise_if_failed()
         try:
             return self.queue.get_batch(
-                num_groups, trainer_version=trainer_version, timeout=timeout
+                num_groups,
+                trainer_version=trainer_version,
+                timeout=timeout,
+                interrupted=interrupted,
             )
         except QueueClosed:
             self.raise_if_failed()

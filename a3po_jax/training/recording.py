@@ -292,9 +292,15 @@ class ReplaySource:
         """Nothing can fail in the background."""
 
     def get_batch(
-        self, num_groups: int, *, trainer_version: int, timeout: float | None = None
+        self,
+        num_groups: int,
+        *,
+        trainer_version: int,
+        timeout: float | None = None,
+        interrupted=None,
     ) -> list[RolloutGroup]:
-        """The next ``num_groups`` recorded groups (of the current step, in recorded order)."""
+        """The next ``num_groups`` recorded groups (of the current step, in recorded order;
+        they are read, never waited for, so ``timeout`` and ``interrupted`` do not apply)."""
         if not self._pending:
             self._load_next(trainer_version)
         if len(self._pending) < num_groups:

@@ -54,7 +54,7 @@ from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
 from a3po_jax.rollout.ledger import Ledger, ledger_path
-from a3po_jax.rollout.queue import RolloutQueue
+from a3po_jax.rollout.queue import RolloutQueue, WaitInterrupted
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training import heap, host_placement, recording, step_builder
@@ -420,10 +420,14 @@ class Trainer:
         groups: list[RolloutGroup] = []
         wait = 0.0
         fold = self.plan.fold  # one group per row and per batch
-        for _ in range(self.batch_groups):
+        for i in range(self.batch_groups):
             t0 = time.perf_counter()
+            # A stop is taken before the iteration's first group only: one taken is folded.
             (group,) = self.queue.get_batch(
-                1, trainer_version=version, timeout=self.cfg.system.rollout_timeout_s
+                1,
+                trainer_version=version,
+                timeout=self.cfg.system.rollout_timeout_s,
+                interrupted=self._stop_while_waiting() if i == 0 else None,
             )
             wait += time.perf_counter() - t0
             groups.append(group)
@@ -496,7 +500,11 @@ class Trainer:
         record: dict[str, Any] = {}
         try:
             for step in range(start, self.cfg.steps):
-                record = self._one_step(step)
+                try:
+                    record = self._one_step(step)
+                except WaitInterrupted:  # SIGTERM while no batch came (e.g. every host down)
+                    self._stop_before(step)
+                    break
                 if self.cfg.eval_every and (
                     (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps
                 ):
@@ -520,6 +528,20 @@ class Trainer:
             self.close()
         return record
 
+    def _stop_before(self, step: int) -> None:
+        """SIGTERM while step ``step + 1`` waited for its rollouts: the state is that of the
+        ``step`` steps done, so save it (unless it is saved already, or nothing was trained)
+        and stop; ``--resume`` re-issues the groups still pending."""
+        if self.checkpoints is None:
+            log.warning("SIGTERM while waiting for rollouts: stopping (checkpoint_every=0)")
+        elif step == 0:
+            log.warning("SIGTERM while waiting for rollouts: stopping before any step trained")
+        elif self.checkpoints.latest_step() == step:
+            log.warning("SIGTERM while waiting for rollouts: step %d is saved; stopping", step)
+        else:
+            log.warning("SIGTERM while waiting for rollouts: saving step %d and stopping", step)
+            self._checkpoint(step, force=True)
+
     def _open_ledger(self) -> None:
         """The run's prompt ledger (``run_dir/ledger.jsonl``, process 0, rollout workers
         only): admissions, trained groups, drops, checkpoints, resumes
@@ -527,6 +549,11 @@ class Trainer:
         if self.leader and isinstance(self.workers, RolloutWorkers) and self.ledger is None:
             self.ledger = Ledger(ledger_path(self.run_dir))
             self.workers.ledger = self.ledger
+
+    def _stop_while_waiting(self) -> Callable[[], bool] | None:
+        """What a wait for rollouts asks to end early: this process's SIGTERM flag (one
+        process; with several, every process stops together at a step boundary)."""
+        return None if self.multi_process else self._sigterm.is_set
 
     def _stop_requested(self) -> bool:
         """SIGTERM here, or (with several processes) on any process: all stop together."""
@@ -571,6 +598,7 @@ class Trainer:
                 self.batch_groups,
                 trainer_version=version,
                 timeout=self.cfg.system.rollout_timeout_s,
+                interrupted=self._stop_while_waiting(),
             )
             timings["time/wait_rollouts_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
