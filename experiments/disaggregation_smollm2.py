@@ -3,11 +3,11 @@ own (split cores), 3 seeds each, and once each with generation beside training (
 
 Command:  python scripts/run_sweep.py experiments/disaggregation_smollm2.py --subprocess --prune
           python -m a3po_jax.cli.results results/disaggregation_smollm2 \\
-              --out results/disaggregation_smollm2
+              --out results/disaggregation_smollm2 --level 0.65
 Hardware: a 2-core CPU. Split: the inference host is a local process pinned to core 0 and
           the trainer to core 1 (system.inference_cores=1), weights pushed over the host's
           weight port in the background. Shared: the embedded host, both on both cores.
-          About 4 minutes per run, 20 runs.
+          4-9 minutes per run (split sync and periodic the longest), 20 runs.
 What it shows: A-3PO (arXiv 2512.06547), Periodic Asynchrony (arXiv 2511.18871) and
           Asynchronous RLHF (arXiv 2410.18252) get their speed from overlapping generation
           with training on separate hardware. Per mode: steps per hour, reward against

@@ -166,6 +166,9 @@ COMMANDS: dict[str, object] = {
     "--prune": DRY_RUN,
     "python scripts/run_sweep.py experiments/periodic_vs_sync_smollm2.py --subprocess "
     "--prune": DRY_RUN,
+    "python scripts/run_sweep.py experiments/disaggregation_smollm2.py --subprocess --prune "
+    "--only $(python scripts/run_sweep.py experiments/disaggregation_smollm2.py --dry-run "
+    "| grep -o 'mode-[^ ]*_seed-0')": DRY_RUN,
     # Reports over the committed results (as written they would rewrite results/).
     "python -m a3po_jax.cli.results results/staleness_sweep_toy --out runs/staleness_sweep_toy": (
         AS_WRITTEN
@@ -191,6 +194,8 @@ COMMANDS: dict[str, object] = {
     "results/a3po_vs_recompute_smollm2/mode-sync_* --out results/periodic_vs_sync_smollm2": (
         PARSE_ONLY
     ),
+    "python -m a3po_jax.cli.results results/disaggregation_smollm2 --out "
+    "results/disaggregation_smollm2 --level 0.65": PARSE_ONLY,
     # Benchmarks: minutes to hours each; their parsers check the flags.
     "python scripts/bench_inference.py --model smollm2": PARSE_ONLY,
     "python scripts/bench_inference.py --model smollm2 --no-hf --repeats 3 --no-profile": (

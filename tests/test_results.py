@@ -495,3 +495,16 @@ def test_plots_work_inline_without_pyplot(tmp_path):
         import matplotlib.pyplot as plt
 
         assert fig not in [plt.figure(n) for n in plt.get_fignums()]
+
+
+def test_the_summary_has_the_speed_table_with_one_seed_per_configuration(tmp_path):
+    steps = [50.0, 10.0, 10.0, 10.0]
+    write_run(tmp_path, "a", [0, 0.2, 0.6, 0.6], seed=0, step_s=steps)
+    write_run(tmp_path, "b", [0, 0.0, 0.1, 0.5], prox="behav", seed=0, step_s=steps)
+    runs = results.load_runs([tmp_path])
+    text = results.write_summary(runs, tmp_path / "out", level=0.4).read_text()
+    assert "## Mean ± std over seeds" not in text  # no configuration has two seeds
+    assert "## Speed: steps per hour and time to a reward level" in text
+    assert "to `reward/mean` 0.4" in text
+    # One seed: the mean alone; a 3-step average reaches 0.4 only in the first run (step 4).
+    assert "| 360 | 30 |" in text and "| not reached |" in text

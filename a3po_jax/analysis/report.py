@@ -34,6 +34,7 @@ from a3po_jax.analysis.runs import (
     config_differences,
     format_cell,
     merge_seeds,
+    seed_groups,
     short_key,
 )
 from a3po_jax.analysis.tables import (
@@ -64,8 +65,11 @@ def write_summary(
     last_k: int = 5,
     title: str = "Results",
     smooth: int = 5,
+    level: float | None = None,
 ) -> Path:
     """Write ``out_dir/summary.md`` and its PNGs; returns the markdown file's path.
+    ``level``: the reward the speed table times each run to (`speed_table`'s default if
+    None).
 
     Runs that differ only by seed are averaged (:func:`merge_seeds`) for the plots; the
     tables show the mean ± std over seeds and every run on its own.
@@ -127,13 +131,13 @@ def write_summary(
     ]
     if not aggregate.empty:
         lines += ["## Mean ± std over seeds", "", markdown_table(aggregate), ""]
-        speed, level = speed_table(runs, last_k=last_k)
+    if len(seed_groups(runs, "seed")[1]) > 1:  # several configurations, with one seed or more each
+        speed, level = speed_table(runs, level=level, last_k=last_k)
         lines += [
             "## Speed: steps per hour and time to a reward level",
             "",
-            f"Wall-clock time from the end of the first (compiling) step; the level, {level:.3g},"
-            f" is 0.8 x the lowest configuration's mean last-{last_k} `{REWARD}`, reached by a"
-            " 3-step moving average. Held by push / waiting for rollouts: the trainer's share"
+            f"Wall-clock time from the end of the first (compiling) step to `{REWARD}` {level:.3g}"
+            " (a 3-step moving average). Held by push / waiting for rollouts: the trainer's share"
             " of the wall-clock time (steps 2..).",
             "",
             markdown_table(speed),

@@ -31,6 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where summary.md and the PNGs go")
     parser.add_argument("--last-k", type=int, default=5, help="steps averaged for 'last-k'")
     parser.add_argument("--smooth", type=int, default=5, help="moving-average window (curves)")
+    parser.add_argument(
+        "--level",
+        type=float,
+        default=None,
+        help="reward the speed table times each run to (default: 0.8 x the lowest"
+        " configuration's mean last-k reward)",
+    )
     parser.add_argument("--title", default=None, help="heading of summary.md")
     args = parser.parse_args(argv)
     try:
@@ -45,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     title = args.title or f"Results: {', '.join(Path(p).name for p in args.runs)}"
-    path = write_summary(runs, args.out, last_k=args.last_k, title=title, smooth=args.smooth)
+    path = write_summary(
+        runs, args.out, last_k=args.last_k, title=title, smooth=args.smooth, level=args.level
+    )
     print(f"wrote {path} ({len(runs)} runs)")
     return 0
 
