@@ -166,9 +166,9 @@ COMMANDS: dict[str, object] = {
     "--prune": DRY_RUN,
     "python scripts/run_sweep.py experiments/periodic_vs_sync_smollm2.py --subprocess "
     "--prune": DRY_RUN,
-    "python scripts/run_sweep.py experiments/disaggregation_smollm2.py --subprocess --prune "
-    "--only $(python scripts/run_sweep.py experiments/disaggregation_smollm2.py --dry-run "
-    "| grep -o 'mode-[^ ]*_seed-0')": DRY_RUN,
+    "python scripts/run_sweep.py experiments/disaggregation_smollm2.py --subprocess --prune": (
+        DRY_RUN
+    ),
     # Reports over the committed results (as written they would rewrite results/).
     "python -m a3po_jax.cli.results results/staleness_sweep_toy --out runs/staleness_sweep_toy": (
         AS_WRITTEN
