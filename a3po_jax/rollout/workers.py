@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from a3po_jax.core.types import RolloutGroup
@@ -143,7 +144,7 @@ class RolloutWorkers:
         *,
         trainer_version: int,
         timeout: float | None,
-        interrupted=None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> list[RolloutGroup]:
         """``num_groups`` whole groups from the queue; a worker's failure is raised here.
         ``interrupted`` (asked while waiting) ends the wait with `WaitInterrupted`."""

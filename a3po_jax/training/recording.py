@@ -53,7 +53,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -297,7 +297,7 @@ class ReplaySource:
         *,
         trainer_version: int,
         timeout: float | None = None,
-        interrupted=None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> list[RolloutGroup]:
         """The next ``num_groups`` recorded groups (of the current step, in recorded order;
         they are read, never waited for, so ``timeout`` and ``interrupted`` do not apply)."""
