@@ -80,6 +80,11 @@ CASES: dict[str, list[str]] = {
     ],
     "micro_batches": ["algo.prox=recompute", "system.micro_batch_size=4"],
     "minibatches": ["algo.num_minibatches=2", "system.max_staleness=2"],
+    "minibatches_update_unit": [
+        "algo.num_minibatches=2",
+        "system.max_staleness=2",
+        "algo.a3po_staleness_unit=update",
+    ],
     "minibatches_micro": [
         "algo.prox=recompute",
         "algo.num_minibatches=2",

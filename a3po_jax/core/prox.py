@@ -37,6 +37,41 @@ _ALPHA_AT_ZERO = {"current": 0.0, "behav": 1.0}
 ZERO_STALENESS: tuple[str, ...] = tuple(_ALPHA_AT_ZERO)
 
 
+def steps_behind(updates_behind: jax.Array, updates_per_step: int) -> jax.Array:
+    """Staleness in training steps from staleness in optimizer updates at a step's start.
+
+    A training step trains one generated batch in ``updates_per_step`` = k optimizer updates
+    (minibatches), so data x updates behind the step's starting weights is ⌈x / k⌉ steps
+    behind. Negative x (tokens from the future) stays negative, so the prox rule still
+    poisons the step.
+    """
+    x = jnp.asarray(updates_behind)
+    k = int(updates_per_step)
+    if k < 1:
+        raise ValueError(f"updates_per_step must be >= 1, got {k}")
+    return jnp.where(x >= 0, (x + k - 1) // k, x)
+
+
+# Which staleness A-3PO's α = 1/d reads, per minibatch i of a step (docs/losses.md, "A-3PO
+# with several minibatches"): (mb, d in updates at minibatch i) -> d.
+_STALENESS_UNITS = {
+    # Training steps from the step's start: the paper's "difference in training steps", and
+    # AReaL's version read once per step; the same d in every minibatch of the step. A
+    # micro-batch without it comes from a caller with one update per step, where d is the same.
+    "step": lambda mb, updates: mb.get("step_staleness", updates),
+    # Optimizer updates at minibatch i: d grows by one per minibatch.
+    "update": lambda mb, updates: updates,
+}
+STALENESS_UNITS: tuple[str, ...] = tuple(_STALENESS_UNITS)
+
+
+def staleness_for_prox(unit: str) -> Callable[[Mapping[str, jax.Array], jax.Array], jax.Array]:
+    """``(micro-batch, d in updates) -> d`` for A-3PO in ``unit`` (a key of
+    :data:`STALENESS_UNITS`), resolved once when the step is built."""
+    check_choice("a3po_staleness_unit", unit, STALENESS_UNITS)
+    return _STALENESS_UNITS[unit]
+
+
 def a3po_alpha(staleness: jax.Array, *, zero_staleness: str = "current") -> jax.Array:
     """A-3PO's staleness-aware interpolation weight α (arXiv 2512.06547).
 

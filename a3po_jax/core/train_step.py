@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from a3po_jax.core import prox
 from a3po_jax.core.algorithm import Algorithm
 from a3po_jax.core.optim import Accumulated, TrainState, add_accumulated, apply_grads
 from a3po_jax.core.stats import Stats, combine, finalize, masked_pair
@@ -81,6 +82,8 @@ def loss_sums(
     old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
     algo: Algorithm,
+    step_version: jax.Array | None = None,
+    updates_per_step: int = 1,
 ) -> tuple[jax.Array, tuple[jax.Array, Stats]]:
     """Loss *sum* of one micro-batch, its count, and its metric :class:`Stats`.
 
@@ -90,6 +93,10 @@ def loss_sums(
       version: int32 scalar trainer version v_θ for this optimizer step.
       old_logp: ``[b, T]`` old-policy log-probs when ``algo.needs_old_pass``, else None.
       ref_logp: ``[b, T]`` reference log-probs when ``algo.needs_reference``, else None.
+      step_version, updates_per_step: the version v₀ at which this training step started
+        and its k optimizer updates (None, 1: this update is the whole step). The term finds
+        ``mb["step_staleness"]`` = ⌈(v₀ − v_behav) / k⌉, the training steps between the data
+        and the step's start, which A-3PO's α reads (``algo.a3po_staleness_unit=step``).
 
     Returns:
       (loss_sum, (count, stats)): the loss is ``Σ loss_sum / Σ count`` over micro-batches.
@@ -99,6 +106,9 @@ def loss_sums(
     # Staleness d = v_θ - v_behav per token; masked positions get 0 (their versions are 0
     # by construction and carry no meaning).
     staleness = jnp.where(mask > 0, version - mb["versions"], 0).astype(jnp.int32)
+    start = version if step_version is None else step_version
+    behind = prox.steps_behind(start - mb["versions"], updates_per_step)
+    mb = {**mb, "step_staleness": jnp.where(mask > 0, behind, 0).astype(jnp.int32)}
     loss, count, stats = algo.loss_term(
         logp, mb, staleness=staleness, old_logp=old_logp, ref_logp=ref_logp
     )
@@ -142,9 +152,17 @@ def accumulate_grads(
     old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
     algo: Algorithm,
+    step_version: jax.Array | None = None,
+    updates_per_step: int = 1,
 ) -> Accumulated:
-    """Sum of loss-sum gradients over ``[M, b, T]`` micro-batches (a ``lax.scan``)."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_sums, algo=algo), has_aux=True)
+    """Sum of loss-sum gradients over ``[M, b, T]`` micro-batches (a ``lax.scan``);
+    ``step_version`` and ``updates_per_step`` as for :func:`loss_sums`."""
+    grad_fn = jax.value_and_grad(
+        functools.partial(
+            loss_sums, algo=algo, step_version=step_version, updates_per_step=updates_per_step
+        ),
+        has_aux=True,
+    )
 
     def one(mb, old, ref):
         (loss, (count, stats)), grads = grad_fn(
@@ -181,8 +199,9 @@ def train_step(
     1. the old-policy pass over the whole batch with the step's starting weights, when the
        prox rule needs one (decoupled PPO's extra pass; A-3PO exists to remove it);
     2. reference log-probs with the frozen ``ref_params`` if the loss needs them;
-    3. ``num_minibatches`` optimizer steps; minibatch k trains at version v₀ + k, so its
-       staleness is v₀ + k − v_behav.
+    3. ``num_minibatches`` = k optimizer steps; minibatch i trains at version v₀ + i, so
+       its staleness is v₀ + i − v_behav updates, and ⌈(v₀ − v_behav) / k⌉ training steps
+       in every minibatch (what A-3PO's α reads by default, docs/losses.md).
 
     Args:
       state: the current :class:`~a3po_jax.core.optim.TrainState` (donate it under jit).
@@ -210,7 +229,14 @@ def train_step(
         sl = slice(i * n_micro, (i + 1) * n_micro)
         mbs, old, ref = jax.tree.map(lambda x: x[sl], (minibatches, old_all, ref_all))  # noqa: B023
         acc = accumulate_grads(
-            state.params, mbs, version=v0 + i, old_logp=old, ref_logp=ref, algo=algo
+            state.params,
+            mbs,
+            version=v0 + i,
+            old_logp=old,
+            ref_logp=ref,
+            algo=algo,
+            step_version=v0,
+            updates_per_step=k,
         )
         state, opt_stats = apply_grads(state, acc, optimizer=optimizer, grad_clip=grad_clip)
         stats = combine(stats, combine(acc.stats, opt_stats))

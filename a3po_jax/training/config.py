@@ -162,6 +162,9 @@ class AlgoSection:
     loss: str = "ppo"  # objective: "ppo" (clip family), "dpo" (Online DPO) or a module's
     prox: str = "a3po"  # proximal policy: "recompute", "a3po" or "behav" (naive)
     a3po_zero_staleness: str = "current"  # A-3PO at d=0: "current" (paper) or "behav" (AReaL)
+    # A-3PO's d with several minibatches: training "step"s from the step's start (paper,
+    # AReaL) or optimizer "update"s at minibatch i (docs/losses.md)
+    a3po_staleness_unit: str = "step"
     advantage: str = "grpo"  # "grpo", "drgrpo" (no std division) or "rloo"
     aggregation: str = "token_mean"  # loss aggregation (design §3)
     clip_eps: float = 0.2  # ε_low
@@ -184,6 +187,7 @@ class AlgoSection:
         objectives.get(self.loss, what="algo.loss", error=ConfigError)
         _choice("algo", "prox", self.prox, PROX_MODES)
         _choice("algo", "a3po_zero_staleness", self.a3po_zero_staleness, ZERO_STALENESS)
+        _choice("algo", "a3po_staleness_unit", self.a3po_staleness_unit, prox.STALENESS_UNITS)
         _choice("algo", "advantage", self.advantage, ADVANTAGES)
         _choice("algo", "aggregation", self.aggregation, AGGREGATIONS)
         _choice("algo", "cap_mode", self.cap_mode, CAP_MODES)

@@ -330,17 +330,26 @@ def ppo_term(
     ref_logp: jax.Array | None,
     prox_fn: prox.ProxFn,
     aggregate: Aggregate,
+    prox_staleness: Callable[[Batch, jax.Array], jax.Array] | None = None,
     **clip: Any,
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """Decoupled PPO on one micro-batch: prox from ``prox_fn``, then
     :func:`decoupled_ppo_sums` of the micro-batch's arrays.
+
+    ``staleness`` is in optimizer updates (the ``staleness/*`` metrics); ``prox_staleness``
+    picks the d that A-3PO's α reads (:func:`a3po_jax.core.prox.staleness_for_prox`; None:
+    ``staleness`` itself).
 
     ``clip`` holds ``clip_eps``, ``clip_eps_high``, ``dual_clip``, ``behav_weight_cap``,
     ``cap_mode`` and ``seq_correction`` (bound when the step is built, by :func:`ppo`).
     """
     del ref_logp
     behav = mb["behav_logp"]
-    prox_logp = prox_fn(logp, behav, staleness, old_logp)
+    if prox_staleness is not None:
+        staleness_of_prox = prox_staleness(mb, staleness)
+    else:  # one update per step: updates and steps are the same d
+        staleness_of_prox = staleness
+    prox_logp = prox_fn(logp, behav, staleness_of_prox, old_logp)
     return decoupled_ppo_sums(
         logp,
         prox_logp,
@@ -356,8 +365,9 @@ def ppo_term(
 @register("ppo")
 def ppo(cfg: Any) -> Term:
     """``algo.loss=ppo``: :func:`ppo_term` with the prox rule (``algo.prox``,
-    ``algo.a3po_zero_staleness``, ``system.one_pass_old``), the clip, the token or sequence
-    cap and the aggregation of the validated config bound once."""
+    ``algo.a3po_zero_staleness``, ``algo.a3po_staleness_unit``, ``system.one_pass_old``),
+    the clip, the token or sequence cap and the aggregation of the validated config bound
+    once."""
     a = cfg.algo
     rule = prox.make_prox_rule(
         a.prox, zero_staleness=a.a3po_zero_staleness, one_pass_old=cfg.system.one_pass_old
@@ -370,6 +380,7 @@ def ppo(cfg: Any) -> Term:
     fn = functools.partial(
         ppo_term,
         prox_fn=rule.fn,
+        prox_staleness=prox.staleness_for_prox(a.a3po_staleness_unit),
         aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
         clip_eps=a.clip_eps,
         clip_eps_high=a.clip_eps_high or None,
