@@ -141,3 +141,66 @@ def test_the_committed_toy_sweep():
     table = results.offpolicy_table(runs)
     assert (table["seeds"] == 3).all() and len(table) == 12
     assert np.isfinite(table["KL_mean"]).all()
+
+
+def write_lab_run(root, name, *, prox, seed, rewards, kls, clip, ess, mode="async"):
+    """An asynchronous run of the off-policy lab: per step reward, KL to init, clip
+    fraction and ESS."""
+    run_dir = write_run(root, name, n=2, rewards=rewards, kls=kls, seed=seed)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg["system"]["mode"] = mode
+    cfg["system"]["max_staleness"] = 3
+    cfg["algo"]["prox"] = prox
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record, c, e in zip(records, clip, ess, strict=True):
+        record.update({"loss/clipfrac": c, "mismatch/ess": e})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_lab_table_per_method_over_seeds(tmp_path):
+    write_lab_run(
+        tmp_path,
+        "naive0",
+        prox="behav",
+        seed=0,
+        rewards=[0.1, 0.1, 0.0],
+        kls=[0, 1, 3],
+        clip=[0.2, 0.4, 0.6],
+        ess=[1.0, 0.5, 0.6],
+    )
+    write_lab_run(
+        tmp_path,
+        "naive1",
+        prox="behav",
+        seed=1,
+        rewards=[0.1, 0.3, 0.2],
+        kls=[0, 1, 5],
+        clip=[0.0, 0.2, 0.4],
+        ess=[1.0, 0.7, 0.8],
+    )
+    write_lab_run(
+        tmp_path,
+        "rec0",
+        prox="recompute",
+        seed=0,
+        rewards=[0.1, 0.5, 0.9],
+        kls=[0, 1, 2],
+        clip=[0.0, 0.1, 0.2],
+        ess=[1.0, 0.9, 0.8],
+    )
+    runs = results.load_runs([tmp_path])
+    assert results.is_lab_sweep(runs) and not results.is_offpolicy_sweep(runs)
+    table = results.lab_table(runs, last_k=2).set_index("prox")
+    naive, rec = table.loc["behav"], table.loc["recompute"]
+    assert naive["seeds"] == 2 and rec["seeds"] == 1
+    # Final = mean of the last 2 steps: seed 0 0.05, seed 1 0.25 -> 0.150 ± 0.141.
+    assert naive["reward final"] == "0.150 ± 0.141"
+    # Area = mean over every step: 0.0667 and 0.2 -> 0.133 ± 0.094.
+    assert naive["reward area"] == "0.133 ± 0.094"
+    assert naive["KL to init"] == "2.500 ± 0.707"  # last 2 steps: (1 + 3) / 2, (1 + 5) / 2
+    assert naive["clip frac"] == "0.300 ± 0.141"
+    assert rec["reward final"] == "0.700" and rec["ESS"] == "0.900"
+    assert "masked frac" not in table  # no run logged it
+    text = Path(results.write_summary(runs, tmp_path / "out")).read_text()
+    assert "## Methods on stale data" in text

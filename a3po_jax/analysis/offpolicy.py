@@ -6,7 +6,9 @@ Analysis layer (host side, never jitted); needs the ``analysis`` extra (pandas, 
 For a synchronous sweep over ``algo.num_minibatches`` N that logs ``kl/ref_k3``: final
 reward / area / KL per (loss, N) with their spread over seeds (:func:`offpolicy_table`),
 reward by generating version (:func:`plot_reward_by_version`) and the reward-vs-KL
-frontier per N (:func:`plot_reward_kl_frontier`).
+frontier per N (:func:`plot_reward_kl_frontier`). For the off-policy lab (methods compared
+on stale data, ``experiments/offpolicy_lab_toy.py``): :func:`lab_table`, per method the
+reward, KL and the diagnostics of its corrections, mean ± std over seeds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import numpy as np
 import pandas as pd
 
 from a3po_jax.analysis.plots import new_figure
-from a3po_jax.analysis.runs import REWARD, Run
+from a3po_jax.analysis.runs import (
+    REWARD,
+    Run,
+    last_k_mean,
+    mean_over_steps,
+    seed_groups,
+    short_key,
+)
 from a3po_jax.analysis.tables import mean_std
 
 KL_REF = "kl/ref_k3"  # k3 KL(π_θ ‖ π_init) on the trained tokens (algo.track_ref_kl)
@@ -188,3 +197,53 @@ def is_offpolicy_sweep(runs: Sequence[Run]) -> bool:
         and all(r.config.get("system.mode") == "sync" and KL_REF in r.frame for r in runs)
         and len({r.config.get(OFFPOLICY_N) for r in runs}) > 1
     )
+
+
+# The lab's columns: (metric, how a run is scored, column name). "masked" counts tokens left
+# out of the loss by a token or sequence cap or an objective's own mask; ESS is the
+# normalised effective sample size of the importance weights.
+_LAB_COLUMNS = (
+    (REWARD, "last", "reward final"),
+    (REWARD, "area", "reward area"),
+    (KL_REF, "last", "KL to init"),
+    ("loss/clipfrac", "area", "clip frac"),
+    ("mismatch/masked_frac", "area", "masked frac"),
+    ("mismatch/ess", "area", "ESS"),
+    ("staleness/mean", "area", "staleness"),
+)
+
+
+def is_lab_sweep(runs: Sequence[Run]) -> bool:
+    """Several configurations, some asynchronous, all logging :data:`KL_REF`: methods
+    compared on stale data (not the synchronous sweep over N, :func:`is_offpolicy_sweep`)."""
+    return (
+        len(seed_groups(runs, "seed")[1]) > 1
+        and any(r.config.get("system.mode") != "sync" for r in runs)
+        and all(KL_REF in r.frame for r in runs)
+    )
+
+
+def lab_table(runs: Sequence[Run], *, last_k: int = 5) -> pd.DataFrame:
+    """One row per configuration (runs that differ only by seed share one): its differing
+    config values, the seeds, and ``mean ± std`` over them of the final reward (mean of
+    the last ``last_k`` steps), the reward area (mean over every step), the KL to the
+    initial policy over the last ``last_k`` steps, and the means over steps of the clip
+    fraction, the masked fraction, the ESS of the importance weights and the staleness.
+    A metric no run logged is left out."""
+    keys, groups = seed_groups(runs, "seed")
+    score = {
+        "last": lambda r, key: last_k_mean(r, key, last_k),
+        "area": lambda r, key: mean_over_steps(r, key),
+    }
+    table = pd.DataFrame([{short_key(k): g[0].config.get(k) for k in keys} for g in groups])
+    table["seeds"] = [len(g) for g in groups]
+    for key, how, name in _LAB_COLUMNS:
+        if all(r.series(key).empty for r in runs):
+            continue
+        cells = []
+        for members in groups:
+            values = np.array([score[how](r, key) for r in members], np.float64)
+            std = float(values.std(ddof=1)) if values.size > 1 else float("nan")
+            cells.append(mean_std(float(values.mean()), std, values.size))
+        table[name] = cells
+    return table

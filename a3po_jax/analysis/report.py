@@ -11,7 +11,9 @@ from pathlib import Path
 
 from a3po_jax.analysis.offpolicy import (
     KL_REF,
+    is_lab_sweep,
     is_offpolicy_sweep,
+    lab_table,
     offpolicy_markdown,
     offpolicy_table,
     plot_reward_by_version,
@@ -131,6 +133,16 @@ def write_summary(
     ]
     if not aggregate.empty:
         lines += ["## Mean ± std over seeds", "", markdown_table(aggregate), ""]
+    if is_lab_sweep(runs):
+        lines += [
+            "## Methods on stale data: reward, KL to the initial policy, corrections",
+            "",
+            f"Reward final and KL: mean over the last {last_k} steps; the other "
+            "columns: mean over every step; ± is the sample std over seeds.",
+            "",
+            markdown_table(lab_table(runs, last_k=last_k)),
+            "",
+        ]
     if len(seed_groups(runs, "seed")[1]) > 1:  # several configurations, with one seed or more each
         speed, level = speed_table(runs, level=level, last_k=last_k)
         lines += [
