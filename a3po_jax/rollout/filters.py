@@ -43,10 +43,12 @@ def fill_short_batch(groups: Sequence[RolloutGroup], num_groups: int) -> list[Ro
     groups = list(groups)
     if not groups or len(groups) > num_groups:
         raise ValueError(f"fill_short_batch needs 1..{num_groups} groups, got {len(groups)}")
-    fillers = [
-        dataclasses.replace(groups[i % len(groups)], group_id=-1 - i)
-        for i in range(num_groups - len(groups))
-    ]
+    fillers = []
+    for i in range(num_groups - len(groups)):
+        source, group_id = groups[i % len(groups)], -1 - i
+        # The rows take their ids from the samples (TrainBatch.group_ids): renumber both.
+        rollouts = [dataclasses.replace(r, group_id=group_id) for r in source.rollouts]
+        fillers.append(dataclasses.replace(source, group_id=group_id, rollouts=rollouts))
     return groups + fillers
 
 

@@ -152,7 +152,8 @@ class RolloutQueue:
       wire it to ``StalenessController.release`` so dropped groups free their admission.
     * Dynamic sampling (``filter_zero_variance``): a group that completes with all G rewards
       equal is *filtered* (reason ``"zero_variance"``), never handed out. Up to
-      ``max_refills`` filtered groups per trainer version are *refilled*:
+      ``max_refills`` filtered groups per training step (:meth:`new_refill_window`) are
+      *refilled*:
       ``on_filter(group_id, True)`` (wire it to ``StalenessController.release``) lets the
       producer draw a fresh prompt in its place. Past that budget ``on_filter(group_id,
       False)`` keeps its admission and the group becomes an *empty slot* in the ready order:
@@ -208,7 +209,7 @@ class RolloutQueue:
             raise ValueError(f"max_refills must be None or an int >= 0, got {max_refills!r}")
         self.consume_order = consume_order
         self.filter_zero_variance = filter_zero_variance
-        self.max_refills = max_refills  # per trainer version; None = no limit
+        self.max_refills = max_refills  # per training step; None = no limit
         self._on_filter = on_filter
         self._admitted_ids = admitted_ids
         # Admission order with admitted_ids: consumed or dropped ids the callable may still
@@ -246,8 +247,7 @@ class RolloutQueue:
         self._refilled_groups = 0
         self._empty_slots = 0  # taken by batches
         self._held_empty_slots = 0  # in _ready, not taken yet
-        # The refill budget's window: refills since the trainer reached this version.
-        self._refill_version = 0
+        # The refill budget's window: refills since the trainer's last step.
         self._refills_in_window = 0
 
     # -- producer side ----------------------------------------------------------------------
@@ -382,15 +382,10 @@ class RolloutQueue:
             for group_id, refilled in filters:
                 self._on_filter(group_id, refilled)
 
-    def begin_version(self, trainer_version: int) -> None:
-        """The trainer reached ``trainer_version``: a new window of ``max_refills`` refills
-        (also started by ``get_batch`` at a newer version)."""
+    def new_refill_window(self) -> None:
+        """The trainer finished a step (trained, skipped or empty): ``max_refills`` more
+        filtered groups may be refilled."""
         with self._cond:
-            self._begin_version_locked(trainer_version)
-
-    def _begin_version_locked(self, trainer_version: int) -> None:
-        if trainer_version > self._refill_version:
-            self._refill_version = trainer_version
             self._refills_in_window = 0
 
     def _discard_late_sample(self, group_id: int) -> None:
@@ -440,7 +435,6 @@ class RolloutQueue:
 
         def batch() -> list[RolloutGroup] | None:
             self._raise_if_closed()
-            self._begin_version_locked(trainer_version)
             self._drop_stale_locked(trainer_version, drops)
             if self.consume_order == "admission":
                 ids = self._oldest_live_locked(num_groups)

@@ -63,7 +63,7 @@ class RolloutWorkers:
       dynamic_sampling: filter groups whose samples all got the same reward
         (``rollout.dynamic_sampling``; DAPO, arXiv 2503.14476): each is logged to the ledger
         (``filter``, reason ``zero_variance``) and never trained or re-issued; up to
-        ``max_extra_groups`` per trainer version give their admission back so a fresh
+        ``max_extra_groups`` per training step give their admission back so a fresh
         prompt is drawn in their place, the others leave their batch's slot empty (see
         :class:`RolloutQueue`).
       max_extra_groups: that budget (``rollout.extra_groups_budget``).
@@ -210,7 +210,7 @@ class RolloutWorkers:
             self._discarded_groups += num_groups
 
     def notify_version(self, version: int) -> None:
-        self.queue.begin_version(version)  # a new window of refills (dynamic sampling)
+        self.queue.new_refill_window()  # the step is done: fresh refills (dynamic sampling)
         self.controller.notify_version(version)
 
     # ------------------------------------------------------------------ checkpoints
