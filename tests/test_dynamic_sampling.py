@@ -7,6 +7,7 @@ producer draws a fresh prompt in its place while the step's budget lasts; past i
 step trains a short batch and says so. Truncated samples get loss mask 0.
 """
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from a3po_jax.cli import ledger as ledger_cli
+from a3po_jax.core import objectives
 from a3po_jax.core.batch_plan import BatchPlan, make_batch
 from a3po_jax.core.types import Rollout
 from a3po_jax.inference.types import SampleResult, SamplingParams
@@ -28,7 +30,7 @@ from a3po_jax.rollout.ledger import Ledger, audit
 from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
-from a3po_jax.training.config import ConfigError, RolloutSection, apply_overrides
+from a3po_jax.training.config import ConfigError, RolloutSection, TrainConfig, apply_overrides
 from a3po_jax.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,9 +182,52 @@ def test_overlong_samples_and_filler_rows_get_loss_mask_0():
     np.testing.assert_array_equal(batch.loss_mask.sum(axis=1), [4, 2, 4, 2, 0, 0])
 
 
+def test_packed_rows_and_dpo_pairs_are_masked_through_the_row_order():
+    """Packed with balanced rows the groups are reordered: the masks follow
+    ``batch.group_ids``. With DPO pairs a pair with a truncated row loses its preference."""
+    plan = BatchPlan(group_size=G, groups=4, packed=True, groups_per_row=2, length_bucket=8)
+    groups = []
+    for gid, n in enumerate((2, 6, 3)):
+        q = RolloutQueue(group_size=G, capacity_groups=2, max_staleness=None)
+        q.put(sample(gid, 0, 0.0, n=n, finish="length" if gid == 1 else "stop"))
+        q.put(sample(gid, 1, 1.0, n=n))
+        groups.extend(q.get_batch(1, trainer_version=0, timeout=1))
+    filled = filters.fill_short_batch(groups, plan.groups)
+    batch, arrays = make_batch(filled, plan)
+    assert arrays["loss_mask"] is batch.loss_mask
+    counts = filters.mask_rows(batch, arrays, filled, overlong_filter=True)
+    assert counts == {"filler_rows": G, "overlong_masked": 1}
+    trained = batch.loss_mask.sum(axis=1)
+    for row, gid in enumerate(batch.group_ids):
+        masked = gid < 0 or (gid == 1 and row % G == 0)
+        assert (trained[row] == 0) == masked, (row, gid)
+
+    pair_plan = dataclasses.replace(plan, packed=False, groups_per_row=1, groups=3)
+    pair_plan = dataclasses.replace(pair_plan, layout=objectives.get("dpo").layout)
+    batch, arrays = make_batch(groups, pair_plan)
+    assert batch.pair_mask.tolist() == [1.0] * 6  # every pair has a preference
+    filters.mask_rows(batch, arrays, groups, overlong_filter=True, dpo_pairs=True)
+    np.testing.assert_array_equal(batch.pair_mask, [1, 1, 0, 0, 1, 1])
+    assert arrays["pair_mask"] is batch.pair_mask
+
+
+def test_dynamic_sampling_refuses_what_it_cannot_run_yet(tmp_path):
+    from a3po_jax.training.trainer import refuse_unsupported
+
+    cfg = apply_overrides(TrainConfig(), ["rollout.dynamic_sampling=true"])
+    refuse_unsupported(cfg, processes=1, host=None, replay_dir=None)
+    with pytest.raises(ValueError, match="rollout.dynamic_sampling=true.*one process so far"):
+        refuse_unsupported(cfg, processes=2, host=None, replay_dir=None)
+    recorded = apply_overrides(cfg, ["system.record_rollouts=true"])
+    with pytest.raises(ValueError, match="system.record_rollouts=false"):
+        refuse_unsupported(recorded, processes=1, host=None, replay_dir=None)
+    with pytest.raises(ValueError, match="cannot replay"):
+        refuse_unsupported(cfg, processes=1, host=None, replay_dir=tmp_path)
+
+
 def test_config_fields_and_overrides():
     cfg = apply_overrides(
-        __import__("a3po_jax.training.config", fromlist=["TrainConfig"]).TrainConfig(),
+        TrainConfig(),
         ["rollout.dynamic_sampling=true", "rollout.max_extra_groups=3",
          "rollout.overlong_filter=on"],
     )  # fmt: skip
@@ -423,12 +468,17 @@ def tiny_cfg(tmp_path, *overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_tiny_model_trains_no_uniform_group(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["sync", "periodic", "one_step_off", "async"])
+def test_tiny_model_trains_no_uniform_group(tmp_path, caplog, mode):
+    """Every mode: no trained group is uniform, the records count the filtered groups and
+    the short slots as the queue does, truncated samples are masked, the ledger audits.
+    In sync mode no refills at all (max_extra_groups=0): the batches come out short, and
+    the step says so."""
     from a3po_jax.training.trainer import Trainer, load_policy
 
     eta = "system.max_staleness=2" if mode == "async" else "system.max_staleness=0"
-    cfg = tiny_cfg(tmp_path, f"system.mode={mode}", eta)
+    budget = "rollout.max_extra_groups=0" if mode == "sync" else "rollout.max_extra_groups=2"
+    cfg = tiny_cfg(tmp_path, f"system.mode={mode}", eta, budget)
     trainer = Trainer(cfg, load_policy(cfg.model), console=False)
     trained = []
     consumed = trainer.workers.consumed
@@ -447,6 +497,11 @@ def test_tiny_model_trains_no_uniform_group(tmp_path, mode):
     assert filtered > 0, "the letters task should give some all-zero groups"
     assert filtered == records[-1]["queue/filtered_groups"]
     assert short == records[-1]["queue/empty_slots"]
+    if mode == "sync":  # the seed's run has uniform groups in its first batches
+        assert short > 0 and records[-1]["queue/refilled_groups"] == 0
+        assert "slots left empty by groups with zero reward variance" in caplog.text or (
+            "no update this step" in caplog.text
+        )
     # 6 tokens at most: the random model rarely stops, so most samples are truncated.
     assert sum(r["rollout/overlong_masked"] for r in records) > 0
     result = audit(cfg.run_dir)

@@ -104,7 +104,8 @@ def load_policy(section) -> Policy:
 
 def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_dir) -> None:
     """ValueError naming what this job cannot run: the single-process features in a
-    multi-process job, and a replay given a host or several processes."""
+    multi-process job, a replay given a host or several processes, and dynamic sampling
+    with a recording or a replay."""
     if processes > 1:
         single = (
             (cfg.system.mode == "periodic", "system.mode='periodic' (it folds groups in as they "
@@ -116,12 +117,19 @@ def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_di
              "0 scores the batch with the sharded params)"),
             (bool(cfg.system.inference_devices), "system.inference_devices (serve from hosts "
              "of their own: system.inference_hosts, scripts/launch.py)"),
+            (cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling=true (a step whose "
+             "groups were all filtered takes no update on process 0 alone)"),
         )  # fmt: skip
         for on, what in single:
             if on:
                 raise ValueError(
                     f"{what} runs in one process so far; this job has {processes} processes"
                 )
+    if cfg.rollout.dynamic_sampling and (cfg.system.record_rollouts or replay_dir is not None):
+        raise ValueError(
+            "rollout.dynamic_sampling=true makes short and empty steps, which a recording "
+            "cannot replay yet: set system.record_rollouts=false (and do not --replay)"
+        )
     if replay_dir is not None and (host is not None or processes > 1):
         raise ValueError(
             "a replay runs in one process without an inference host (it reads the groups "
