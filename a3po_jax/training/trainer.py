@@ -499,6 +499,8 @@ class Trainer:
         if self.ledger is not None:  # voids the ledger's events after this checkpoint
             self.ledger.resume(step, version=int(extra["version"]))
         self.workers.restore(extra, version=int(extra["version"]))
+        counters = self.queue.counters()  # the per-step rollout/* count from here on
+        self._filter_counts_seen = {k: int(counters.get(k, 0)) for k in self._filter_counts_seen}
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         # The host must serve the resumed weights before it generates anything.
         self._push_weights()
