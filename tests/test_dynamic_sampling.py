@@ -506,7 +506,9 @@ def test_tiny_model_trains_no_uniform_group(tmp_path, caplog, mode):
     assert sum(r["rollout/overlong_masked"] for r in records) > 0
     result = audit(cfg.run_dir)
     assert result.ok, result.summary()
-    assert result.filtered.get("zero_variance") == filtered
+    # The producer draws ahead of the last step (until the workers close): the ledger may
+    # name groups filtered after the last record.
+    assert result.filtered.get("zero_variance", 0) >= filtered
 
 
 # ---------------------------------------------------------------------------------------

@@ -377,14 +377,6 @@ class Trainer:
         get loss mask 0 (:mod:`a3po_jax.rollout.filters`)."""
         filled = filters.fill_short_batch(groups, plan.groups)
         batch, arrays = make_batch(filled, plan)
-        masked = filters.mask_rows(
-            batch,
-            arrays,
-            filled,
-            overlong_filter=self.cfg.rollout.overlong_filter,
-            dpo_pairs=plan.layout.pairs,
-        )
-        self._overlong_masked += masked["overlong_masked"]
         if self._kl_in_reward is not None:
             # KL in the reward: R_i ← R_i − β Σ_t KL_t, then the advantages of those rewards
             # (core.train_step.kl_in_reward); the step then reads the new advantages.
@@ -393,6 +385,16 @@ class Trainer:
             )
             batch.rewards = np.asarray(rewards, np.float32)
             batch.advantages = arrays["advantages"] = np.asarray(adv, np.float32)
+        # Last: the masks zero the final advantages too (a truncated sample's KL still
+        # shapes its own reward, hence its group's baseline).
+        masked = filters.mask_rows(
+            batch,
+            arrays,
+            filled,
+            overlong_filter=self.cfg.rollout.overlong_filter,
+            dpo_pairs=plan.layout.pairs,
+        )
+        self._overlong_masked += masked["overlong_masked"]
         return batch, arrays
 
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
