@@ -113,6 +113,8 @@ COMMANDS: dict[str, object] = {
     "--dry-run": AS_WRITTEN,
     # Tiny real runs, and what the pages do with them afterwards.
     "a3po-train experiments/smoke_tiny.py": TINY_RUN,
+    "a3po-train experiments/smoke_tiny.py rollout.dynamic_sampling=true "
+    "rollout.max_extra_groups=4 rollout.overlong_filter=true": TINY_RUN,
     "python -m a3po_jax.cli.ledger runs/smoke_tiny": AS_WRITTEN,
     "a3po-train experiments/smoke_tiny.py system.record_rollouts=true run_dir=runs/rec": (TINY_RUN),
     "a3po-train --replay runs/rec": AS_WRITTEN,

@@ -6,7 +6,8 @@ CLI layer (entry points): nothing in the package imports it.
 
 Replays ``RUN_DIR/ledger.jsonl`` (`a3po_jax.rollout.ledger.audit`): rolls back what each
 resume redid, then reports positions trained more than once, drawn twice, skipped or lost
-at a resume, with the counts of trained, dropped (by reason) and still-in-flight prompts.
+at a resume, with the counts of trained, dropped and filtered (by reason, e.g.
+``zero_variance`` for dynamic sampling) and still-in-flight prompts.
 Prints "ledger audit: OK" and exits 0, or names each violation and exits 1; exit 2 for a
 wrong command line.
 """

@@ -13,6 +13,10 @@ Rollout layer (host-side shell; plain Python, nothing pickled, nothing enters ji
   version the step started from;
 * ``drop``: group id and reason (``stale``, ``host_error``, ``host_lost``, ``aborted``,
   ``nonfinite_step``, ...), with the step for a skipped step;
+* ``filter``: group id and reason (``zero_variance``: every sample got the same reward,
+  ``rollout.dynamic_sampling``) and whether a fresh prompt was drawn in its place
+  (``refilled``). A filtered group is finished like a dropped one: never trained, never
+  re-issued, its position not drawn again (unless a resume voids the event);
 * ``checkpoint``: the moment the rollout workers' state was taken for the checkpoint of a
   step, with the ids of the groups admitted and not yet trained (the pending set);
 * ``resume``: the run restarted from the checkpoint of a step; every event after that
@@ -112,6 +116,9 @@ class Ledger:
     def drop(self, group_id: int, reason: str, *, step: int | None = None) -> None:
         self.write("drop", group=int(group_id), reason=str(reason), step=step)
 
+    def filter(self, group_id: int, reason: str, *, refilled: bool) -> None:
+        self.write("filter", group=int(group_id), reason=str(reason), refilled=bool(refilled))
+
     def checkpoint(self, step: int, pending: Iterable[int]) -> None:
         self.write("checkpoint", step=int(step), pending=sorted(int(g) for g in pending))
 
@@ -157,12 +164,13 @@ def read_events(path: str | Path) -> list[dict]:
 @dataclasses.dataclass
 class Audit:
     """What :func:`audit` found. ``ok`` is True when every position drawn (net of what
-    resumes rolled back) was trained exactly once, dropped with a reason, or is still in
-    flight at the end of the ledger, and no bookkeeping anomaly was seen."""
+    resumes rolled back) was trained exactly once, dropped or filtered with a reason, or is
+    still in flight at the end of the ledger, and no bookkeeping anomaly was seen."""
 
     admitted: int = 0  # positions drawn (effective admissions)
     trained: int = 0  # positions trained (once)
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
+    filtered: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
     in_flight_at_end: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     trained_twice: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
     drawn_twice: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
@@ -191,10 +199,12 @@ class Audit:
 
     def summary(self) -> str:
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "none"
+        filtered = ", ".join(f"{k} {v}" for k, v in sorted(self.filtered.items())) or "none"
         lines = [
             f"ledger audit: {'OK' if self.ok else 'FAILED'}",
             f"  positions drawn {self.admitted}: trained {self.trained}, dropped "
-            f"{sum(self.dropped.values())} ({dropped}), in flight at the end "
+            f"{sum(self.dropped.values())} ({dropped}), filtered "
+            f"{sum(self.filtered.values())} ({filtered}), in flight at the end "
             f"{len(self.in_flight_at_end)}",
             f"  resumes {self.resumes}, groups re-issued {self.reissued}, events voided by "
             f"resumes {self.voided_events}",
@@ -202,7 +212,7 @@ class Audit:
         problems = {
             "trained more than once (position: groups)": self.trained_twice,
             "drawn more than once (position: groups)": self.drawn_twice,
-            "trained and dropped": self.trained_and_dropped,
+            "trained and dropped (or filtered)": self.trained_and_dropped,
             "lost at a resume (pending, never re-issued)": self.lost,
             "positions skipped": self.skipped_positions,
             "anomalies": self.anomalies,
@@ -255,7 +265,8 @@ def audit(path: str | Path) -> Audit:
     are drawn again), drops after it. What remains must satisfy: each position drawn once;
     each drawn position trained exactly once, dropped with a reason, or in flight when the
     ledger ends; every group pending at a checkpoint that a resume rolled back to is
-    re-issued; no position skipped in the prompt order.
+    re-issued; no position skipped in the prompt order. A ``filter`` event finishes its
+    group as a ``drop`` does (counted apart, by reason, in ``Audit.filtered``).
     """
     path = Path(path)
     if path.is_dir():
@@ -266,6 +277,7 @@ def audit(path: str | Path) -> Audit:
     position: dict[int, tuple[int, int]] = {}  # group -> position
     trained_at: dict[int, list[int]] = collections.defaultdict(list)  # group -> steps
     dropped: dict[int, str] = {}
+    filtered: set[int] = set()  # the dropped groups whose event was a filter
     by_position: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     awaiting_reissue: set[int] = set()
     last_checkpoint_pending: set[int] | None = None
@@ -291,11 +303,13 @@ def audit(path: str | Path) -> Audit:
                 result.trained_and_dropped.append(position[group])
             trained_at[group].append(int(event["step"]))
             result.steps.setdefault(int(event["step"]), []).append(group)
-        elif kind == "drop":
+        elif kind in ("drop", "filter"):
             if group not in position:
                 continue  # dropped before its admission was logged (nothing was drawn)
             if trained_at.get(group):
                 result.trained_and_dropped.append(position[group])
+            if group not in dropped and kind == "filter":
+                filtered.add(group)
             dropped.setdefault(group, str(event["reason"]))
         elif kind == "checkpoint":
             pending = {int(g) for g in event["pending"]}
@@ -329,8 +343,13 @@ def audit(path: str | Path) -> Audit:
             result.trained_twice[pos] = steps
     result.admitted = len(by_position)
     result.trained = sum(1 for g in position if trained_at.get(g))
-    reasons = collections.Counter(dropped[g] for g in position if g in dropped)
+    reasons = collections.Counter(
+        dropped[g] for g in position if g in dropped and g not in filtered
+    )
     result.dropped = dict(reasons)
+    result.filtered = dict(
+        collections.Counter(dropped[g] for g in position if g in dropped and g in filtered)
+    )
     result.in_flight_at_end = sorted(position[g] for g in position if live(g))
     result.positions = dict(position)
     # The prompt order is drawn without gaps: within each epoch, indices 0..max are all there.

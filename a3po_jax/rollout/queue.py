@@ -46,6 +46,30 @@ CONSUME_ORDERS = ("completion", "admission")
 INTERRUPT_POLL_S = 0.25
 
 
+# Why a complete group is filtered (never trained; rollout.dynamic_sampling): every sample
+# got the same reward, so every advantage is 0 and the group carries no gradient (DAPO's
+# dynamic sampling, arXiv 2503.14476).
+ZERO_VARIANCE = "zero_variance"
+
+
+class _EmptySlot:
+    """Stands in ``_ready`` for a filtered group whose admission was not given back (the
+    refill budget was spent): a batch takes it as a slot left empty."""
+
+    def __repr__(self) -> str:
+        return "EMPTY_SLOT"
+
+
+EMPTY_SLOT = _EmptySlot()
+
+
+def zero_reward_variance(rollouts: Iterable[Rollout]) -> bool:
+    """True when every sample has a reward and all rewards are equal (exactly: then every
+    group-relative advantage is exactly 0, whatever the estimator)."""
+    rewards = [r.reward for r in rollouts]
+    return bool(rewards) and None not in rewards and len(set(rewards)) == 1
+
+
 class WaitInterrupted(Exception):
     """The waiter asked to stop (a SIGTERM to the trainer) before what it waited for came;
     nothing was taken."""
@@ -126,10 +150,22 @@ class RolloutQueue:
       Samples that arrive later for a dropped group are discarded and counted.
     * ``on_drop(group_id, reason)`` is called (outside the lock) for every dropped group;
       wire it to ``StalenessController.release`` so dropped groups free their admission.
+    * Dynamic sampling (``filter_zero_variance``): a group that completes with all G rewards
+      equal is *filtered* (reason ``"zero_variance"``), never handed out. Up to
+      ``max_refills`` filtered groups per training step (:meth:`new_refill_window`) are
+      *refilled*:
+      ``on_filter(group_id, True)`` (wire it to ``StalenessController.release``) lets the
+      producer draw a fresh prompt in its place. Past that budget ``on_filter(group_id,
+      False)`` keeps its admission and the group becomes an *empty slot* in the ready order:
+      ``get_batch`` counts it as one of its ``num_groups`` but returns only the real groups,
+      so the batch is short. Every batch thus still consumes ``num_groups`` admissions and
+      the staleness controller's bound holds unchanged for everything that trains.
 
-    Invariant (``counters()``):
-    ``produced_groups == consumed_groups + dropped_total + pending_groups + ready_groups``,
-    where a group counts as produced from its first sample (or its ``drop_group`` call).
+    Invariant (``counters()``): ``produced_groups == consumed_groups + dropped_total +
+    filtered_groups + pending_groups + ready_groups``, where a group counts as produced from
+    its first sample (or its ``drop_group`` call); and ``filtered_groups == refilled_groups
+    + empty_slots + held_empty_slots`` (empty slots held at a restart are given back: counted
+    as refilled). ``empty_slots`` are the slots batches were short by.
 
     Length counters (cumulative, checkpointed): ``produced_samples``/``generated_tokens``
     for every sample filed (generated), ``consumed_samples``/``consumed_tokens`` for the
@@ -138,8 +174,8 @@ class RolloutQueue:
     completion tokens of the samples still held; ``overtaking_groups`` counts groups handed
     out while an older group (smaller id, admitted, not consumed or dropped) still waited:
     the reordering that completion order does and admission order never. So
-    ``produced_samples == consumed_samples + Σ dropped_samples + pending_samples +
-    ready_groups·G``, and the same for tokens.
+    ``produced_samples == consumed_samples + Σ dropped_samples + filtered_samples +
+    pending_samples + ready_groups·G``, and the same for tokens.
     """
 
     def __init__(
@@ -153,6 +189,9 @@ class RolloutQueue:
         on_drop: Callable[[int, str], None] | None = None,
         consume_order: str = "completion",
         admitted_ids: Callable[[], Iterable[int]] | None = None,
+        filter_zero_variance: bool = False,
+        max_refills: int | None = None,
+        on_filter: Callable[[int, bool], None] | None = None,
     ):
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
@@ -166,7 +205,12 @@ class RolloutQueue:
             raise ValueError(
                 f"consume_order must be one of {', '.join(CONSUME_ORDERS)}, got {consume_order!r}"
             )
+        if max_refills is not None and (not isinstance(max_refills, int) or max_refills < 0):
+            raise ValueError(f"max_refills must be None or an int >= 0, got {max_refills!r}")
         self.consume_order = consume_order
+        self.filter_zero_variance = filter_zero_variance
+        self.max_refills = max_refills  # per training step; None = no limit
+        self._on_filter = on_filter
         self._admitted_ids = admitted_ids
         # Admission order with admitted_ids: consumed or dropped ids the callable may still
         # list (kept only while it lists them).
@@ -197,6 +241,14 @@ class RolloutQueue:
         self._dropped_samples: collections.Counter[str] = collections.Counter()
         self._dropped_tokens: collections.Counter[str] = collections.Counter()
         self._overtaking_groups = 0
+        self._filtered_groups = 0
+        self._filtered_samples = 0
+        self._filtered_tokens = 0
+        self._refilled_groups = 0
+        self._empty_slots = 0  # taken by batches
+        self._held_empty_slots = 0  # in _ready, not taken yet
+        # The refill budget's window: refills since the trainer's last step.
+        self._refills_in_window = 0
 
     # -- producer side ----------------------------------------------------------------------
 
@@ -219,6 +271,7 @@ class RolloutQueue:
                 f"[0, group_size={self.group_size})"
             )
         drops: list[tuple[int, str]] = []
+        filters: list[tuple[int, bool]] = []
 
         def room() -> str | None:
             self._raise_if_closed()
@@ -247,12 +300,15 @@ class RolloutQueue:
                 if outcome == "discard":
                     self._discard_late_sample(group_id)
                     return
-                self._add_sample(rollout, drops)
+                self._add_sample(rollout, drops, filters)
                 self._cond.notify_all()
         finally:
             self._run_drop_callbacks(drops)
+            self._run_filter_callbacks(filters)
 
-    def _add_sample(self, rollout: Rollout, drops: list[tuple[int, str]]) -> None:
+    def _add_sample(
+        self, rollout: Rollout, drops: list[tuple[int, str]], filters: list[tuple[int, bool]]
+    ) -> None:
         group_id = rollout.group_id
         group = self._pending.get(group_id)
         if group is None:
@@ -285,6 +341,9 @@ class RolloutQueue:
         if len(group.samples) == self.group_size:
             del self._pending[group_id]
             rollouts = [group.samples[i] for i in range(self.group_size)]
+            if self.filter_zero_variance and zero_reward_variance(rollouts):
+                self._filter_locked(group_id, rollouts, filters)
+                return
             admitted = group.admitted_at_version
             if admitted is None:
                 admitted = oldest_version(rollouts, default=0)
@@ -295,6 +354,39 @@ class RolloutQueue:
                 admitted_at_version=admitted,
             )
             self._completed_groups += 1
+
+    def _filter_locked(
+        self, group_id: int, rollouts: list[Rollout], filters: list[tuple[int, bool]]
+    ) -> None:
+        """A complete group with zero reward variance: refilled while the version's budget
+        lasts, else an empty slot of the ready order (see the class docstring)."""
+        tokens = sum(r.num_tokens for r in rollouts)
+        self._held_tokens -= tokens
+        self._filtered_groups += 1
+        self._filtered_samples += len(rollouts)
+        self._filtered_tokens += tokens
+        refill = self.max_refills is None or self._refills_in_window < self.max_refills
+        if refill:
+            self._refills_in_window += 1
+            self._refilled_groups += 1
+            if self._admitted_ids is not None:
+                self._finished.add(group_id)
+        else:
+            self._ready[group_id] = EMPTY_SLOT
+            self._held_empty_slots += 1
+        filters.append((group_id, refill))
+
+    def _run_filter_callbacks(self, filters: list[tuple[int, bool]]) -> None:
+        # Outside the lock, like the drop callbacks.
+        if self._on_filter is not None:
+            for group_id, refilled in filters:
+                self._on_filter(group_id, refilled)
+
+    def new_refill_window(self) -> None:
+        """The trainer finished a step (trained, skipped or empty): ``max_refills`` more
+        filtered groups may be refilled."""
+        with self._cond:
+            self._refills_in_window = 0
 
     def _discard_late_sample(self, group_id: int) -> None:
         self._discarded_samples += 1
@@ -324,7 +416,8 @@ class RolloutQueue:
           interrupted: asked while waiting; true ends the wait (`WaitInterrupted`).
         Returns:
           ``num_groups`` groups, none with a token that would train staler than
-          ``max_staleness`` in any minibatch.
+          ``max_staleness`` in any minibatch; with ``filter_zero_variance``, fewer (maybe
+          none) when empty slots take some of the ``num_groups`` places.
         Raises:
           RolloutTimeout if not enough groups arrived in time (nothing is taken).
           WaitInterrupted if ``interrupted()`` said so first (nothing is taken).
@@ -347,19 +440,23 @@ class RolloutQueue:
                 ids = self._oldest_live_locked(num_groups)
                 if len(ids) < num_groups or any(gid not in self._ready for gid in ids):
                     return None
-                taken = [self._ready.pop(gid) for gid in ids]
+                entries = [(gid, self._ready.pop(gid)) for gid in ids]
             else:
                 if len(self._ready) < num_groups:
                     return None
-                taken = [self._ready.popitem(last=False)[1] for _ in range(num_groups)]
+                entries = [self._ready.popitem(last=False) for _ in range(num_groups)]
+            taken = [g for _, g in entries if g is not EMPTY_SLOT]
+            empty = num_groups - len(taken)
+            self._empty_slots += empty
+            self._held_empty_slots -= empty
             if self._admitted_ids is not None:
-                self._finished.update(g.group_id for g in taken)
+                self._finished.update(gid for gid, _ in entries)
             # Groups that jumped an older one still waiting (0 in admission order).
             waiting = self._oldest_live_locked(1)
             self._overtaking_groups += sum(1 for g in taken if waiting and g.group_id > waiting[0])
             tokens = sum(r.num_tokens for g in taken for r in g.rollouts)
-            self._consumed_groups += num_groups
-            self._consumed_samples += num_groups * self.group_size
+            self._consumed_groups += len(taken)
+            self._consumed_samples += len(taken) * self.group_size
             self._consumed_tokens += tokens
             self._held_tokens -= tokens
             self._cond.notify_all()  # room for blocked producers
@@ -392,7 +489,8 @@ class RolloutQueue:
         return sorted(live)[:num_groups]
 
     def _drop_stale_locked(self, trainer_version: int, drops: list[tuple[int, str]]) -> None:
-        for group_id, group in list(self._ready.items()):
+        ready = {gid: g for gid, g in self._ready.items() if g is not EMPTY_SLOT}  # no tokens
+        for group_id, group in ready.items():
             self._check_not_future(group_id, group.max_version, trainer_version)
         if self.max_staleness is None:
             return
@@ -400,7 +498,7 @@ class RolloutQueue:
         # drop incomplete ones too, to free their room early.
         # A group may land in the batch's last minibatch, trained k - 1 versions on.
         last_version = trainer_version + self.versions_per_batch - 1
-        oldest = {gid: g.min_version for gid, g in self._ready.items()}
+        oldest = {gid: g.min_version for gid, g in ready.items()}
         for group_id, group in self._pending.items():
             oldest[group_id] = oldest_version(list(group.samples.values()), default=trainer_version)
         for group_id, min_version in oldest.items():
@@ -431,7 +529,7 @@ class RolloutQueue:
         drops: list[tuple[int, str]] = []
         try:
             with self._cond:
-                if group_id in self._expect_discard:
+                if group_id in self._expect_discard or self._ready.get(group_id) is EMPTY_SLOT:
                     return False
                 if group_id not in self._pending and group_id not in self._ready:
                     self._produced_groups += 1
@@ -490,9 +588,9 @@ class RolloutQueue:
         return len(self._pending) + len(self._ready)
 
     def __len__(self) -> int:
-        """Complete groups waiting to be consumed."""
+        """Complete groups waiting to be consumed (empty slots not counted)."""
         with self._cond:
-            return len(self._ready)
+            return len(self._ready) - self._held_empty_slots
 
     def counters(self) -> dict:
         """Counts of samples and groups; see the class docstring for the invariant."""
@@ -515,9 +613,15 @@ class RolloutQueue:
             "dropped_tokens": dict(self._dropped_tokens),
             "held_tokens": self._held_tokens,
             "overtaking_groups": self._overtaking_groups,
+            "filtered_groups": self._filtered_groups,
+            "filtered_samples": self._filtered_samples,
+            "filtered_tokens": self._filtered_tokens,
+            "refilled_groups": self._refilled_groups,
+            "empty_slots": self._empty_slots,
+            "held_empty_slots": self._held_empty_slots,
             "pending_groups": len(self._pending),
             "pending_samples": sum(len(g.samples) for g in self._pending.values()),
-            "ready_groups": len(self._ready),
+            "ready_groups": len(self._ready) - self._held_empty_slots,
         }
 
     def _counters_text(self) -> str:
@@ -527,8 +631,11 @@ class RolloutQueue:
         """Raises AssertionError if the group counts do not add up."""
         c = self.counters()
         held = c["consumed_groups"] + c["dropped_total"] + c["pending_groups"] + c["ready_groups"]
-        if c["produced_groups"] != held:
-            raise AssertionError(f"produced_groups != consumed + dropped + in queue: {c}")
+        if c["produced_groups"] != held + c["filtered_groups"]:
+            raise AssertionError(f"produced_groups != consumed + dropped + filtered + held: {c}")
+        slots = c["refilled_groups"] + c["empty_slots"] + c["held_empty_slots"]
+        if c["filtered_groups"] != slots:
+            raise AssertionError(f"filtered_groups != refilled + empty slots: {c}")
 
     def state(self) -> dict:
         """JSON-able cumulative counters for a checkpoint (the groups themselves are not
@@ -576,6 +683,15 @@ class RolloutQueue:
             self._generated_tokens = int(state.get("generated_tokens", 0)) - regenerated_tokens
             self._consumed_tokens = int(state.get("consumed_tokens", 0))
             self._overtaking_groups = int(state.get("overtaking_groups", 0))
+            # Dynamic sampling (absent in older checkpoints: 0). Empty slots held at save
+            # time are given back (their groups are not re-issued): counted as refilled.
+            self._filtered_groups = int(state.get("filtered_groups", 0))
+            self._filtered_samples = int(state.get("filtered_samples", 0))
+            self._filtered_tokens = int(state.get("filtered_tokens", 0))
+            self._empty_slots = int(state.get("empty_slots", 0))
+            self._refilled_groups = int(state.get("refilled_groups", 0)) + int(
+                state.get("held_empty_slots", 0)
+            )
             self._dropped_samples = collections.Counter(
                 {k: int(v) for k, v in state.get("dropped_samples", {}).items()}
             )

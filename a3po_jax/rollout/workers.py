@@ -25,7 +25,7 @@ from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 from a3po_jax.rollout.admission import StalenessController
-from a3po_jax.rollout.queue import QueueClosed, RolloutQueue, RolloutTimeout
+from a3po_jax.rollout.queue import ZERO_VARIANCE, QueueClosed, RolloutQueue, RolloutTimeout
 from a3po_jax.tasks import PromptIterator, RewardConfig, render_prompt, shaped_reward
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,13 @@ class RolloutWorkers:
       consume_order: ``"completion"`` or ``"admission"`` (``system.consume_order``; see
         :class:`RolloutQueue`); in admission order groups admitted but without a sample yet
         hold back newer ones too.
+      dynamic_sampling: filter groups whose samples all got the same reward
+        (``rollout.dynamic_sampling``; DAPO, arXiv 2503.14476): each is logged to the ledger
+        (``filter``, reason ``zero_variance``) and never trained or re-issued; up to
+        ``max_extra_groups`` per training step give their admission back so a fresh
+        prompt is drawn in their place, the others leave their batch's slot empty (see
+        :class:`RolloutQueue`).
+      max_extra_groups: that budget (``rollout.extra_groups_budget``).
     """
 
     def __init__(
@@ -78,6 +85,8 @@ class RolloutWorkers:
         seed: int,
         consume_order: str = "completion",
         ledger: Any = None,
+        dynamic_sampling: bool = False,
+        max_extra_groups: int = 0,
     ):
         self.host = host
         self.task = task
@@ -101,6 +110,9 @@ class RolloutWorkers:
             consume_order=consume_order,
             # Admitted, not yet consumed (dict.copy is atomic: no lock needed).
             admitted_ids=lambda: self._inflight.copy().keys(),
+            filter_zero_variance=dynamic_sampling,
+            max_refills=max_extra_groups,
+            on_filter=self._on_filter,
         )
         # Group id -> (prompt, admitted version, prompt iterator state before it was drawn).
         self._inflight: dict[int, tuple[Any, int, dict]] = {}
@@ -198,6 +210,7 @@ class RolloutWorkers:
             self._discarded_groups += num_groups
 
     def notify_version(self, version: int) -> None:
+        self.queue.new_refill_window()  # the step is done: fresh refills (dynamic sampling)
         self.controller.notify_version(version)
 
     # ------------------------------------------------------------------ checkpoints
@@ -274,9 +287,12 @@ class RolloutWorkers:
         self.queue.restore(state["queue"], regenerated=True)
         discarded = int(state.get("discarded_groups", 0))
         self._discarded_groups = discarded
+        # Batch slots left empty (dynamic sampling) were consumed like groups.
+        queue = state["queue"]
+        consumed = int(queue["consumed_groups"]) + int(queue.get("empty_slots", 0))
         self.controller.restore(
             state["controller"],
-            consumed_groups=int(state["queue"]["consumed_groups"]) - discarded,
+            consumed_groups=consumed - discarded,
             in_flight_groups=len(pending),
         )
         self.controller.notify_version(version)
@@ -398,6 +414,18 @@ class RolloutWorkers:
             self._unroute(group_id)
             if self._inflight.pop(group_id, None) is not None and self.ledger is not None:
                 self.ledger.drop(group_id, reason)
+
+    def _on_filter(self, group_id: int, refilled: bool) -> None:
+        """The queue filtered a group (zero reward variance): it is finished, never trained
+        nor re-issued, and the ledger says why (atomically with forgetting it, as for a
+        drop). Refilled, its admission is given back and the producer draws a fresh prompt;
+        otherwise the admission is spent on the empty batch slot the group leaves."""
+        if refilled:
+            self.controller.release()
+        with self._inflight_lock:
+            self._unroute(group_id)
+            if self._inflight.pop(group_id, None) is not None and self.ledger is not None:
+                self.ledger.filter(group_id, ZERO_VARIANCE, refilled=refilled)
 
     def _guarded(self, fn) -> None:
         try:

@@ -141,10 +141,28 @@ class RolloutSection:
     top_k: int = 0  # top-k sampling (0 = off)
     num_slots: int = 32  # concurrent sequences in the embedded inference host
     prompt_buckets: tuple[int, ...] = (64, 128, 256)  # prompt padding buckets (compiles)
+    # DAPO (arXiv 2503.14476) options, off by default (docs/training.md, "Dynamic sampling")
+    dynamic_sampling: bool = False  # groups with zero reward variance never train
+    max_extra_groups: int = -1  # fresh prompts per step replacing filtered groups; -1 = B
+    overlong_filter: bool = False  # truncated samples (no EOS) get loss mask 0
 
     def __post_init__(self):
         for name in ("group_size", "groups_per_step", "max_new_tokens", "num_slots"):
             _positive("rollout", name, getattr(self, name))
+        for name in ("dynamic_sampling", "overlong_filter"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"rollout.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+        if isinstance(self.max_extra_groups, bool) or not isinstance(self.max_extra_groups, int):
+            raise ConfigError(
+                f"rollout.max_extra_groups must be an int, got {self.max_extra_groups!r}"
+            )
+        if self.max_extra_groups < -1:
+            raise ConfigError(
+                "rollout.max_extra_groups must be >= 0 (or -1 = rollout.groups_per_step), "
+                f"got {self.max_extra_groups}"
+            )
         _positive("rollout", "temperature", self.temperature)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
@@ -153,6 +171,12 @@ class RolloutSection:
             raise ConfigError(
                 f"rollout.prompt_buckets must be increasing, got {self.prompt_buckets}"
             )
+
+    @property
+    def extra_groups_budget(self) -> int:
+        """Filtered groups per step replaced by a fresh prompt (``max_extra_groups``, with
+        -1 meaning one batch's worth, ``groups_per_step``)."""
+        return self.groups_per_step if self.max_extra_groups == -1 else self.max_extra_groups
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
+from a3po_jax.rollout import filters
 from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.queue import RolloutQueue, WaitInterrupted
 from a3po_jax.rollout.workers import RolloutWorkers
@@ -103,7 +104,8 @@ def load_policy(section) -> Policy:
 
 def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_dir) -> None:
     """ValueError naming what this job cannot run: the single-process features in a
-    multi-process job, and a replay given a host or several processes."""
+    multi-process job, a replay given a host or several processes, and dynamic sampling
+    with a recording or a replay."""
     if processes > 1:
         single = (
             (cfg.system.mode == "periodic", "system.mode='periodic' (it folds groups in as they "
@@ -115,12 +117,19 @@ def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_di
              "0 scores the batch with the sharded params)"),
             (bool(cfg.system.inference_devices), "system.inference_devices (serve from hosts "
              "of their own: system.inference_hosts, scripts/launch.py)"),
+            (cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling=true (a step whose "
+             "groups were all filtered takes no update on process 0 alone)"),
         )  # fmt: skip
         for on, what in single:
             if on:
                 raise ValueError(
                     f"{what} runs in one process so far; this job has {processes} processes"
                 )
+    if cfg.rollout.dynamic_sampling and (cfg.system.record_rollouts or replay_dir is not None):
+        raise ValueError(
+            "rollout.dynamic_sampling=true makes short and empty steps, which a recording "
+            "cannot replay yet: set system.record_rollouts=false (and do not --replay)"
+        )
     if replay_dir is not None and (host is not None or processes > 1):
         raise ValueError(
             "a replay runs in one process without an inference host (it reads the groups "
@@ -227,6 +236,9 @@ class Trainer:
         self.recorder = self._recorder()
         self._nonfinite_in_a_row = 0
         self.skipped_steps = 0
+        # Per step (dynamic sampling, overlong filter): samples masked, queue counts seen.
+        self._overlong_masked = 0
+        self._filter_counts_seen = {"filtered_groups": 0, "refilled_groups": 0}
         self.ledger: Ledger | None = None  # opened by run() once the run is accepted
         self._sigterm = install_sigterm_handler()
         self.checkpoints = self._checkpoint_manager()
@@ -278,6 +290,8 @@ class Trainer:
             versions_per_batch=self.num_minibatches,
             seed=cfg.seed,
             consume_order=cfg.system.consume_order,
+            dynamic_sampling=cfg.rollout.dynamic_sampling,
+            max_extra_groups=cfg.rollout.extra_groups_budget,
         )
 
     def _recorder(self) -> recording.RolloutRecorder | None:
@@ -356,8 +370,13 @@ class Trainer:
 
         With ``system.groups_per_row`` > 1 and one minibatch, packing reorders the groups to
         balance its rows, and the returned batch (advantages, versions, the metrics'
-        staleness) follows that order."""
-        batch, arrays = make_batch(groups, plan)
+        staleness) follows that order.
+
+        A short batch (dynamic sampling left slots empty) is filled up to the plan's groups
+        with masked filler copies, and with ``rollout.overlong_filter`` truncated samples
+        get loss mask 0 (:mod:`a3po_jax.rollout.filters`)."""
+        filled = filters.fill_short_batch(groups, plan.groups)
+        batch, arrays = make_batch(filled, plan)
         if self._kl_in_reward is not None:
             # KL in the reward: R_i ← R_i − β Σ_t KL_t, then the advantages of those rewards
             # (core.train_step.kl_in_reward); the step then reads the new advantages.
@@ -366,6 +385,16 @@ class Trainer:
             )
             batch.rewards = np.asarray(rewards, np.float32)
             batch.advantages = arrays["advantages"] = np.asarray(adv, np.float32)
+        # Last: the masks zero the final advantages too (a truncated sample's KL still
+        # shapes its own reward, hence its group's baseline).
+        masked = filters.mask_rows(
+            batch,
+            arrays,
+            filled,
+            overlong_filter=self.cfg.rollout.overlong_filter,
+            dpo_pairs=plan.layout.pairs,
+        )
+        self._overlong_masked += masked["overlong_masked"]
         return batch, arrays
 
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
@@ -423,13 +452,16 @@ class Trainer:
         for i in range(self.batch_groups):
             t0 = time.perf_counter()
             # A stop is taken before the iteration's first group only: one taken is folded.
-            (group,) = self.queue.get_batch(
+            taken = self.queue.get_batch(
                 1,
                 trainer_version=version,
                 timeout=self.cfg.system.rollout_timeout_s,
                 interrupted=self._stop_while_waiting() if i == 0 else None,
             )
             wait += time.perf_counter() - t0
+            if not taken:  # a slot left empty (dynamic sampling)
+                continue
+            (group,) = taken
             groups.append(group)
             _, arrays = self._batch_from_groups([group], fold)
             mbs = ts.split_micro_batches(_to_device(arrays), fold.micro_batches)
@@ -437,8 +469,17 @@ class Trainer:
             acc = self._fold_group(params, self.ref_params, mbs, jnp.int32(version))
             folded = acc if folded is None else optim.add_accumulated(folded, acc)
         timings["time/wait_rollouts_s"] = wait
+        if folded is None:  # every slot left empty: nothing to apply
+            return None, None, None
         self.state, metrics = self._apply_folded(self.state, folded)
-        merged, _ = make_batch(groups, self.plan.padded)
+        merged, _ = make_batch(groups, dataclasses.replace(self.plan.padded, groups=len(groups)))
+        filters.mask_rows(  # the metrics' staleness counts the trained tokens only
+            merged,
+            {},
+            groups,
+            overlong_filter=self.cfg.rollout.overlong_filter,
+            dpo_pairs=self.plan.layout.pairs,
+        )
         return groups, merged, metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -460,6 +501,8 @@ class Trainer:
         if self.ledger is not None:  # voids the ledger's events after this checkpoint
             self.ledger.resume(step, version=int(extra["version"]))
         self.workers.restore(extra, version=int(extra["version"]))
+        counters = self.queue.counters()  # the per-step rollout/* count from here on
+        self._filter_counts_seen = {k: int(counters.get(k, 0)) for k in self._filter_counts_seen}
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         # The host must serve the resumed weights before it generates anything.
         self._push_weights()
@@ -601,10 +644,15 @@ class Trainer:
                 interrupted=self._stop_while_waiting(),
             )
             timings["time/wait_rollouts_s"] = time.perf_counter() - t0
+            if not groups:  # every slot left empty (dynamic sampling): nothing to train
+                return self._empty_step(step, version, timings, t_step)
             t0 = time.perf_counter()
             batch, metrics = self._train_on(groups, version)
             metrics = jax.device_get(metrics)  # blocks until the step is done
             timings["time/train_s"] = time.perf_counter() - t0
+        if groups is None:  # periodic: every slot left empty
+            return self._empty_step(step, version, timings, t_step)
+        self._say_if_short(step, groups)
         skipped = bool(metrics["step/skipped"])
         # The ledger's train (or nonfinite_step drop) events, one per group, at this step.
         self.workers.consumed(groups, step=step + 1, version=version, skipped=skipped)
@@ -621,11 +669,67 @@ class Trainer:
         timings["time/step_s"] = time.perf_counter() - t_step
         return self._record(batch, groups, version, metrics, timings)
 
+    def _say_if_short(self, step: int, groups: list[RolloutGroup]) -> None:
+        """The log line of a short batch (dynamic sampling spent its refill budget)."""
+        if len(groups) < self.batch_groups:
+            log.warning(
+                "step %d trains %d of %d groups: %d slots left empty by groups with zero "
+                "reward variance after rollout.max_extra_groups=%d fresh prompts this step",
+                step + 1,
+                len(groups),
+                self.batch_groups,
+                self.batch_groups - len(groups),
+                self.cfg.rollout.extra_groups_budget,
+            )
+
+    def _empty_step(
+        self, step: int, version: int, timings: dict[str, float], t_step: float
+    ) -> dict[str, Any]:
+        """Every slot of the batch was left empty (dynamic sampling): no update, the slots'
+        admissions are given back (as a skipped step's are: the version does not advance),
+        and the record says so."""
+        log.warning(
+            "step %d: all %d groups had zero reward variance and the refill budget "
+            "(rollout.max_extra_groups=%d) is spent: no update this step",
+            step + 1,
+            self.batch_groups,
+            self.cfg.rollout.extra_groups_budget,
+        )
+        self.workers.consumed([], step=step + 1, version=version)  # the ledger's step
+        self.workers.discard(self.batch_groups)
+        timings["time/step_s"] = time.perf_counter() - t_step
+        return {
+            **timings,
+            "version": int(self.state.step),
+            "step/skipped": 1.0,
+            "step/skipped_total": self.skipped_steps,
+            **self._filter_metrics([]),
+            **{
+                f"queue/{k}": v for k, v in self.queue.counters().items() if not isinstance(v, dict)
+            },
+        }
+
+    def _filter_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """``rollout/*`` of the step: groups filtered for zero reward variance and fresh
+        prompts drawn for them since the last step, slots the batch was short by, and
+        samples masked by the overlong filter."""
+        counters = self.queue.counters()
+        metrics = {}
+        for name, seen in self._filter_counts_seen.items():
+            now = int(counters.get(name, 0))
+            metrics[f"rollout/{name}"] = float(now - seen)
+            self._filter_counts_seen[name] = now
+        metrics["rollout/batch_short"] = float(self.batch_groups - len(groups))
+        metrics["rollout/overlong_masked"] = float(self._overlong_masked)
+        self._overlong_masked = 0
+        return metrics
+
     def _on_nonfinite(self, batch: TrainBatch, metrics: dict) -> None:
         self.skipped_steps += 1
         self._nonfinite_in_a_row += 1
-        # The batch is thrown away: give its admissions back so the producer can refill.
-        self.workers.discard(len(set(batch.group_ids.tolist())))
+        # The batch is thrown away: give its admissions back (every slot, empty ones too)
+        # so the producer can refill.
+        self.workers.discard(self.batch_groups)
         log.warning(
             "non-finite loss/gradient (loss %s, grad norm %s): update skipped; prompts %s",
             metrics.get("loss/total"),
@@ -657,6 +761,9 @@ class Trainer:
         )
         if replay:  # no inference host: no host/* metrics rather than placeholders
             record = {k: v for k, v in record.items() if not k.startswith(recording.NOT_IN_REPLAY)}
+        record.update(self._filter_metrics(groups))
+        real = batch.group_ids >= 0  # a short batch's filler rows are not data
+        record["reward/mean"] = float(np.mean(batch.rewards[real]))
         return record
 
     def close(self) -> None:
