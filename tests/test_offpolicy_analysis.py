@@ -202,5 +202,14 @@ def test_lab_table_per_method_over_seeds(tmp_path):
     assert naive["clip frac"] == "0.300 ± 0.141"
     assert rec["reward final"] == "0.700" and rec["ESS"] == "0.900"
     assert "masked frac" not in table  # no run logged it
+    (tmp_path / "naive1" / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({k: v for k, v in json.loads(line).items() if k != "mismatch/ess"}) + "\n"
+            for line in (tmp_path / "naive1" / "metrics.jsonl").read_text().splitlines()
+        )
+    )
+    (tmp_path / "naive0").rename(tmp_path / "elsewhere")  # naive1 alone: no ESS logged
+    runs = [r for r in results.load_runs([tmp_path]) if r.name != "elsewhere"]
+    assert results.lab_table(runs, last_k=2).set_index("prox").loc["behav", "ESS"] == "n/a"
     text = Path(results.write_summary(runs, tmp_path / "out")).read_text()
     assert "## Methods on stale data" in text

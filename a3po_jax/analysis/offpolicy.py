@@ -243,6 +243,10 @@ def lab_table(runs: Sequence[Run], *, last_k: int = 5) -> pd.DataFrame:
         cells = []
         for members in groups:
             values = np.array([score[how](r, key) for r in members], np.float64)
+            values = values[np.isfinite(values)]
+            if not values.size:  # a method without this diagnostic (DPO has no clip)
+                cells.append("n/a")
+                continue
             std = float(values.std(ddof=1)) if values.size > 1 else float("nan")
             cells.append(mean_std(float(values.mean()), std, values.size))
         table[name] = cells
