@@ -38,13 +38,11 @@ from typing import Any
 import numpy as np
 
 from a3po_jax.tasks.task import Prompt, Task, render_prompt
-from a3po_jax.training.config import TrainConfig
+from a3po_jax.training.config import EVAL_SPLIT, TrainConfig
 
 GenerateFn = Callable[..., list[list[tuple[list[int], bool]]]]
-
-# The split a run is evaluated on: the trainer draws prompts from ``task.split`` (train)
-# and its ``eval_every`` evaluation scores the test split, as the CLI does.
-EVAL_SPLIT = "test"
+# EVAL_SPLIT, the split a run is evaluated on, is the config's: the trainer draws prompts
+# from ``task.split`` (train) and its own evaluation scores the test split, as the CLI does.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +124,11 @@ class EvalResult:
     records: tuple[EvalRecord, ...]
 
     @property
+    def interval(self) -> tuple[float, float]:
+        """The 95 % confidence interval of `accuracy` (:func:`accuracy_interval`)."""
+        return accuracy_interval(np.array([r.scores for r in self.records], dtype=np.float64))
+
+    @property
     def metric(self) -> str:
         """The name of `accuracy`: "pass@1" for one sample per prompt, else "mean@k"."""
         return "pass@1" if self.k == 1 else f"mean@{self.k}"
@@ -163,6 +166,41 @@ def accuracy_with_stderr(per_prompt_scores: np.ndarray) -> tuple[float, float]:
     accuracy = float(means.mean())
     stderr = float(np.sqrt(np.mean((means - accuracy) ** 2) / means.shape[0]))
     return accuracy, stderr
+
+
+# Two-sided 95 % quantile of the standard normal.
+Z_95 = 1.959963984540054
+
+
+def accuracy_interval(per_prompt_scores: np.ndarray, *, z: float = Z_95) -> tuple[float, float]:
+    """The 95 % confidence interval (``z`` = 1.96) of :func:`accuracy_with_stderr`'s accuracy.
+
+    * One sample per prompt and every score 0 or 1 (greedy pass@1 on a 0/1 verifier): the
+      Wilson score interval of c correct out of n, p = c / n,
+
+          (p + z²/2n ± z·sqrt(p(1 − p)/n + z²/4n²)) / (1 + z²/n),
+
+      which stays inside [0, 1] and does not shrink to a point at 0 or n correct (the
+      normal interval p ± z·sqrt(p(1 − p)/n) is [0, 0] for 0 of 64; Wilson's is
+      [0, z²/(n + z²)] = [0, 0.057]).
+    * Otherwise (mean@k, partial-credit scores): accuracy ± z·stderr over prompts (the
+      prompts are the independent units), clipped to [0, 1].
+
+    Args:
+      per_prompt_scores: [N, K] scores of K samples for each of N prompts.
+
+    Returns:
+      (low, high).
+    """
+    scores = np.asarray(per_prompt_scores, dtype=np.float64)
+    accuracy, stderr = accuracy_with_stderr(scores)
+    n, k = scores.shape
+    if k == 1 and np.all((scores == 0.0) | (scores == 1.0)):
+        z2 = z * z
+        centre = (accuracy + z2 / (2 * n)) / (1 + z2 / n)
+        half = z * math.sqrt(accuracy * (1 - accuracy) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+        return max(0.0, centre - half), min(1.0, centre + half)
+    return max(0.0, accuracy - z * stderr), min(1.0, accuracy + z * stderr)
 
 
 def evaluate(

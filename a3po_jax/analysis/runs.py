@@ -62,7 +62,8 @@ class Run:
 
     @property
     def num_steps(self) -> int:
-        return len(self.records)
+        """Training steps logged (a step-0 record holds the evaluation before training)."""
+        return sum(1 for r in self.records if r["step"] >= 1)
 
     @functools.cached_property
     def frame(self) -> pd.DataFrame:
@@ -92,10 +93,12 @@ class Run:
         """Wall-clock seconds at the end of each step, counted from the end of the first.
 
         The first step holds start-up and compilation (tens of seconds on a CPU for a tiny
-        model), which would hide the per-step differences this clock is for.
+        model), which would hide the per-step differences this clock is for. A step-0
+        record (the evaluation before training) comes before it: its time is negative.
         """
         wall = np.asarray([r["wall_time"] for r in self.records], np.float64)
-        return wall - wall[0] if wall.size else wall
+        first = next((i for i, r in enumerate(self.records) if r["step"] >= 1), 0)
+        return wall - wall[first] if wall.size else wall
 
 
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

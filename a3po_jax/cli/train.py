@@ -21,6 +21,12 @@ With ``system.inference_hosts`` empty the inference host is embedded in this pro
 otherwise the trainer talks to the gRPC hosts at those addresses (see
 ``python -m a3po_jax.cli.serve``).
 
+At the end the run's report is printed (held-out accuracy at step 0 and at the end with
+95 % intervals, training reward first vs last steps, steps, wall time, peak memory,
+staleness, dropped and re-issued groups) and written to ``RUN_DIR/report.md`` with its
+plots (:mod:`a3po_jax.analysis.run_report`; ``python -m a3po_jax.cli.results RUN_DIR``
+makes it again).
+
 Exit codes: 0 when the run finished (or stopped on SIGTERM after a checkpoint); 2 when it
 was refused, with one line on stderr saying why (a config error, a broken experiment file,
 a model that cannot be loaded, a run dir with checkpoints and no ``--resume``). A refused
@@ -176,16 +182,24 @@ def _train(args: argparse.Namespace) -> int:
     del policy  # the trainer holds its own copies of the weights: free the loaded ones
     say(f"step {start + 1}: compiling the train step and generating the first rollouts ...")
     try:
-        record = trainer.run(resume=args.resume)
+        trainer.run(resume=args.resume)
     except FileExistsError as err:  # checkpoints appeared since check_run_dir
         raise Refused(str(err)) from err
     if not leader:
         return 0
-    summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
-    print(json.dumps({"final": summary}, sort_keys=True))
     if args.replay is not None:
         report_replay(args.replay, cfg.run_dir)
+    print_run_report(cfg.run_dir)
     return 0
+
+
+def print_run_report(run_dir: str | Path) -> None:
+    """The end-of-run report on stdout (held-out accuracy start -> end, reward, steps, time,
+    memory, staleness, drops), written with its plots to ``run_dir/report.md``
+    (:func:`a3po_jax.analysis.run_report.write_run_report`)."""
+    from a3po_jax.analysis.run_report import write_run_report
+
+    print(write_run_report(run_dir).terminal(), flush=True)
 
 
 def report_replay(recorded_dir: str | Path, replay_dir: str | Path) -> dict:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
-from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
+from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, SamplingParams
 from a3po_jax.rollout.admission import StalenessController
 from a3po_jax.rollout.queue import ZERO_VARIANCE, QueueClosed, RolloutQueue, RolloutTimeout
 from a3po_jax.tasks import PromptIterator, RewardConfig, render_prompt, shaped_reward
@@ -131,6 +132,9 @@ class RolloutWorkers:
         self._discarded_groups = 0
         # The step of the last consumed(step=...): a checkpoint's state() is that step's.
         self._ledger_step: int | None = None
+        # Request id -> the side channel whose request it is (held-out evaluation on this
+        # host): the collector hands those results over instead of ignoring them.
+        self._side_routes: dict[str, SideChannel] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
@@ -309,6 +313,12 @@ class RolloutWorkers:
                 [g for g, *_ in to_submit],
             )
 
+    def side_channel(self) -> SideChannel:
+        """Requests of the trainer's own on the rollout host, beside the groups (the held-out
+        evaluation): no second host, no second copy of the weights. Use it while the threads
+        run, as a context manager (:class:`SideChannel`)."""
+        return SideChannel(self)
+
     def close(self, reason: str = "trainer finished") -> None:
         """Stops both threads (waking any blocked one) and waits for them."""
         self._stop.set()
@@ -363,8 +373,12 @@ class RolloutWorkers:
         while not self._stop.is_set():
             for res in self.host.poll(timeout=0.2):
                 with self._inflight_lock:
+                    side = self._side_routes.get(res.request_id)
                     group_id = self._group_of.get(res.request_id)
                     entry = None if group_id is None else self._inflight.get(group_id)
+                if side is not None:
+                    side.results.put(res)
+                    continue
                 if entry is None:
                     continue  # a group dropped earlier (e.g. after an error), or an old wire id
                 prompt, version, _ = entry
@@ -438,3 +452,63 @@ class RolloutWorkers:
             self._stop.set()
             self.queue.close(f"{fn.__name__} thread failed: {err!r}")
             self.controller.close(f"{fn.__name__} thread failed: {err!r}")
+
+
+class SideChannel:
+    """``submit``/``poll``/``stats`` of the rollout host for requests that are not groups
+    (:func:`a3po_jax.analysis.evaluation.host_generate_fn` reads it like a host).
+
+    A request goes to the host as it is; since the collector polls every result the host
+    returns, it hands this channel's results over (by request id) instead of dropping them
+    as unknown. Closing the channel forgets its request ids. The ids must not look like a
+    group's (``g<id>``); the evaluation's are ``eval-<seed>-<i>``.
+    """
+
+    def __init__(self, workers: RolloutWorkers):
+        self._workers = workers
+        self._ids: list[str] = []
+        self.results: queue.Queue[SampleResult] = queue.Queue()
+
+    def submit(self, request: GenerateRequest) -> None:
+        workers = self._workers
+        with workers._inflight_lock:
+            if (
+                request.request_id in workers._group_of
+                or request.request_id in workers._side_routes
+            ):
+                raise ValueError(f"request id {request.request_id!r} is already routed")
+            workers._side_routes[request.request_id] = self
+        self._ids.append(request.request_id)
+        workers.host.submit(request)
+
+    def poll(self, timeout: float | None = None) -> list[SampleResult]:
+        """This channel's finished samples: waits up to ``timeout`` seconds for the first,
+        then takes what else is there. Raises if the rollout threads stopped (nothing would
+        hand results over)."""
+        self._workers.raise_if_failed()
+        if self._workers._stop.is_set() or not self._workers._threads:
+            raise RuntimeError("the rollout threads are not running: no results to hand over")
+        try:
+            out = [self.results.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stats(self) -> dict[str, Any]:
+        return self._workers.host.stats()
+
+    def close(self) -> None:
+        with self._workers._inflight_lock:
+            for request_id in self._ids:
+                self._workers._side_routes.pop(request_id, None)
+        self._ids.clear()
+
+    def __enter__(self) -> SideChannel:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -38,6 +38,8 @@ DPO_KINDS = losses.DPO_KINDS
 ZERO_STALENESS = prox.ZERO_STALENESS
 UPDATE_POLICIES = ("in_flight", "drain")
 DTYPES = ("float32", "bfloat16")
+# The held-out split a run is evaluated on; training draws from ``task.split``, never this.
+EVAL_SPLIT = "test"
 
 
 class ConfigError(ValueError):
@@ -381,10 +383,18 @@ class TrainConfig:
     seed: int = 0  # seeds data order, sampling and everything else
     run_dir: str = "runs/default"  # where metrics, config and checkpoints go
     checkpoint_every: int = 10  # save every N steps (and on SIGTERM / at the end); 0 = off
-    # Greedy pass@1 on the task's test split every N steps and at the end (eval/* metrics,
-    # on an embedded evaluation host of its own); 0 = off.
-    eval_every: int = 0
+    # Held-out evaluation (eval/* metrics): greedy pass@1 on the first eval_prompts prompts
+    # of the task's test split, through the run's inference host, at step 0 (before
+    # training; a resumed run does not redo it), every eval_every steps and after the last
+    evaluate: bool = False  # evaluate at step 0 and after the last step
+    eval_every: int = 0  # also every N steps; > 0 turns evaluation on too (0 = start and end)
     eval_prompts: int = 64  # test prompts per evaluation (the first N of the split)
+    eval_samples: int = 1  # k > 1 also scores mean@k and pass@k at rollout.temperature
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates on the held-out split (``evaluate`` or ``eval_every``)."""
+        return self.evaluate or self.eval_every > 0
 
     @property
     def staleness_bound(self) -> int:
@@ -399,6 +409,14 @@ class TrainConfig:
         _positive("", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("", "eval_every", self.eval_every, allow_zero=True)
         _positive("", "eval_prompts", self.eval_prompts)
+        _positive("", "eval_samples", self.eval_samples)
+        if not isinstance(self.evaluate, bool):
+            raise ConfigError(f"evaluate must be true or false, got {self.evaluate!r}")
+        if self.evaluates and self.task.split == EVAL_SPLIT:
+            raise ConfigError(
+                f"task.split={EVAL_SPLIT!r} trains on the held-out split the evaluation "
+                f"scores: train on another split, or set evaluate=false and eval_every=0"
+            )
         layout = objectives.get(self.algo.loss).layout
         if layout.group_size is not None and self.rollout.group_size != layout.group_size:
             raise ConfigError(

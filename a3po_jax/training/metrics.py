@@ -346,6 +346,13 @@ class ProgressBar:
         if step % self.every == 0 or step >= self.total:
             print(self._plain_line(step, numbers), file=self._file, flush=True)
 
+    def write(self, line: str) -> None:
+        """A line of its own above the bar (or between the plain lines)."""
+        if self._bar is not None:
+            self._bar.write(line, file=self._file)
+        else:
+            print(line, file=self._file, flush=True)
+
     def _plain_line(self, step: int, numbers: Mapping[str, str]) -> str:
         elapsed = time.monotonic() - self._start
         done = step - self._initial

@@ -28,6 +28,7 @@ Nothing here enters jit; everything jitted lives in ``train_step.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -110,8 +111,9 @@ def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_di
         single = (
             (cfg.system.mode == "periodic", "system.mode='periodic' (it folds groups in as they "
              "arrive)"),
-            (bool(cfg.eval_every), "eval_every (the evaluation host needs the whole params on "
-             "process 0; set eval_every=0 and evaluate checkpoints with python -m "
+            (cfg.evaluates, "evaluate / eval_every (process 0 would evaluate while the "
+             "others wait in the next step's collective, which is not tested; set "
+             "evaluate=false eval_every=0 and evaluate checkpoints with python -m "
              "a3po_jax.cli.evaluate --run-dir RUN_DIR --step N)"),
             (cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward, "algo.kl_in_reward=True (process "
              "0 scores the batch with the sharded params)"),
@@ -228,9 +230,9 @@ class Trainer:
         # only the policy's config and tokenizer, so a caller that drops its own reference
         # (the CLI does) frees one whole copy of the weights.
         self.policy = dataclasses.replace(policy, params=None)
-        # Evaluation gets a host of its own (built at the first evaluation): the rollout host
-        # is busy with training groups, and its results go to the collector.
-        self._eval_host = None
+        # The held-out evaluation runs on the run's host (the rollout workers' side channel);
+        # only a replay, which has none, builds one for it (at its first evaluation).
+        self._replay_eval_host = None
 
         self.workers = self._rollout_source(host, policy.tokenizer)
         self.recorder = self._recorder()
@@ -542,15 +544,19 @@ class Trainer:
         self.workers.start()
         record: dict[str, Any] = {}
         try:
+            if start == 0 and self.cfg.evaluates:
+                # Before training, while the first groups generate beside it; a resumed run
+                # (start > 0) has this record already.
+                start_eval = logger.log(0, self._evaluate(int(self.state.step)))
+                if progress is not None:
+                    progress.write(evaluation_line(0, start_eval))
             for step in range(start, self.cfg.steps):
                 try:
                     record = self._one_step(step)
                 except WaitInterrupted:  # SIGTERM while no batch came (e.g. every host down)
                     self._stop_before(step)
                     break
-                if self.cfg.eval_every and (
-                    (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps
-                ):
+                if self._evaluation_due(step + 1):
                     record.update(self._evaluate(int(self.state.step)))
                 logger.log(step + 1, record)
                 if progress is not None:
@@ -570,6 +576,15 @@ class Trainer:
             logger.close()
             self.close()
         return record
+
+    def _evaluation_due(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) ends with an evaluation: every ``eval_every``
+        steps, and after the last step of an evaluating run (once: a resumed run that has
+        nothing left to train does not evaluate again)."""
+        cfg = self.cfg
+        if not cfg.evaluates:
+            return False
+        return step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
     def _stop_before(self, step: int) -> None:
         """SIGTERM while step ``step + 1`` waited for its rollouts: the state is that of the
@@ -778,9 +793,9 @@ class Trainer:
         if self._local_host is not None:
             self._local_host.close()
             self._local_host = None
-        if self._eval_host is not None:
-            self._eval_host.close()
-            self._eval_host = None
+        if self._replay_eval_host is not None:
+            self._replay_eval_host.close()
+            self._replay_eval_host = None
         if self._trimmer is not None:
             self._trimmer.close()
             self._trimmer = None
@@ -824,23 +839,37 @@ class Trainer:
         ).start()
 
     def _evaluate(self, version: int) -> dict[str, float]:
-        """``eval/*`` metrics of the current params (:func:`evaluation_metrics`) on an
-        embedded evaluation host of its own, built once, weights pushed at every evaluation:
-        the rollout host is busy with training groups, and its results go to the collector."""
+        """``eval/*`` metrics of the weights the host serves, version ``version``
+        (:func:`evaluation_metrics`), and ``time/eval_s``.
+
+        The requests go to the run's own host beside the training groups, through the
+        rollout workers' side channel (the collector hands their results over): no second
+        host and no second copy of the weights. The host serves ``version`` to them: under
+        ``drain`` they wait for the requests of older versions, under the in-flight
+        policies the staged weights swap in before anything submitted after the push starts.
+        A replay has no host: it builds an embedded one, once, and pushes each version to it.
+        """
         t0 = time.perf_counter()
-        if self._eval_host is None:
-            self._eval_host = self._embedded_host(self.state.params, version, "drain")
+        if self.host is None:
+            if self._replay_eval_host is None:
+                self._replay_eval_host = self._embedded_host(self.state.params, version, "drain")
+            else:
+                self._replay_eval_host.update_weights(self.state.params, version)
+            channel = contextlib.nullcontext(self._replay_eval_host)
         else:
-            self._eval_host.update_weights(self.state.params, version)
-        metrics = evaluation_metrics(
-            self._eval_host,
-            self.task,
-            self.policy.tokenizer,
-            num_prompts=self.cfg.eval_prompts,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            stop_tokens=self.sampling.stop_tokens,
-            seed=version,
-        )
+            channel = self.workers.side_channel()
+        with channel as host:
+            metrics = evaluation_metrics(
+                host,
+                self.task,
+                self.policy.tokenizer,
+                num_prompts=self.cfg.eval_prompts,
+                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                stop_tokens=self.sampling.stop_tokens,
+                seed=version,
+                samples=self.cfg.eval_samples,
+                temperature=self.cfg.rollout.temperature,
+            )
         return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
 
@@ -853,28 +882,66 @@ def evaluation_metrics(
     max_new_tokens: int,
     stop_tokens: tuple[int, ...],
     seed: int,
+    samples: int = 1,
+    temperature: float = 1.0,
 ) -> dict[str, float]:
     """Greedy pass@1 of the weights ``host`` serves on the first ``num_prompts`` prompts
-    (capped at the split's size) of the task's test split, as ``eval/*`` metrics."""
+    (capped at the split's size) of the task's held-out split, as ``eval/*`` metrics with
+    the 95 % interval (:func:`a3po_jax.analysis.evaluation.accuracy_interval`); with
+    ``samples`` = k > 1 also mean@k and pass@k of k samples per prompt at ``temperature``
+    (``eval/mean_at_k``, ``eval/pass_at_k``)."""
     from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
+    from a3po_jax.training.config import EVAL_SPLIT
 
-    result = evaluate(
-        task,
-        "test",
-        host_generate_fn(host, stop_tokens=stop_tokens),
-        tokenizer,
-        num_prompts=min(num_prompts, len(task.prompts("test"))),
+    generate = host_generate_fn(host, stop_tokens=stop_tokens)
+    common = dict(
+        num_prompts=min(num_prompts, len(task.prompts(EVAL_SPLIT))),
         max_new_tokens=max_new_tokens,
         seed=seed,
     )
-    return {
-        "eval/accuracy": result.accuracy,
-        "eval/stderr": result.stderr,
-        "eval/num_prompts": float(result.n),
-        "eval/finished_frac": result.finished_fraction,
-        "eval/completion_tokens": result.mean_completion_tokens,
-        "eval/version": float(host.stats()["version"]),
+    greedy = evaluate(task, EVAL_SPLIT, generate, tokenizer, **common)
+    low, high = greedy.interval
+    metrics = {
+        "eval/accuracy": greedy.accuracy,
+        "eval/stderr": greedy.stderr,
+        "eval/ci95_low": low,
+        "eval/ci95_high": high,
+        "eval/num_prompts": float(greedy.n),
+        "eval/finished_frac": greedy.finished_fraction,
+        "eval/completion_tokens": greedy.mean_completion_tokens,
     }
+    if samples > 1:
+        sampled = evaluate(
+            task, EVAL_SPLIT, generate, tokenizer, k=samples, temperature=temperature, **common
+        )
+        low, high = sampled.interval
+        metrics.update(
+            {
+                "eval/k": float(samples),
+                "eval/mean_at_k": sampled.accuracy,
+                "eval/mean_at_k_stderr": sampled.stderr,
+                "eval/mean_at_k_ci95_low": low,
+                "eval/mean_at_k_ci95_high": high,
+                "eval/pass_at_k": sampled.pass_at_k,
+            }
+        )
+    # Read after the samples came back: the version that generated them.
+    metrics["eval/version"] = float(host.stats()["version"])
+    return metrics
+
+
+def evaluation_line(step: int, record: dict[str, Any]) -> str:
+    """``eval at step 0: pass@1 0.438 [0.320, 0.562] on 64 held-out prompts (21 s)``."""
+    line = (
+        f"eval at step {step}: pass@1 {record['eval/accuracy']:.3f} "
+        f"[{record['eval/ci95_low']:.3f}, {record['eval/ci95_high']:.3f}]"
+    )
+    if "eval/mean_at_k" in record:
+        line += f", mean@{int(record['eval/k'])} {record['eval/mean_at_k']:.3f}"
+    return (
+        f"{line} on {int(record['eval/num_prompts'])} held-out prompts "
+        f"({record['time/eval_s']:.0f} s)"
+    )
 
 
 def _to_device(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
