@@ -141,9 +141,10 @@ def test_a_second_fresh_run_into_a_used_run_dir_is_refused(tmp_path):
 
 
 def test_eval_every_scores_the_steps_weights(tmp_path):
-    """eval_every=2 over 3 steps: greedy pass@1 on the test split after steps 2 and 3 (the
-    last), on the weights of that step: the last score equals a fresh evaluation of the
-    trained params, and a bad eval_prompts is refused by name."""
+    """eval_every=2 over 3 steps: greedy pass@1 on the test split before training (step 0),
+    after steps 2 and 3 (the last), on the weights of that step, through the run's own
+    host: the last score equals a fresh evaluation of the trained params on a host of its
+    own, and a bad eval_prompts is refused by name."""
     from a3po_jax.analysis.evaluation import evaluate, host_generate_fn
     from a3po_jax.inference.host import InferenceHost
 
@@ -154,8 +155,10 @@ def test_eval_every_scores_the_steps_weights(tmp_path):
     trainer = Trainer(cfg, policy, task=LetterTask(), console=False)
     trainer.run()
     records = read_metrics(cfg.run_dir)
-    assert "eval/accuracy" not in records[0]
-    for r in records[1:]:
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[0]["eval/version"] == 0 and "reward/mean" not in records[0]
+    assert "eval/accuracy" not in records[1]
+    for r in records[2:]:
         assert 0.0 <= r["eval/accuracy"] <= 1.0
         assert r["eval/num_prompts"] == 5 and r["eval/version"] == r["version"]
         assert r["time/eval_s"] > 0

@@ -9,7 +9,6 @@ two-process job stops on SIGTERM sent to process 1 only: both save and exit clea
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -69,8 +68,8 @@ def test_two_processes_train_like_one_and_stop_together(tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     outs = finish(launch(two, 2, 1, "steps=3"))
     finish(launch(one, 1, 2, "steps=3"))
-    assert json.loads(outs[0].strip().splitlines()[-1])["final"]["version"] == 3
-    assert '"final"' not in outs[1]  # only process 0 reports
+    assert "  steps" in outs[0] and "3 of 3" in outs[0]  # the end-of-run report
+    assert "report:" not in outs[1]  # only process 0 reports
     a, b = read_metrics(two), read_metrics(one)
     assert [r["version"] for r in a] == [r["version"] for r in b] == [1, 2, 3]
     assert any(r["optim/grad_norm"] > 0 for r in a)  # a real gradient, not zeros
