@@ -20,13 +20,19 @@ fi
 LOG=.venv/setup-pip.log
 : >"$LOG"
 
-# pip install "$@", its output into $LOG; on failure, show the log's end and stop.
+# pip install "$@", its output into $LOG; on failure, show the log's end and stop. pip
+# reports a dependency conflict with "ERROR: ..." and still exits 0: those lines are shown.
 pip_install() {
+  local start
+  start=$(($(wc -c <"$LOG") + 1))
   if ! .venv/bin/python -m pip install --disable-pip-version-check "$@" >>"$LOG" 2>&1; then
     echo "[setup] FAILED: pip install $*" >&2
     echo "[setup] last lines of $LOG:" >&2
     tail -n 40 "$LOG" >&2
     exit 1
+  fi
+  if tail -c +"$start" "$LOG" | grep -E '^ERROR:|which is incompatible\.$|is not installed\.$' >&2; then
+    echo "[setup] pip install $* finished with the problems above (whole log: $LOG)" >&2
   fi
 }
 

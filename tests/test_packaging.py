@@ -68,17 +68,20 @@ def test_grpc_and_protobuf_floors_equal_the_generated_code_checks():
 
 def test_the_licence_is_an_spdx_string_the_build_backend_reads_without_warning():
     # A TOML table ({ text = ... }) makes setuptools >= 77 print a deprecation banner on
-    # every install; the SPDX string needs setuptools >= 77 in the build requirements.
+    # every install; the SPDX string and license-files (PEP 639) need setuptools >= 77 in
+    # the build requirements, and every licence file named must exist (else the build fails).
     assert PYPROJECT["license"] == "Apache-2.0"
+    assert PYPROJECT["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
     build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
     (setuptools,) = [r for r in build if _name(r) == "setuptools"]
     floor = re.fullmatch(r"setuptools\s*>=\s*(\d+)", setuptools.strip())
     assert floor and int(floor.group(1)) >= 77, setuptools
 
 
-def _run_pip_install(tmp_path, fake_pip_exit: int):
+def _run_pip_install(tmp_path, fake_pip_exit: int, *, problem: str = "no matching distribution"):
     """setup.sh's `pip_install` function, run against a stand-in `.venv/bin/python` that
-    prints pip-like noise and exits with `fake_pip_exit`."""
+    prints pip-like noise, an "ERROR: `problem`" line, and exits with `fake_pip_exit`."""
     text = (ROOT / "scripts" / "setup.sh").read_text()
     function = re.search(r"^pip_install\(\) \{\n.*?^\}\n", text, re.MULTILINE | re.DOTALL)
     assert function, "scripts/setup.sh has no pip_install() function"
@@ -86,10 +89,12 @@ def _run_pip_install(tmp_path, fake_pip_exit: int):
     fake = tmp_path / ".venv" / "bin" / "python"
     fake.write_text(
         "#!/bin/sh\necho 'BuildBackendWarning: pages of noise'\n"
-        f"echo 'ERROR: no matching distribution' >&2\nexit {fake_pip_exit}\n"
+        + (f"echo 'ERROR: {problem}' >&2\n" if problem else "")
+        + f"exit {fake_pip_exit}\n"
     )
     fake.chmod(0o755)
-    script = f"set -euo pipefail\nLOG=.venv/setup-pip.log\n{function.group(0)}pip_install -e .\n"
+    script = "set -euo pipefail\nLOG=.venv/setup-pip.log\n: >$LOG\n"
+    script += f"{function.group(0)}pip_install -e .\n"
     script += "echo after\n"
     return subprocess.run(
         ["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60
@@ -97,10 +102,20 @@ def _run_pip_install(tmp_path, fake_pip_exit: int):
 
 
 def test_setup_hides_pip_output_on_success(tmp_path):
-    result = _run_pip_install(tmp_path, 0)
+    result = _run_pip_install(tmp_path, 0, problem="")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "after\n" and result.stderr == ""
     assert "pages of noise" in (tmp_path / ".venv" / "setup-pip.log").read_text()
+
+
+def test_setup_shows_a_dependency_conflict_pip_reports_with_exit_code_0(tmp_path):
+    # pip's resolver conflicts ("ERROR: pip's dependency resolver ... x requires y, which is
+    # not installed.") come with exit code 0: shown, the set-up goes on, the noise stays out.
+    conflict = "dependency conflicts: flax requires jax>=0.7, but you have jax 0.4 ..."
+    result = _run_pip_install(tmp_path, 0, problem=conflict)
+    assert result.returncode == 0 and result.stdout == "after\n"
+    assert f"ERROR: {conflict}" in result.stderr and "pages of noise" not in result.stderr
+    assert "finished with the problems above" in result.stderr
 
 
 def test_setup_stops_and_shows_the_error_on_a_pip_failure(tmp_path):
