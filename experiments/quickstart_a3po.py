@@ -6,9 +6,12 @@ Hardware: a 2-core laptop/CI CPU, embedded inference host in the same process; a
           docs/performance.md). On a GPU add rollout.groups_per_step=32 and more steps.
 What it shows: reward on 2-term 1-digit sums (reasoning-gym chain_sum) rising from the
           untrained model's level, trained asynchronously (η = 1, in-flight weight
-          updates) with A-3PO's interpolated proximal policy (no extra forward pass).
+          updates) with A-3PO's interpolated proximal policy (no extra forward pass), and
+          greedy pass@1 on 64 held-out test prompts before training and after the last
+          step, through the run's own inference host; it ends with the run's report
+          (printed, and runs/quickstart_a3po/report.md with its plots).
 Parent:   the defaults in a3po_jax/training/config.py; changes the model size- and
-          memory-dependent knobs only.
+          memory-dependent knobs only, and turns the held-out evaluation on.
 """
 
 from a3po_jax.training.config import (
@@ -59,4 +62,7 @@ def config() -> TrainConfig:
         seed=0,
         run_dir="runs/quickstart_a3po",
         checkpoint_every=10,
+        # Greedy pass@1 on 64 test prompts at step 0 and after step 24 (eval/*, report.md).
+        evaluate=True,
+        eval_prompts=64,
     )
