@@ -84,7 +84,7 @@ COMMANDS: dict[str, object] = {
     "a3po-train experiments/quickstart_a3po.py --print-config": AS_WRITTEN,
     "a3po-train experiments/quickstart_a3po.py": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py steps=8 checkpoint_every=0": PRINT_CONFIG,
-    "a3po-train experiments/quickstart_a3po.py eval_every=8 eval_prompts=64": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=completion "
     "run_dir=runs/completion": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=admission "
@@ -116,6 +116,10 @@ COMMANDS: dict[str, object] = {
     "a3po-train experiments/smoke_tiny.py rollout.dynamic_sampling=true "
     "rollout.max_extra_groups=4 rollout.overlong_filter=true": TINY_RUN,
     "python -m a3po_jax.cli.ledger runs/smoke_tiny": AS_WRITTEN,
+    "a3po-train experiments/smoke_tiny.py evaluate=true eval_prompts=16 run_dir=runs/smoke_eval": (
+        TINY_RUN
+    ),
+    "python -m a3po_jax.cli.results runs/smoke_eval": AS_WRITTEN,
     "a3po-train experiments/smoke_tiny.py system.record_rollouts=true run_dir=runs/rec": (TINY_RUN),
     "a3po-train --replay runs/rec": AS_WRITTEN,
     "a3po-train experiments/smoke_tiny.py run_dir=runs/smoke_mismatch": TINY_RUN,

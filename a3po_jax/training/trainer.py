@@ -931,7 +931,8 @@ def evaluation_metrics(
 
 
 def evaluation_line(step: int, record: dict[str, Any]) -> str:
-    """``eval at step 0: pass@1 0.438 [0.320, 0.562] on 64 held-out prompts (21 s)``."""
+    """The console line of an evaluation: step, pass@1 with its 95 % interval (mean@k too
+    where sampled), the number of held-out prompts and ``time/eval_s``."""
     line = (
         f"eval at step {step}: pass@1 {record['eval/accuracy']:.3f} "
         f"[{record['eval/ci95_low']:.3f}, {record['eval/ci95_high']:.3f}]"
