@@ -40,6 +40,8 @@ def config() -> TrainConfig:
     parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
     return dataclasses.replace(
         parent,
+        # Without the quickstart's held-out evaluation, as the committed results were run.
+        evaluate=False,
         # Keep the parent's packing and length bucket: unpacked rows pay for every padded
         # token (docs/performance.md).
         system=dataclasses.replace(parent.system, max_staleness=2),

@@ -48,6 +48,8 @@ def config() -> TrainConfig:
     parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
     return dataclasses.replace(
         parent,
+        # Without the quickstart's held-out evaluation, as the committed results were run.
+        evaluate=False,
         rollout=dataclasses.replace(
             parent.rollout, group_size=2, groups_per_step=PROMPTS_PER_MINIBATCH
         ),

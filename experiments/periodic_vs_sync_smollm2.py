@@ -34,6 +34,8 @@ def config() -> TrainConfig:
     parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
     return dataclasses.replace(
         parent,
+        # Without the quickstart's held-out evaluation, as the committed results were run.
+        evaluate=False,
         algo=dataclasses.replace(parent.algo, prox="behav"),
         system=dataclasses.replace(parent.system, mode="periodic", max_staleness=0),
         run_dir="runs/periodic_vs_sync_smollm2",

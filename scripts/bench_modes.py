@@ -57,7 +57,8 @@ def run_mode(args, placement: str, label: str, overrides: tuple[str, ...], tmp: 
         extra.append(f"system.max_staleness={args.eta}")
     cmd = [
         sys.executable, "-m", "a3po_jax.cli.train", args.experiment, *overrides, *extra,
-        f"steps={args.steps}", "checkpoint_every=0", "eval_every=0", f"run_dir={run_dir}",
+        f"steps={args.steps}", "checkpoint_every=0", "evaluate=false", "eval_every=0",
+        f"run_dir={run_dir}",
         *args.overrides,
     ]  # fmt: skip
     done = subprocess.run(

@@ -471,8 +471,9 @@ def compare_runs(
     """
     from a3po_jax.training.metrics import read_metrics
 
-    recorded = {r["step"]: r for r in read_metrics(recorded_dir)}
-    replayed = read_metrics(replay_dir)
+    # Training steps only: a step-0 record holds the held-out evaluation before training.
+    recorded = {r["step"]: r for r in read_metrics(recorded_dir) if r["step"] >= 1}
+    replayed = [r for r in read_metrics(replay_dir) if r["step"] >= 1]
     diffs = {k: 0.0 for k in keys}
     match = bool(replayed)
     for r in replayed:
