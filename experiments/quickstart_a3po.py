@@ -2,8 +2,9 @@
 
 Command:  a3po-train experiments/quickstart_a3po.py
 Hardware: a 2-core laptop/CI CPU, embedded inference host in the same process; about
-          2.5 minutes for 24 steps, loading and compiling included (the current figure:
-          docs/performance.md). On a GPU add rollout.groups_per_step=32 and more steps.
+          2.5 minutes for 24 steps, loading and compiling included, before the two
+          held-out evaluations were added (the current figures: docs/performance.md).
+          On a GPU add rollout.groups_per_step=32 and more steps.
 What it shows: reward on 2-term 1-digit sums (reasoning-gym chain_sum) rising from the
           untrained model's level, trained asynchronously (η = 1, in-flight weight
           updates) with A-3PO's interpolated proximal policy (no extra forward pass), and

@@ -83,7 +83,9 @@ COMMANDS: dict[str, object] = {
     ),
     "a3po-train experiments/quickstart_a3po.py --print-config": AS_WRITTEN,
     "a3po-train experiments/quickstart_a3po.py": PRINT_CONFIG,
-    "a3po-train experiments/quickstart_a3po.py steps=8 checkpoint_every=0": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py steps=8 checkpoint_every=0 evaluate=false": (
+        PRINT_CONFIG
+    ),
     "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=completion "
     "run_dir=runs/completion": PRINT_CONFIG,
