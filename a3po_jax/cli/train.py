@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
@@ -98,22 +99,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    try:
-        if args.replay is not None:
-            from a3po_jax.training.recording import ReplayError, replay_config
-
-            try:
-                cfg = replay_config(args.replay, args.overrides)
-            except ReplayError as err:
-                raise Refused(f"--replay: {err}") from err
-        else:
-            cfg = apply_overrides(load_experiment(args.experiment), args.overrides)
-    except ConfigError as err:
-        raise Refused(f"config error: {err}") from err
+    cfg = resolve_config(args)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     # Before anything is loaded or written: a fresh run must not land on a finished one.
+    check_run_dir_creatable(cfg.run_dir)
     start = check_run_dir(cfg, resume=args.resume)
     if cfg.system.inference_cores:
         # Split cores: this process on its share before JAX starts (XLA sizes its thread
@@ -124,7 +115,82 @@ def _train(args: argparse.Namespace) -> int:
             host_placement.pin_trainer(cfg.system.inference_cores)
         except ValueError as err:
             raise Refused(f"config error: {err}") from err
+    task = preflight(cfg, replay=args.replay is not None)
+    # The run is accepted: its run dir is the first thing written (and taken back, if
+    # empty, should the run still be refused before it trains).
+    created = make_run_dir(cfg.run_dir)
+    try:
+        return _start(args, cfg, start, task)
+    except Refused:
+        remove_empty_dirs(created)
+        raise
 
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's config: the experiment file (or the replayed run's config.json) with the
+    overrides applied, validated (:class:`Refused` naming the field otherwise)."""
+    try:
+        if args.replay is not None:
+            from a3po_jax.training.recording import ReplayError, replay_config
+
+            try:
+                return replay_config(args.replay, args.overrides)
+            except ReplayError as err:
+                raise Refused(f"--replay: {err}") from err
+        return apply_overrides(load_experiment(args.experiment), args.overrides)
+    except ConfigError as err:
+        raise Refused(f"config error: {err}") from err
+
+
+def validate(experiment: str, overrides: list[str], *, resume: bool = False) -> TrainConfig:
+    """Everything ``a3po-train EXPERIMENT OVERRIDES`` checks before it starts, without
+    starting: the config (fields, combinations), the run dir (no checkpoints unless
+    ``resume``), the task and its data, the model name, the host token. Writes nothing.
+
+    Raises:
+      Refused: with the one line ``a3po-train`` would print.
+    """
+    args = argparse.Namespace(experiment=experiment, overrides=overrides, replay=None)
+    cfg = resolve_config(args)
+    check_run_dir_creatable(cfg.run_dir)
+    check_run_dir(cfg, resume=resume)
+    preflight(cfg)
+    return cfg
+
+
+def preflight(cfg: TrainConfig, *, replay: bool = False):
+    """The checks of a valid config against the world, before the run is announced: the
+    task builds and its split has prompts (a JSONL file's bad line is named here), the
+    model name is a model, the remote hosts' token can be read. Returns the task. Reads
+    only."""
+    from a3po_jax.model.loader import check_model_name
+
+    try:
+        check_model_name(cfg.model.name)
+    except FileNotFoundError as err:
+        raise Refused(f"config error: {err}") from err
+    if cfg.system.inference_hosts:
+        _read_token(cfg.system.host_token_file)
+    from a3po_jax.tasks import make_task
+
+    what = f"task.name={cfg.task.name!r} with task.options={cfg.task.options}"
+    try:  # the task first: a bad task.options fails in a second, not after loading a model
+        task = make_task(cfg.task.name, **cfg.task.kwargs)
+    except (TypeError, ValueError, OSError) as err:
+        raise Refused(f"config error: {what}: {err}") from err
+    if replay:  # the groups come from the recording
+        return task
+    try:
+        prompts = task.prompts(cfg.task.split)
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        raise Refused(f"config error: task.split={cfg.task.split!r} of {what}: {err}") from err
+    if not prompts:
+        raise Refused(f"config error: task.split={cfg.task.split!r} of {what} has no prompts")
+    return task
+
+
+def _start(args: argparse.Namespace, cfg: TrainConfig, start: int, task) -> int:
+    """Everything after the run was accepted: join the job, announce, load, train."""
     # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
     # scripts/launch.py sets them) join one job before anything touches a device.
     from a3po_jax.parallel import distributed
@@ -152,14 +218,6 @@ def _train(args: argparse.Namespace) -> int:
             else f"--resume: no checkpoint to continue from in {cfg.run_dir} "
             f"(checkpoint_every={cfg.checkpoint_every}): starting at step 0"
         )
-    from a3po_jax.tasks import make_task
-
-    try:  # the task first: a bad task.options fails in a second, not after loading a model
-        task = make_task(cfg.task.name, **cfg.task.kwargs)
-    except (TypeError, ValueError) as err:
-        raise Refused(
-            f"config error: task.name={cfg.task.name!r} with task.options={cfg.task.options}: {err}"
-        ) from err
     say(f"loading model {cfg.model.name!r} ...")
     try:
         policy = load_policy(cfg.model)
@@ -224,6 +282,69 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool) -> int:
         )
     # With checkpoint_every=0 the trainer keeps no checkpoints and restores none.
     return step if resume and cfg.checkpoint_every else 0
+
+
+def _missing_dirs(run_dir: str) -> list[Path]:
+    """The directories that creating ``run_dir`` would make, outermost first.
+
+    Raises:
+      Refused: the path cannot be a directory (an existing file on it, a name too long).
+    """
+    try:
+        path = Path(run_dir).absolute()
+        missing = []
+        while not path.exists():
+            missing.append(path)
+            path = path.parent
+        if not path.is_dir():
+            raise Refused(f"config error: run_dir={run_dir!r}: {path} is not a directory")
+    except (OSError, ValueError) as err:
+        raise Refused(f"config error: run_dir={run_dir!r} cannot be used: {err}") from err
+    return missing[::-1]
+
+
+def check_run_dir_creatable(run_dir: str) -> None:
+    """Refuses a run dir that cannot be made, or written in, without making it: its
+    nearest existing directory must let this process create entries (``os.access``, which
+    sees read-only filesystems even for root). :func:`make_run_dir` is the real test."""
+    missing = _missing_dirs(run_dir)
+    existing = missing[0].parent if missing else Path(run_dir).absolute()
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise Refused(f"config error: run_dir={run_dir!r}: {existing} is not writable")
+
+
+def make_run_dir(run_dir: str) -> list[Path]:
+    """Creates ``run_dir`` and checks that a file can be made in it (an unnamed one, gone
+    at once); returns the directories it created. Undoes its own directories and refuses
+    when it cannot: nothing is left of a run dir that cannot hold the run."""
+    check_run_dir_creatable(run_dir)
+    created: list[Path] = []
+    try:
+        for directory in _missing_dirs(run_dir):
+            try:
+                directory.mkdir()
+            except FileExistsError:  # another process of the job made it meanwhile
+                continue
+            created.append(directory)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        remove_empty_dirs(created)
+        reason = err.strerror or str(err)
+        raise Refused(
+            f"config error: run_dir={run_dir!r} cannot be created or written: {reason}"
+            + (f" ({err.filename})" if err.filename else "")
+        ) from err
+    return created
+
+
+def remove_empty_dirs(created: list[Path]) -> None:
+    """Removes the directories :func:`make_run_dir` made, innermost first, while empty."""
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # something was written there after all: keep it
 
 
 def latest_checkpoint_step(run_dir: str | Path) -> int:
