@@ -145,7 +145,9 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 def validate(experiment: str, overrides: list[str], *, resume: bool = False) -> TrainConfig:
     """Everything ``a3po-train EXPERIMENT OVERRIDES`` checks before it starts, without
     starting: the config (fields, combinations), the run dir (no checkpoints unless
-    ``resume``), the task and its data, the model name, the host token. Writes nothing.
+    ``resume``; made and removed again, so that a path no check foresees, such as one
+    under ``/proc``, is found), the task and its data, the model name, the host token.
+    Leaves nothing behind.
 
     Raises:
       Refused: with the one line ``a3po-train`` would print.
@@ -155,6 +157,7 @@ def validate(experiment: str, overrides: list[str], *, resume: bool = False) -> 
     check_run_dir_creatable(cfg.run_dir)
     check_run_dir(cfg, resume=resume)
     preflight(cfg)
+    remove_empty_dirs(make_run_dir(cfg.run_dir))
     return cfg
 
 

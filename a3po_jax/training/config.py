@@ -119,7 +119,7 @@ def _check_types(section: str, obj: Any) -> None:
     for field in dataclasses.fields(obj):
         hint, value = _hints(type(obj))[field.name], getattr(obj, field.name)
         where = _name(section, field.name)
-        if hint is tuple[int, ...]:
+        if hint == tuple[int, ...]:
             if not isinstance(value, tuple):
                 raise ConfigError(f"{where} must be a tuple of ints, got {value!r}")
             for item in value:
