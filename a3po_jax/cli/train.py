@@ -35,6 +35,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
@@ -89,16 +90,84 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    stop = StopSignals()
     try:
-        return _train(args)
+        return _train(args, stop)
     except Refused as err:
         # The traceback of what was refused, for --log-level DEBUG.
         log.debug("refused", exc_info=err.__cause__ or err)
         print(f"a3po-train: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        failed = write_failure(err)
+        if failed is None:
+            raise
+        log.debug("write failed", exc_info=err)
+        print(
+            f"a3po-train: stopped: cannot write {failed.filename}: "
+            f"{failed.strerror or failed}; {stop.describe()}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        stop.close()
 
 
-def _train(args: argparse.Namespace) -> int:
+class StopSignals:
+    """SIGTERM and SIGINT around the trainer, for a process ``a3po-train`` owns.
+
+    Before the trainer takes the signals over (config checks, model load, building the
+    step) and after it gives them back, a stop signal ends the process at once, with a
+    line saying what it leaves (:meth:`describe`). Once a stop was asked for, the process
+    ends within ``stopping.STOP_DEADLINE_S`` wherever it is
+    (:func:`a3po_jax.training.stopping.arm_stop_deadline`). Only from the main thread (a
+    Python rule for signal handlers); elsewhere nothing is installed.
+    """
+
+    def __init__(self):
+        from a3po_jax.training import stopping
+
+        self.run_dir: str | None = None  # known once the config is
+        self.phase = "before the run started"
+        self._flag = self._disarm = None
+        if threading.current_thread() is threading.main_thread():
+            self._flag = stopping.install_sigterm_handler(
+                self._stop_now, signals=stopping.STOP_SIGNALS
+            )
+            self._disarm = stopping.arm_stop_deadline(self.describe)
+
+    def _stop_now(self, signum: int) -> None:
+        from a3po_jax.training.stopping import exit_now, signal_name
+
+        exit_now(signum, f"{signal_name(signum)} {self.phase}: stopping now; {self.describe()}")
+
+    def describe(self) -> str:
+        """Which checkpoint ``--resume`` would continue from, or that there is none."""
+        step = latest_checkpoint_step(self.run_dir) if self.run_dir else 0
+        if step:
+            return f"the newest complete checkpoint is step {step} (--resume continues from it)"
+        return "no checkpoint could be made (no step was trained and saved)"
+
+    def close(self) -> None:
+        if self._flag is not None:
+            self._flag.uninstall()
+            self._disarm()
+            self._flag = None
+
+
+def write_failure(err: BaseException) -> OSError | None:
+    """The failed write of a file behind ``err`` (an ``OSError`` naming its file, found
+    along the exception's causes), or None for any other error."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.filename:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     cfg = resolve_config(args)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
@@ -119,8 +188,9 @@ def _train(args: argparse.Namespace) -> int:
     # The run is accepted: its run dir is the first thing written (and taken back, if
     # empty, should the run still be refused before it trains).
     created = make_run_dir(cfg.run_dir)
+    stop.run_dir, stop.phase = cfg.run_dir, "before training started"
     try:
-        return _start(args, cfg, start, task)
+        return _start(args, cfg, start, task, stop)
     except Refused:
         remove_empty_dirs(created)
         raise
@@ -192,7 +262,7 @@ def preflight(cfg: TrainConfig, *, replay: bool = False):
     return task
 
 
-def _start(args: argparse.Namespace, cfg: TrainConfig, start: int, task) -> int:
+def _start(args: argparse.Namespace, cfg: TrainConfig, start: int, task, stop: StopSignals) -> int:
     """Everything after the run was accepted: join the job, announce, load, train."""
     # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
     # scripts/launch.py sets them) join one job before anything touches a device.
@@ -240,6 +310,7 @@ def _start(args: argparse.Namespace, cfg: TrainConfig, start: int, task) -> int:
         record = trainer.run(resume=args.resume)
     except FileExistsError as err:  # checkpoints appeared since check_run_dir
         raise Refused(str(err)) from err
+    stop.phase = "after training"
     if not leader:
         return 0
     summary = {k: v for k, v in record.items() if isinstance(v, int | float)}
