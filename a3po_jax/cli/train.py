@@ -108,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{failed.strerror or failed}; {stop.describe()}",
             file=sys.stderr,
         )
+        if argv is None:  # the program itself, not a caller in Python
+            # orbax's writer threads, left mid-save, print tracebacks while the interpreter
+            # shuts down: end the process without them.
+            stop.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     finally:
         stop.close()
@@ -146,7 +153,7 @@ class StopSignals:
         step = latest_checkpoint_step(self.run_dir) if self.run_dir else 0
         if step:
             return f"the newest complete checkpoint is step {step} (--resume continues from it)"
-        return "no checkpoint could be made (no step was trained and saved)"
+        return "no checkpoint could be made (the run has no complete one to resume from)"
 
     def close(self) -> None:
         if self._flag is not None:
@@ -311,6 +318,8 @@ def _start(args: argparse.Namespace, cfg: TrainConfig, start: int, task, stop: S
     except FileExistsError as err:  # checkpoints appeared since check_run_dir
         raise Refused(str(err)) from err
     stop.phase = "after training"
+    if trainer.stop_signal:
+        say(f"stopped by {trainer.stop_signal}: {stop.describe()}")
     if not leader:
         return 0
     summary = {k: v for k, v in record.items() if isinstance(v, int | float)}

@@ -35,6 +35,8 @@ import contextlib
 import errno
 import json
 import logging
+import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -244,18 +246,30 @@ def _naming_failed_writes(path: Path):
     try:
         yield
     except Exception as err:
-        cause = err
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
         if isinstance(err, OSError) and err.filename:
             raise
-        raise OSError(
-            cause.errno or errno.EIO,
-            f"{cause.strerror or cause} (the checkpoint was not written)",
-            str(path),
-        ) from err
+        code = _os_error_code(err)
+        if code is None:
+            raise
+        reason = os.strerror(code) if code else str(err)
+        what = f"{reason} (the checkpoint was not written)"
+        raise OSError(code or errno.EIO, what, str(path)) from err
+
+
+def _os_error_code(err: BaseException | None) -> int | None:
+    """The errno behind ``err``: an ``OSError`` along its causes, or the
+    ``[os_error_code='27']`` that tensorstore (orbax's writer) puts in the ``ValueError`` it
+    raises for a failed write; None when it is not a failed write (0: no errno given)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err.errno or 0
+        found = re.search(r"os_error_code='(\d+)'", str(err))
+        if found:
+            return int(found.group(1))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _tree_restore(template: Any) -> ocp.args.PyTreeRestore:

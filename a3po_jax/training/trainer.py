@@ -537,6 +537,12 @@ class Trainer:
             self.close()
         return record
 
+    @property
+    def stop_signal(self) -> str | None:
+        """The signal that asked this run to stop early (``"SIGTERM"``, ``"SIGINT"``), or
+        None."""
+        return signal_name(self._sigterm.signum) if self._sigterm.is_set() else None
+
     def _stop_before(self, step: int) -> None:
         """SIGTERM while step ``step + 1`` waited for its rollouts: the state is that of the
         ``step`` steps done, so save it (unless it is saved already, or nothing was trained)
