@@ -397,3 +397,31 @@ def test_a_disarmed_deadline_lets_the_process_run_on():
         """
     )
     assert (proc.returncode, proc.stdout) == (0, "alive True\n"), proc.stderr
+
+
+def test_a_checkpoint_write_past_the_file_size_limit_is_named_and_leaves_no_step(tmp_path):
+    # A real failed write (not a mock): RLIMIT_FSIZE makes the kernel refuse the bytes past
+    # the limit (EFBIG; Python ignores SIGXFSZ). tensorstore reports it inside a ValueError;
+    # the save names the step, and step 1 stays the newest complete one.
+    proc, _ = run_snippet(
+        f"""
+        import errno, resource
+        import jax.numpy as jnp
+        from a3po_jax.training.checkpointing import CheckpointManager
+        manager = CheckpointManager({str(tmp_path)!r}, async_save=False)
+        small = {{"w": jnp.ones(4)}}
+        manager.save(1, params=small, opt_state=small, extra={{}})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        big = {{"w": jnp.arange(1_000_000, dtype=jnp.float32)}}
+        try:
+            manager.save(2, params=big, opt_state=small, extra={{}})
+        except OSError as err:
+            print(err.errno == errno.EFBIG, err.filename, err.strerror)
+        print(manager.latest_step(), manager.all_steps())
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    named, steps = proc.stdout.splitlines()
+    assert named == f"True {tmp_path / '2'} File too large (the checkpoint was not written)"
+    assert steps == "1 [1]"

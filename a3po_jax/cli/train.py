@@ -21,10 +21,14 @@ With ``system.inference_hosts`` empty the inference host is embedded in this pro
 otherwise the trainer talks to the gRPC hosts at those addresses (see
 ``python -m a3po_jax.cli.serve``).
 
-Exit codes: 0 when the run finished (or stopped on SIGTERM after a checkpoint); 2 when it
-was refused, with one line on stderr saying why (a config error, a broken experiment file,
-a model that cannot be loaded, a run dir with checkpoints and no ``--resume``). A refused
-run writes nothing: the run dir is read, never changed, before the run is accepted.
+Exit codes: 0 when the run finished (or stopped on SIGTERM / SIGINT after saving what it
+could); 1 when a write failed (disk full, read-only, a file size limit), with one line
+naming the file and the checkpoint ``--resume`` continues from; 2 when it was refused, with
+one line on stderr saying why (a config error, a broken experiment file, a model, task or
+run dir that cannot be used, a run dir with checkpoints and no ``--resume``); 130 / 143
+when a signal ended it at once (a second SIGINT / SIGTERM, one before training started, or
+a run not stopped 25 s after the first). A refused run writes nothing: every check runs
+before the start-up line, and the run dir is made only once the run is accepted.
 """
 
 from __future__ import annotations

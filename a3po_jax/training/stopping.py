@@ -70,6 +70,13 @@ def exit_now(signum: int, message: str) -> None:
         os._exit(128 + signum)
 
 
+def _second_signal(signum: int, first: int | None) -> str:
+    return (
+        f"second stop signal ({signal_name(signum)} after {signal_name(first)}): exiting now "
+        "without waiting for a checkpoint"
+    )
+
+
 def install_sigterm_handler(
     callback: Callable[[int], None] | None = None,
     *,
@@ -96,11 +103,7 @@ def install_sigterm_handler(
 
     def handler(signum, frame):
         if flag.is_set() and exit_on_second:
-            exit_now(
-                signum,
-                f"second stop signal ({signal_name(signum)} after "
-                f"{signal_name(flag.signum)}): exiting now without waiting for a checkpoint",
-            )
+            exit_now(signum, _second_signal(signum, flag.signum))
         if flag.is_set() and flag.signum == signum:
             previous = flag._previous.pop(signum, None)
             # None: the previous handler was not installed from Python; use the default.
@@ -144,7 +147,7 @@ def arm_stop_deadline(
                 if signum not in STOP_SIGNALS:
                     continue
                 if timers:
-                    exit_now(signum, f"second stop signal ({signal_name(signum)}): exiting now")
+                    exit_now(signum, _second_signal(signum, timers[0].args[0]))
                 timer = threading.Timer(seconds, late, args=(signum,))
                 timer.daemon = True  # a run that stops by itself exits without waiting
                 timers.append(timer)

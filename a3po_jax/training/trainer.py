@@ -481,22 +481,11 @@ class Trainer:
                 f"{self.checkpoints.latest_step()}): pass --resume to continue that run, or "
                 "choose a new run_dir=... (nothing was overwritten)"
             )
-        # Written only once the run is accepted: a refused run leaves the old config, which
-        # evaluation rebuilds the run's model from.
-        if self.leader:
-            path = self.run_dir / "config.json"
-            try:
-                path.write_text(json.dumps(self.cfg.to_dict(), indent=2))
-            except OSError as err:  # a failed write() does not say which file
-                raise OSError(err.errno, err.strerror, str(path)) from err
-        self._open_ledger()
-        start = self._resume() if resume else 0
-        if start == 0 and self.ledger is not None:
-            self.ledger.start(seed=self.cfg.seed)
-        if start == 0 and (self.multi_process or not self._embedded):
-            # A host in another process starts with weights of its own: serve ours before
-            # generating. (With several processes every process takes part.)
-            self._push_weights()
+        try:
+            start = self._begin(resume)
+        except BaseException:  # a write that failed, a resume that could not: no threads left
+            self.close()
+            raise
         if not self.leader:
             return self._follow(start)
         logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
@@ -529,6 +518,11 @@ class Trainer:
                     break
                 is_last = step + 1 == self.cfg.steps
                 self._checkpoint(step + 1, force=is_last)
+                if self._sigterm.is_set() and not self.multi_process:
+                    # Asked during the save: stop now, not a step later (several processes
+                    # vote once per step, above).
+                    self._stop_before(step + 1, during="while saving a checkpoint")
+                    break
                 self.workers.notify_version(int(self.state.step))
         finally:
             if progress is not None:
@@ -537,17 +531,40 @@ class Trainer:
             self.close()
         return record
 
+    def _begin(self, resume: bool) -> int:
+        """The run's config.json and ledger, the resumed state; returns the first step."""
+        # Written only once the run is accepted: a refused run leaves the old config, which
+        # evaluation rebuilds the run's model from.
+        if self.leader:
+            path = self.run_dir / "config.json"
+            try:
+                path.write_text(json.dumps(self.cfg.to_dict(), indent=2))
+            except OSError as err:  # a failed write() does not say which file
+                raise OSError(err.errno, err.strerror, str(path)) from err
+        self._open_ledger()
+        start = self._resume() if resume else 0
+        if start == 0 and self.ledger is not None:
+            self.ledger.start(seed=self.cfg.seed)
+        if start == 0 and (self.multi_process or not self._embedded):
+            # A host in another process starts with weights of its own: serve ours before
+            # generating. (With several processes every process takes part.)
+            self._push_weights()
+        return start
+
     @property
     def stop_signal(self) -> str | None:
         """The signal that asked this run to stop early (``"SIGTERM"``, ``"SIGINT"``), or
         None."""
         return signal_name(self._sigterm.signum) if self._sigterm.is_set() else None
 
-    def _stop_before(self, step: int) -> None:
-        """SIGTERM while step ``step + 1`` waited for its rollouts: the state is that of the
-        ``step`` steps done, so save it (unless it is saved already, or nothing was trained)
-        and stop; ``--resume`` re-issues the groups still pending."""
-        what = f"{signal_name(self._sigterm.signum)} while waiting for rollouts"
+    def _stop_before(self, step: int, *, during: str = "while waiting for rollouts") -> None:
+        """SIGTERM while step ``step + 1`` waited for its rollouts (or step ``step`` was
+        being saved): the state is that of the ``step`` steps done, so save it (unless it is
+        saved already, or nothing was trained) and stop; ``--resume`` re-issues the groups
+        still pending."""
+        what = f"{signal_name(self._sigterm.signum)} {during}"
+        if self.checkpoints is not None:
+            self.checkpoints.wait_until_finished()  # an asynchronous save counts once on disk
         if self.checkpoints is None:
             log.warning("%s: stopping (checkpoint_every=0: no checkpoint)", what)
         elif step == 0:
