@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from a3po_jax.cli.train import Refused, main, validate
+from a3po_jax.core import objectives
 from a3po_jax.tasks.jsonl_task import JsonlTask
 from a3po_jax.training.config import (
     INT_LIMIT,
@@ -286,9 +287,9 @@ CHOICES = {k: c for k in TEXT if (c := choices_of(k))}
 @st.composite
 def valid_configs(draw) -> dict[str, object]:
     """Choice fields from their allowed values, bools free, numbers inside their ranges;
-    then the combination rules the config documents (periodic is on-policy, DPO trains
-    pairs, RLOO needs two samples, async η >= k - 1, one_pass_old needs recompute with one
-    minibatch, the two weight caps are alternatives)."""
+    then the combination rules the config documents (periodic is on-policy, a loss may
+    fix the group size (DPO trains pairs), async η >= k - 1, one_pass_old needs recompute
+    with one minibatch, the two weight caps are alternatives)."""
     values: dict[str, object] = {k: draw(st.sampled_from(c)) for k, c in CHOICES.items()}
     for key, hint in FIELDS.items():
         if hint is bool:
@@ -316,8 +317,9 @@ def valid_configs(draw) -> dict[str, object]:
     cap = draw(st.sampled_from(["none", "token", "seq"]))
     values["algo.behav_weight_cap"] = 2.0 if cap == "token" else 0.0
     values["algo.seq_weight_cap"] = 2.0 if cap == "seq" else 0.0
-    if values["algo.loss"] == "dpo":
-        values["rollout.group_size"] = 2
+    pairs = objectives.get(values["algo.loss"]).layout.group_size  # DPO: 2 (a pair)
+    if pairs is not None:
+        values["rollout.group_size"] = pairs
     if values["system.mode"] == "periodic":
         values["system.max_staleness"] = 0
     k = values["algo.num_minibatches"]
