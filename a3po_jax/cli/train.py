@@ -27,8 +27,9 @@ naming the file and the checkpoint ``--resume`` continues from; 2 when it was re
 one line on stderr saying why (a config error, a broken experiment file, a model, task or
 run dir that cannot be used, a run dir with checkpoints and no ``--resume``); 130 / 143
 when a signal ended it at once (a second SIGINT / SIGTERM, one before training started, or
-a run not stopped 25 s after the first). A refused run writes nothing: every check runs
-before the start-up line, and the run dir is made only once the run is accepted.
+a run not stopped within ``STOP_DEADLINE_S`` of the first). A refused run writes nothing:
+every check runs before the start-up line, and the run dir is made only once the run is
+accepted.
 """
 
 from __future__ import annotations

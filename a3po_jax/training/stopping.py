@@ -51,7 +51,8 @@ class TerminationFlag:
 # (Ctrl-C) alike.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # How long a run asked to stop may take to save and stop by itself before
-# :func:`arm_stop_deadline` ends it: inside a 30 s preemption notice, with room to exit.
+# :func:`arm_stop_deadline` ends it: inside a scheduler's preemption notice (commonly half a
+# minute), with room to exit.
 STOP_DEADLINE_S = 25.0
 _exit_lock = threading.Lock()
 
