@@ -3,9 +3,10 @@ ends in one line naming the field and nothing written; valid values always build
 
 The fields are enumerated from the dataclasses, so a field added to a section is fuzzed
 without a line here. What counts as bad without knowing the field: NaN and ±inf for a
-float, a value outside int32 or below zero for a number (except the fields in
-`config.SIGNED_FIELDS`), a duration past `config.MAX_SECONDS`, a value of the wrong type
-(and text that does not parse as the field's type), an unknown choice. Zero and text are
+float, a value outside int32 or below zero for a number (-1 is "all" or "automatic" in
+the fields whose default is -1 and in `config.MINUS_ONE_FIELDS`), a duration past
+`config.MAX_SECONDS`, a value of the wrong type (and text that does not parse as the
+field's type), an unknown choice. Zero and text are
 field-specific: they must build or be refused naming the field, never anything else.
 
 Most of it runs in process through `a3po_jax.cli.train.validate` (what the CLI checks before
@@ -36,7 +37,7 @@ from a3po_jax.tasks.jsonl_task import JsonlTask
 from a3po_jax.training.config import (
     INT_LIMIT,
     MAX_SECONDS,
-    SIGNED_FIELDS,
+    MINUS_ONE_FIELDS,
     ConfigError,
     TrainConfig,
     apply_overrides,
@@ -86,20 +87,27 @@ def _names(key: str, message: str) -> bool:
     return key in message
 
 
+def minus_one_means_something(key: str) -> bool:
+    """-1 is a value of ``key`` ("all", "automatic"): named, or the field's default."""
+    section, _, field = key.rpartition(".")
+    owner = getattr(TrainConfig(), section) if section else TrainConfig()
+    return key in MINUS_ONE_FIELDS or getattr(owner, field) == -1
+
+
 def generic_bad_values(key: str) -> list:
     """Python values bad for ``key`` whatever the field means."""
     hint = FIELDS[key]
     wrong_type = [None, [], {}, object(), b"1"]
     if hint is float:
-        bad = [math.nan, math.inf, -math.inf, "0.5", True, 1j]
-        if key not in SIGNED_FIELDS:
-            bad += [-1e-9, -1.0, -1e300]
+        bad = [math.nan, math.inf, -math.inf, "0.5", True, 1j, -1e-9, -1.5, -1e300]
+        if not minus_one_means_something(key):
+            bad.append(-1.0)
         if key.endswith("_s"):
             bad += [MAX_SECONDS * 2, 1e300]
         return wrong_type + bad
     if hint is int:
         bad = [INT_LIMIT, -INT_LIMIT - 1, 10**40, 1.0, 2.5, "3", True, math.nan]
-        bad += [-2, -(10**6)] if key in SIGNED_FIELDS else [-1]
+        bad += [-2, -(10**6)] + ([] if minus_one_means_something(key) else [-1])
         return wrong_type + bad
     if hint is bool:
         return wrong_type + [0, 1, "true", 1.0]
@@ -157,8 +165,9 @@ def _numeric_text(key: str):
     hint = FIELDS[key]
     bad = st.sampled_from(["nan", "NaN", "inf", "-inf", "Infinity", "1e999", "", " ", "x"])
     big = st.integers(min_value=INT_LIMIT, max_value=10**30).map(str)
-    neg = st.integers(max_value=-2 if key in SIGNED_FIELDS else -1, min_value=-(10**30)).map(str)
-    junk = st.text(min_size=1, max_size=8).filter(lambda t: not _parses(t, hint))
+    neg = st.integers(max_value=-2 if minus_one_means_something(key) else -1, min_value=-(10**30))
+    neg = neg.map(str)
+    junk = st.text(min_size=1, max_size=8).filter(lambda t: not _parses(t, key))
     options = [bad, big, neg, junk]
     if hint is int:
         options.append(st.floats(allow_nan=False, allow_infinity=False).map(repr))
@@ -167,12 +176,15 @@ def _numeric_text(key: str):
     return st.one_of(options)
 
 
-def _parses(text: str, hint: type) -> bool:
+def _parses(text: str, key: str) -> bool:
+    """Whether ``text`` is a number of ``key``'s type that no field refuses outright."""
     try:
-        value = hint(text)
+        value = FIELDS[key](text)
     except (ValueError, OverflowError):
         return False
-    return not (isinstance(value, float) and not math.isfinite(value)) and value >= 0
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return value >= 0 or (value == -1 and minus_one_means_something(key))
 
 
 @FUZZ
@@ -180,7 +192,7 @@ def _parses(text: str, hint: type) -> bool:
 def test_bad_numbers_from_the_command_line_are_refused_naming_the_field(workdir, data):
     key = data.draw(st.sampled_from(NUMERIC), label="field")
     text = data.draw(_numeric_text(key), label="text")
-    must = not _parses(text.strip(), FIELDS[key]) or FIELDS[key] is int and int(text) >= INT_LIMIT
+    must = not _parses(text.strip(), key) or FIELDS[key] is int and int(text) >= INT_LIMIT
     check_refused_or_valid(workdir, key, text, must_refuse=must)
 
 

@@ -98,10 +98,10 @@ def _positive(section: str, name: str, value: float, *, allow_zero: bool = False
 # Every int of a run (steps, sizes, seeds, versions) ends up in int32 arrays or in NumPy's
 # and JAX's seeds: a value outside int32 is a typo, refused rather than wrapped.
 INT_LIMIT = 2**31
-# Numbers are >= 0 (sizes, seeds, rates, coefficients, caps, seconds) except these, where a
-# negative value means something (-1: all remaining devices). A field added to a section is
-# refused a negative value unless it is named here.
-SIGNED_FIELDS = frozenset({"system.mesh_data", "system.mesh_fsdp", "system.mesh_tensor"})
+# Numbers are >= 0 (sizes, seeds, rates, coefficients, caps, seconds), or -1 where -1 means
+# "all" or "automatic": in the fields named here and in every field whose default is -1. A
+# field added to a section gets this rule without a line of its own.
+MINUS_ONE_FIELDS = frozenset({"system.mesh_data", "system.mesh_fsdp", "system.mesh_tensor"})
 # Durations (fields named *_s) end up as thread wait timeouts, which refuse longer ones.
 MAX_SECONDS = threading.TIMEOUT_MAX
 
@@ -126,6 +126,11 @@ def _check_types(section: str, obj: Any) -> None:
                 _check_value(where, int, item)
         elif hint in (bool, int, float, str):
             _check_value(where, hint, value)
+            if hint in (int, float) and value < 0:
+                minus_one = where in MINUS_ONE_FIELDS or field.default == -1
+                if not (minus_one and value == -1):
+                    allowed = ">= 0 (or -1)" if minus_one else ">= 0"
+                    raise ConfigError(f"{where} must be {allowed}, got {value!r}")
         elif dataclasses.is_dataclass(hint) and not isinstance(value, hint):
             raise ConfigError(f"{where} must be a {hint.__name__} section, got {value!r}")
 
@@ -143,8 +148,6 @@ def _check_value(where: str, hint: type, value: Any) -> None:
             raise ConfigError(f"{where} must be <= {MAX_SECONDS:.0f} seconds, got {value!r}")
     if hint is int and not -INT_LIMIT <= value < INT_LIMIT:
         raise ConfigError(f"{where} must fit in int32 (|{where}| < 2**31), got {value!r}")
-    if hint in (int, float) and value < 0 and where not in SIGNED_FIELDS:
-        raise ConfigError(f"{where} must be >= 0, got {value!r}")
     if hint is str and "\x00" in value:
         raise ConfigError(f"{where} must not contain a NUL character, got {value!r}")
 
