@@ -23,9 +23,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from inference_reference import start_grpc_server, stop_grpc_server
 from test_trainer_e2e import LetterTask, make_cfg
 
-from a3po_jax.cli.train import latest_checkpoint_step, main
+from a3po_jax.cli.train import connect_hosts, latest_checkpoint_step, main
 from a3po_jax.rollout.ledger import audit
 from a3po_jax.training import trainer as trainer_module
 from a3po_jax.training.checkpointing import CheckpointManager
@@ -140,6 +141,13 @@ class FreezableHost:
         self._host.close()
 
 
+# The trainer's own stop with a frozen remote host: save, close the pool, return. Designed
+# around a 30 s preemption notice; a3po-train's deadline (STOP_DEADLINE_S) is the backstop.
+REMOTE_STOP_BOUND_S = 10.0
+SERVER_ARGS = ("--num-slots", "8", "--prefill-buckets", "64", "--max-cache-len", "96")
+SERVER_ARGS += ("--update-policy", "drain")  # what sync mode needs of its hosts
+
+
 @pytest.mark.parametrize(
     "mode,signum",
     [("sync", signal.SIGTERM), ("periodic", signal.SIGINT)],
@@ -186,6 +194,63 @@ def test_sigterm_while_no_host_answers_saves_and_stops_within_a_second(tmp_path,
     resumed.run(resume=True)
     host.close()
     assert [r["version"] for r in read_metrics(cfg.run_dir)] == list(range(1, 9))
+    assert audit(cfg.run_dir).ok
+
+
+def test_sigterm_while_the_only_remote_host_is_frozen_saves_and_stops_within_the_bound(tmp_path):
+    """As above with a real gRPC host process behind the pool a3po-train builds: it freezes
+    (SIGSTOP: a lost machine, a partition; its calls hang rather than fail), the notice
+    comes, and the trainer must save, close the pool and return well inside the bound."""
+    token_file = tmp_path / "token"
+    proc, address = start_grpc_server(token_file, *SERVER_ARGS)
+    base = make_cfg(tmp_path, "remote", mode="sync", steps=6, prox="behav")
+    cfg = dataclasses.replace(
+        base,
+        checkpoint_every=100,  # only the SIGTERM save
+        system=dataclasses.replace(
+            base.system,
+            inference_hosts=address,
+            host_token_file=str(token_file),
+            host_timeout_s=5.0,
+            host_health_interval_s=0.2,
+        ),
+    )
+    policy = load_policy(cfg.model)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    sent = {}
+
+    def preempt():
+        sent["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_step(step, record):
+        if step == 2:
+            proc.send_signal(signal.SIGSTOP)
+            threading.Timer(1.0, preempt).start()
+
+    try:
+        trainer = Trainer(
+            cfg, policy, host=connect_hosts(cfg.system), task=LetterTask(), console=False,
+            on_step=on_step,
+        )  # fmt: skip
+        trainer.run()
+        took = time.monotonic() - sent["at"]
+        proc.send_signal(signal.SIGCONT)
+        stopped_at = latest_checkpoint_step(cfg.run_dir)
+        assert took < REMOTE_STOP_BOUND_S, f"stopped {took:.1f} s after SIGTERM"
+        assert stopped_at >= 2  # the steps done when the notice came, saved
+        assert [r["version"] for r in read_metrics(cfg.run_dir)] == list(range(1, stopped_at + 1))
+        # The host is back: --resume finishes the run, and no prompt was trained twice.
+        resumed = Trainer(
+            cfg, policy, host=connect_hosts(cfg.system), task=LetterTask(), console=False
+        )
+        resumed.run(resume=True)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        proc.send_signal(signal.SIGCONT)
+        stop_grpc_server(proc)
+    assert [r["version"] for r in read_metrics(cfg.run_dir)] == list(range(1, 7))
     assert audit(cfg.run_dir).ok
 
 
