@@ -141,9 +141,10 @@ class FreezableHost:
         self._host.close()
 
 
-# The trainer's own stop with a frozen remote host: save, close the pool, return. Designed
-# around a 30 s preemption notice; a3po-train's deadline (STOP_DEADLINE_S) is the backstop.
-REMOTE_STOP_BOUND_S = 10.0
+# With a frozen remote host, from the notice: the checkpoint is on disk within SAVE_BOUND_S,
+# and the trainer has returned within STOP_DEADLINE_S, so a3po-train exits by itself inside
+# a 30 s preemption notice (its deadline is the backstop).
+SAVE_BOUND_S = 5.0
 SERVER_ARGS = ("--num-slots", "8", "--prefill-buckets", "64", "--max-cache-len", "96")
 SERVER_ARGS += ("--update-policy", "drain")  # what sync mode needs of its hosts
 
@@ -200,7 +201,7 @@ def test_sigterm_while_no_host_answers_saves_and_stops_within_a_second(tmp_path,
 def test_sigterm_while_the_only_remote_host_is_frozen_saves_and_stops_within_the_bound(tmp_path):
     """As above with a real gRPC host process behind the pool a3po-train builds: it freezes
     (SIGSTOP: a lost machine, a partition; its calls hang rather than fail), the notice
-    comes, and the trainer must save, close the pool and return well inside the bound."""
+    comes, and the trainer must save at once and return inside the bound."""
     token_file = tmp_path / "token"
     proc, address = start_grpc_server(token_file, *SERVER_ARGS)
     base = make_cfg(tmp_path, "remote", mode="sync", steps=6, prox="behav")
@@ -233,11 +234,22 @@ def test_sigterm_while_the_only_remote_host_is_frozen_saves_and_stops_within_the
             cfg, policy, host=connect_hosts(cfg.system), task=LetterTask(), console=False,
             on_step=on_step,
         )  # fmt: skip
+        save, saved = trainer.checkpoints.save, {}
+
+        def timed_save(step, **kwargs):
+            written = save(step, **kwargs)
+            saved["at"] = time.monotonic()
+            return written
+
+        trainer.checkpoints.save = timed_save
         trainer.run()
         took = time.monotonic() - sent["at"]
         proc.send_signal(signal.SIGCONT)
         stopped_at = latest_checkpoint_step(cfg.run_dir)
-        assert took < REMOTE_STOP_BOUND_S, f"stopped {took:.1f} s after SIGTERM"
+        # The checkpoint first, within seconds; then the rollout threads are let go (one
+        # may be stuck handing a request to the frozen host: its join gives up after 10 s).
+        assert saved["at"] - sent["at"] < SAVE_BOUND_S
+        assert took < STOP_DEADLINE_S, f"stopped {took:.1f} s after SIGTERM"
         assert stopped_at >= 2  # the steps done when the notice came, saved
         assert [r["version"] for r in read_metrics(cfg.run_dir)] == list(range(1, stopped_at + 1))
         # The host is back: --resume finishes the run, and no prompt was trained twice.
