@@ -3,7 +3,11 @@
 import logging
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +21,8 @@ from a3po_jax.training.checkpointing import (
     check_json_roundtrip,
     install_sigterm_handler,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_state(seed):
@@ -313,3 +319,109 @@ def test_writes_arrays_unencoded_and_reads_compressed_checkpoints(tmp_path):
         reference.wait_until_finished()
     assert disk_bytes(tmp_path / "ref") < 2**18, "orbax's default should compress zeros"
     assert disk_bytes(tmp_path / "new") >= 2**20  # the bytes as they are
+
+
+def run_snippet(code: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    """``code`` in a fresh Python (signals end processes); its result and how long it ran."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "first,second,code", [("SIGTERM", "SIGINT", 130), ("SIGINT", "SIGTERM", 143)]
+)
+def test_a_second_stop_signal_exits_at_once_with_its_code_and_a_line(first, second, code):
+    # The trainer's handler: the first signal only asks for a checkpoint and a stop; an
+    # impatient second one (either kind) ends the process now, with the shell's code.
+    proc, _ = run_snippet(
+        f"""
+        import os, signal, time
+        from a3po_jax.training.stopping import STOP_SIGNALS, install_sigterm_handler
+        flag = install_sigterm_handler(signals=STOP_SIGNALS, exit_on_second=True)
+        os.kill(os.getpid(), signal.{first})
+        assert flag.wait(5) and flag.signum == signal.{first}
+        print("asked to stop", flush=True)
+        os.kill(os.getpid(), signal.{second})
+        time.sleep(30)
+        print("still running")
+        """
+    )
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "asked to stop\n"
+    assert proc.stderr == (
+        f"a3po-train: second stop signal ({second} after {first}): exiting now without "
+        "waiting for a checkpoint\n"
+    )
+
+
+def test_the_stop_deadline_ends_a_process_that_does_not_stop_by_itself():
+    # A main thread that never looks at the flag (as one inside a long XLA compile or a
+    # blocked write): the deadline ends the process with a line saying what it leaves.
+    proc, took = run_snippet(
+        """
+        import os, signal, time
+        from a3po_jax.training.stopping import STOP_SIGNALS, arm_stop_deadline
+        from a3po_jax.training.stopping import install_sigterm_handler
+        install_sigterm_handler(signals=STOP_SIGNALS, exit_on_second=True)
+        arm_stop_deadline(lambda: "the newest complete checkpoint is step 7", seconds=1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        """
+    )
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr == (
+        "a3po-train: SIGTERM 1 s ago and the run has not stopped: exiting now; the newest "
+        "complete checkpoint is step 7\n"
+    )
+    assert took < 15  # 1 s, plus starting Python on a busy machine
+
+
+def test_a_disarmed_deadline_lets_the_process_run_on():
+    proc, _ = run_snippet(
+        """
+        import os, signal, time
+        from a3po_jax.training.stopping import STOP_SIGNALS, arm_stop_deadline
+        from a3po_jax.training.stopping import install_sigterm_handler
+        flag = install_sigterm_handler(signals=STOP_SIGNALS)
+        arm_stop_deadline(lambda: "", seconds=0.2)()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+        print("alive", flag.is_set())
+        """
+    )
+    assert (proc.returncode, proc.stdout) == (0, "alive True\n"), proc.stderr
+
+
+def test_a_checkpoint_write_past_the_file_size_limit_is_named_and_leaves_no_step(tmp_path):
+    # A real failed write (not a mock): RLIMIT_FSIZE makes the kernel refuse the bytes past
+    # the limit (EFBIG; Python ignores SIGXFSZ). tensorstore reports it inside a ValueError;
+    # the save names the step, and step 1 stays the newest complete one.
+    proc, _ = run_snippet(
+        f"""
+        import errno, resource
+        import jax.numpy as jnp
+        from a3po_jax.training.checkpointing import CheckpointManager
+        manager = CheckpointManager({str(tmp_path)!r}, async_save=False)
+        small = {{"w": jnp.ones(4)}}
+        manager.save(1, params=small, opt_state=small, extra={{}})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        big = {{"w": jnp.arange(1_000_000, dtype=jnp.float32)}}
+        try:
+            manager.save(2, params=big, opt_state=small, extra={{}})
+        except OSError as err:
+            print(err.errno == errno.EFBIG, err.filename, err.strerror)
+        print(manager.latest_step(), manager.all_steps())
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    named, steps = proc.stdout.splitlines()
+    assert named == f"True {tmp_path / '2'} File too large (the checkpoint was not written)"
+    assert steps == "1 [1]"

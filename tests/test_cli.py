@@ -123,7 +123,7 @@ def test_bad_input_in_a_subprocess_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("a3po-train:")]
     assert "Traceback" not in proc.stderr
-    assert lines[-1].startswith("a3po-train: cannot load the model: model.name=")
+    assert lines[-1].startswith("a3po-train: config error: model.name=")
     assert not run_dir.exists()
 
 

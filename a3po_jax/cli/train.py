@@ -27,10 +27,15 @@ staleness, dropped and re-issued groups) and written to ``RUN_DIR/report.md`` wi
 plots (:mod:`a3po_jax.analysis.run_report`; ``python -m a3po_jax.cli.results RUN_DIR``
 makes it again).
 
-Exit codes: 0 when the run finished (or stopped on SIGTERM after a checkpoint); 2 when it
-was refused, with one line on stderr saying why (a config error, a broken experiment file,
-a model that cannot be loaded, a run dir with checkpoints and no ``--resume``). A refused
-run writes nothing: the run dir is read, never changed, before the run is accepted.
+Exit codes: 0 when the run finished (or stopped on SIGTERM / SIGINT after saving what it
+could); 1 when a write failed (disk full, read-only, a file size limit), with one line
+naming the file and the checkpoint ``--resume`` continues from; 2 when it was refused, with
+one line on stderr saying why (a config error, a broken experiment file, a model, task or
+run dir that cannot be used, a run dir with checkpoints and no ``--resume``); 130 / 143
+when a signal ended it at once (a second SIGINT / SIGTERM, one before training started, or
+a run not stopped within ``STOP_DEADLINE_S`` of the first). A refused run writes nothing:
+every check runs before the start-up line, and the run dir is made only once the run is
+accepted.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import json
 import logging
 import os
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
@@ -94,32 +101,97 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    stop = StopSignals()
     try:
-        return _train(args)
+        return _train(args, stop)
     except Refused as err:
         # The traceback of what was refused, for --log-level DEBUG.
         log.debug("refused", exc_info=err.__cause__ or err)
         print(f"a3po-train: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        failed = write_failure(err)
+        if failed is None:
+            raise
+        log.debug("write failed", exc_info=err)
+        print(
+            f"a3po-train: stopped: cannot write {failed.filename}: "
+            f"{failed.strerror or failed}; {stop.describe()}",
+            file=sys.stderr,
+        )
+        if argv is None:  # the program itself, not a caller in Python
+            # orbax's writer threads, left mid-save, print tracebacks while the interpreter
+            # shuts down: end the process without them.
+            stop.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        return 1
+    finally:
+        stop.close()
 
 
-def _train(args: argparse.Namespace) -> int:
-    try:
-        if args.replay is not None:
-            from a3po_jax.training.recording import ReplayError, replay_config
+class StopSignals:
+    """SIGTERM and SIGINT around the trainer, for a process ``a3po-train`` owns.
 
-            try:
-                cfg = replay_config(args.replay, args.overrides)
-            except ReplayError as err:
-                raise Refused(f"--replay: {err}") from err
-        else:
-            cfg = apply_overrides(load_experiment(args.experiment), args.overrides)
-    except ConfigError as err:
-        raise Refused(f"config error: {err}") from err
+    Before the trainer takes the signals over (config checks, model load, building the
+    step) and after it gives them back, a stop signal ends the process at once, with a
+    line saying what it leaves (:meth:`describe`). Once a stop was asked for, the process
+    ends within ``stopping.STOP_DEADLINE_S`` wherever it is
+    (:func:`a3po_jax.training.stopping.arm_stop_deadline`). Only from the main thread (a
+    Python rule for signal handlers); elsewhere nothing is installed.
+    """
+
+    def __init__(self):
+        from a3po_jax.training import stopping
+
+        self.run_dir: str | None = None  # known once the config is
+        self.phase = "before the run started"
+        self._flag = self._disarm = None
+        if threading.current_thread() is threading.main_thread():
+            self._flag = stopping.install_sigterm_handler(
+                self._stop_now, signals=stopping.STOP_SIGNALS
+            )
+            self._disarm = stopping.arm_stop_deadline(self.describe)
+
+    def _stop_now(self, signum: int) -> None:
+        from a3po_jax.training.stopping import exit_now, signal_name
+
+        exit_now(signum, f"{signal_name(signum)} {self.phase}: stopping now; {self.describe()}")
+
+    def describe(self) -> str:
+        """Which checkpoint ``--resume`` would continue from, or that there is none."""
+        step = latest_checkpoint_step(self.run_dir) if self.run_dir else 0
+        if step:
+            return f"the newest complete checkpoint is step {step} (--resume continues from it)"
+        return "no checkpoint could be made (the run has no complete one to resume from)"
+
+    def close(self) -> None:
+        if self._flag is not None:
+            self._flag.uninstall()
+            self._disarm()
+            self._flag = None
+
+
+def write_failure(err: BaseException) -> OSError | None:
+    """The failed write of a file behind ``err`` (an ``OSError`` naming its file, found
+    along the exception's causes), or None for any other error."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.filename:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _train(args: argparse.Namespace, stop: StopSignals) -> int:
+    cfg = resolve_config(args)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     # Before anything is loaded or written: a fresh run must not land on a finished one.
+    check_run_dir_creatable(cfg.run_dir)
     start = check_run_dir(cfg, resume=args.resume)
     if cfg.system.inference_cores:
         # Split cores: this process on its share before JAX starts (XLA sizes its thread
@@ -130,7 +202,86 @@ def _train(args: argparse.Namespace) -> int:
             host_placement.pin_trainer(cfg.system.inference_cores)
         except ValueError as err:
             raise Refused(f"config error: {err}") from err
+    task = preflight(cfg, replay=args.replay is not None)
+    # The run is accepted: its run dir is the first thing written (and taken back, if
+    # empty, should the run still be refused before it trains).
+    created = make_run_dir(cfg.run_dir)
+    stop.run_dir, stop.phase = cfg.run_dir, "before training started"
+    try:
+        return _start(args, cfg, start, task, stop)
+    except Refused:
+        remove_empty_dirs(created)
+        raise
 
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's config: the experiment file (or the replayed run's config.json) with the
+    overrides applied, validated (:class:`Refused` naming the field otherwise)."""
+    try:
+        if args.replay is not None:
+            from a3po_jax.training.recording import ReplayError, replay_config
+
+            try:
+                return replay_config(args.replay, args.overrides)
+            except ReplayError as err:
+                raise Refused(f"--replay: {err}") from err
+        return apply_overrides(load_experiment(args.experiment), args.overrides)
+    except ConfigError as err:
+        raise Refused(f"config error: {err}") from err
+
+
+def validate(experiment: str, overrides: list[str], *, resume: bool = False) -> TrainConfig:
+    """Everything ``a3po-train EXPERIMENT OVERRIDES`` checks before it starts, without
+    starting: the config (fields, combinations), the run dir (no checkpoints unless
+    ``resume``; made and removed again, so that a path no check foresees, such as one
+    under ``/proc``, is found), the task and its data, the model name, the host token.
+    Leaves nothing behind.
+
+    Raises:
+      Refused: with the one line ``a3po-train`` would print.
+    """
+    args = argparse.Namespace(experiment=experiment, overrides=overrides, replay=None)
+    cfg = resolve_config(args)
+    check_run_dir_creatable(cfg.run_dir)
+    check_run_dir(cfg, resume=resume)
+    preflight(cfg)
+    remove_empty_dirs(make_run_dir(cfg.run_dir))
+    return cfg
+
+
+def preflight(cfg: TrainConfig, *, replay: bool = False):
+    """The checks of a valid config against the world, before the run is announced: the
+    task builds and its split has prompts (a JSONL file's bad line is named here), the
+    model name is a model, the remote hosts' token can be read. Returns the task. Reads
+    only."""
+    from a3po_jax.model.loader import check_model_name
+
+    try:
+        check_model_name(cfg.model.name)
+    except FileNotFoundError as err:
+        raise Refused(f"config error: {err}") from err
+    if cfg.system.inference_hosts:
+        _read_token(cfg.system.host_token_file)
+    from a3po_jax.tasks import make_task
+
+    what = f"task.name={cfg.task.name!r} with task.options={cfg.task.options}"
+    try:  # the task first: a bad task.options fails in a second, not after loading a model
+        task = make_task(cfg.task.name, **cfg.task.kwargs)
+    except (TypeError, ValueError, OSError) as err:
+        raise Refused(f"config error: {what}: {err}") from err
+    if replay:  # the groups come from the recording
+        return task
+    try:
+        prompts = task.prompts(cfg.task.split)
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        raise Refused(f"config error: task.split={cfg.task.split!r} of {what}: {err}") from err
+    if not prompts:
+        raise Refused(f"config error: task.split={cfg.task.split!r} of {what} has no prompts")
+    return task
+
+
+def _start(args: argparse.Namespace, cfg: TrainConfig, start: int, task, stop: StopSignals) -> int:
+    """Everything after the run was accepted: join the job, announce, load, train."""
     # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
     # scripts/launch.py sets them) join one job before anything touches a device.
     from a3po_jax.parallel import distributed
@@ -158,14 +309,6 @@ def _train(args: argparse.Namespace) -> int:
             else f"--resume: no checkpoint to continue from in {cfg.run_dir} "
             f"(checkpoint_every={cfg.checkpoint_every}): starting at step 0"
         )
-    from a3po_jax.tasks import make_task
-
-    try:  # the task first: a bad task.options fails in a second, not after loading a model
-        task = make_task(cfg.task.name, **cfg.task.kwargs)
-    except (TypeError, ValueError) as err:
-        raise Refused(
-            f"config error: task.name={cfg.task.name!r} with task.options={cfg.task.options}: {err}"
-        ) from err
     say(f"loading model {cfg.model.name!r} ...")
     try:
         policy = load_policy(cfg.model)
@@ -185,6 +328,9 @@ def _train(args: argparse.Namespace) -> int:
         trainer.run(resume=args.resume)
     except FileExistsError as err:  # checkpoints appeared since check_run_dir
         raise Refused(str(err)) from err
+    stop.phase = "after training"
+    if trainer.stop_signal:
+        say(f"stopped by {trainer.stop_signal}: {stop.describe()}")
     if not leader:
         return 0
     if args.replay is not None:
@@ -238,6 +384,69 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool) -> int:
         )
     # With checkpoint_every=0 the trainer keeps no checkpoints and restores none.
     return step if resume and cfg.checkpoint_every else 0
+
+
+def _missing_dirs(run_dir: str) -> list[Path]:
+    """The directories that creating ``run_dir`` would make, outermost first.
+
+    Raises:
+      Refused: the path cannot be a directory (an existing file on it, a name too long).
+    """
+    try:
+        path = Path(run_dir).absolute()
+        missing = []
+        while not path.exists():
+            missing.append(path)
+            path = path.parent
+        if not path.is_dir():
+            raise Refused(f"config error: run_dir={run_dir!r}: {path} is not a directory")
+    except (OSError, ValueError) as err:
+        raise Refused(f"config error: run_dir={run_dir!r} cannot be used: {err}") from err
+    return missing[::-1]
+
+
+def check_run_dir_creatable(run_dir: str) -> None:
+    """Refuses a run dir that cannot be made, or written in, without making it: its
+    nearest existing directory must let this process create entries (``os.access``, which
+    sees read-only filesystems even for root). :func:`make_run_dir` is the real test."""
+    missing = _missing_dirs(run_dir)
+    existing = missing[0].parent if missing else Path(run_dir).absolute()
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise Refused(f"config error: run_dir={run_dir!r}: {existing} is not writable")
+
+
+def make_run_dir(run_dir: str) -> list[Path]:
+    """Creates ``run_dir`` and checks that a file can be made in it (an unnamed one, gone
+    at once); returns the directories it created. Undoes its own directories and refuses
+    when it cannot: nothing is left of a run dir that cannot hold the run."""
+    check_run_dir_creatable(run_dir)
+    created: list[Path] = []
+    try:
+        for directory in _missing_dirs(run_dir):
+            try:
+                directory.mkdir()
+            except FileExistsError:  # another process of the job made it meanwhile
+                continue
+            created.append(directory)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        remove_empty_dirs(created)
+        reason = err.strerror or str(err)
+        raise Refused(
+            f"config error: run_dir={run_dir!r} cannot be created or written: {reason}"
+            + (f" ({err.filename})" if err.filename else "")
+        ) from err
+    return created
+
+
+def remove_empty_dirs(created: list[Path]) -> None:
+    """Removes the directories :func:`make_run_dir` made, innermost first, while empty."""
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # something was written there after all: keep it
 
 
 def latest_checkpoint_step(run_dir: str | Path) -> int:

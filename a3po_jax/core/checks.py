@@ -10,6 +10,7 @@ reads the same wherever it comes from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import jax
@@ -45,6 +46,20 @@ def check_same_shape(ref_name: str, ref: jax.Array, **others: jax.Array | None) 
             )
 
 
+def check_finite(name: str, value: float, *, error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` naming ``name`` unless ``value`` is a finite number.
+
+    NaN compares false with everything, so a range check written as "raise if below the
+    bound" lets it through (and ±inf passes one side of every range): every range check
+    of a float starts here.
+    """
+    if not math.isfinite(value):
+        raise error(f"{name} must be a finite number, got {value!r}")
+
+
 def check_positive(name: str, value: float | None, *, minimum: float = 0.0) -> None:
-    if value is not None and not value > minimum:
+    if value is None:
+        return
+    check_finite(name, value)
+    if not value > minimum:
         raise ValueError(f"{name} must be > {minimum}, got {value!r}")

@@ -15,6 +15,7 @@ The trainer (`training.trainer.load_policy`, which `a3po-train` and
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from typing import Any
 
@@ -27,6 +28,33 @@ from a3po_jax.model.decoder import init_params
 # prompts plus their completion budgets (a 512-token rollout on a 256-token bucket fits).
 TINY_MAX_SEQ_LEN = 1024
 MODEL_NAMES = "'tiny', 'smollm2', a Hugging Face checkpoint directory or a .gguf file"
+
+
+def check_model_name(name: str) -> pathlib.Path | None:
+    """The checkpoint path ``name`` names (None for "tiny" and "smollm2"), checked without
+    reading any weights, so a run can refuse a bad ``model.name`` before it starts.
+
+    Raises:
+      FileNotFoundError naming `model.name` when `name` is none of the names, or a
+      checkpoint this process cannot read.
+    """
+    if name in ("tiny", "smollm2"):
+        return None
+    try:
+        path = pathlib.Path(name).expanduser()
+        is_gguf = path.suffix == ".gguf" and path.is_file()
+        found = is_gguf or (path / "config.json").is_file()
+    except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte
+        found = False
+    if not found:
+        raise FileNotFoundError(
+            f"model.name={name!r}: not {MODEL_NAMES} (no such file, or a directory "
+            "without config.json)"
+        )
+    readable = path if is_gguf else path / "config.json"
+    if not os.access(readable, os.R_OK):
+        raise FileNotFoundError(f"model.name={name!r}: {readable} is not readable")
+    return path
 
 
 @dataclasses.dataclass
@@ -68,16 +96,7 @@ def load_model(
 
     from a3po_jax.model import assets, checkpoint_io
 
-    if name == "smollm2":
-        path = assets.prepare_smollm2()
-    else:
-        path = pathlib.Path(name).expanduser()
-        is_gguf = path.suffix == ".gguf" and path.is_file()
-        if not is_gguf and not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.name={name!r}: not {MODEL_NAMES} (no such file, or a directory "
-                "without config.json)"
-            )
+    path = assets.prepare_smollm2() if name == "smollm2" else check_model_name(name)
     if path.suffix == ".gguf":
         config, params = checkpoint_io.load_gguf(path, **numerics)
     else:

@@ -88,10 +88,13 @@ class Ledger:
         with self._lock:
             if self._file.closed:
                 return
-            self._file.write(line + "\n")
-            self._file.flush()
-            if self._fsync:
-                os.fsync(self._file.fileno())
+            try:
+                self._file.write(line + "\n")
+                self._file.flush()
+                if self._fsync:
+                    os.fsync(self._file.fileno())
+            except OSError as err:  # a failed write() does not say which file
+                raise OSError(err.errno, err.strerror, str(self.path)) from err
 
     def start(self, **fields: Any) -> None:
         self.write("start", **fields)

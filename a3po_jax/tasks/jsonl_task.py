@@ -48,17 +48,27 @@ def load_jsonl_prompts(
     path = pathlib.Path(path)
     prompts: list[Prompt] = []
     seen_ids: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: a byte that is not UTF-8 is named with its line (a text
+    # mode read would fail with the byte offset of a whole buffer instead).
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path} line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{where}: not UTF-8 text ({err.reason} at byte {err.start + 1} of the line)"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path} line {line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(
                     f"{where}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from err
+            except RecursionError:  # nesting deeper than the parser's stack
+                raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             for field in (prompt_field, answer_field) + ((id_field,) if id_field else ()):

@@ -1,4 +1,5 @@
-"""Training checkpoints with orbax, and a SIGTERM flag for saving before a preemption.
+"""Training checkpoints with orbax (the SIGTERM flag that asks for one lives in
+:mod:`a3po_jax.training.stopping`).
 
 Training layer (host-side shell).
 
@@ -30,19 +31,23 @@ the whole state instead, while the write shares its cores.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
-import signal
-import threading
+import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+# Re-exported: the stop flag was defined here before it got a module of its own.
+from a3po_jax.training.stopping import TerminationFlag, install_sigterm_handler  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +139,16 @@ class CheckpointManager:
         naming the entry.
         """
         check_json_roundtrip(extra, "extra")
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.PyTreeSave(params),
-                opt_state=ocp.args.PyTreeSave(opt_state),
-                extra=ocp.args.JsonSave(dict(extra)),
-            ),
-            force=force,
-        )
+        with _naming_failed_writes(self.directory / str(step)):
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.PyTreeSave(params),
+                    opt_state=ocp.args.PyTreeSave(opt_state),
+                    extra=ocp.args.JsonSave(dict(extra)),
+                ),
+                force=force,
+            )
         return bool(saved)
 
     def should_save(self, step: int) -> bool:
@@ -218,7 +224,8 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Blocks until the last asynchronous save is on disk (and raises its error)."""
-        self._manager.wait_until_finished()
+        with _naming_failed_writes(self.directory):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending saves and releases orbax's threads."""
@@ -229,6 +236,40 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _naming_failed_writes(path: Path):
+    """A save that failed on a write (disk full, read-only, a file size limit) as an
+    ``OSError`` naming the checkpoint, whatever orbax wrapped it in; the step is left
+    uncommitted, so the previous complete step stays the one restored."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, OSError) and err.filename:
+            raise
+        code = _os_error_code(err)
+        if code is None:
+            raise
+        reason = os.strerror(code) if code else str(err)
+        what = f"{reason} (the checkpoint was not written)"
+        raise OSError(code or errno.EIO, what, str(path)) from err
+
+
+def _os_error_code(err: BaseException | None) -> int | None:
+    """The errno behind ``err``: an ``OSError`` along its causes, or the
+    ``[os_error_code='27']`` that tensorstore (orbax's writer) puts in the ``ValueError`` it
+    raises for a failed write; None when it is not a failed write (0: no errno given)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err.errno or 0
+        found = re.search(r"os_error_code='(\d+)'", str(err))
+        if found:
+            return int(found.group(1))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _tree_restore(template: Any) -> ocp.args.PyTreeRestore:
@@ -359,65 +400,3 @@ def check_json_roundtrip(value: Any, path: str) -> None:
         return
     hint = " (use a list)" if isinstance(value, tuple) else " (convert it to a Python value)"
     raise TypeError(f"{path} has type {type(value).__name__}, which JSON does not round-trip{hint}")
-
-
-class TerminationFlag:
-    """Set by :func:`install_sigterm_handler` when a signal arrives; the training loop
-    checks ``is_set()`` between steps, saves with ``force=True`` and exits."""
-
-    def __init__(self):
-        self._event = threading.Event()
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def set(self, signum: int | None = None) -> None:
-        """Sets the flag by hand (e.g. the trainer's own stop condition, or tests)."""
-        self.signum = signum
-        self._event.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
-
-    def uninstall(self) -> None:
-        """Puts back the handlers that were installed before."""
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous.clear()
-
-
-def install_sigterm_handler(
-    callback: Callable[[int], None] | None = None,
-    *,
-    signals: Iterable[int] = (signal.SIGTERM,),
-) -> TerminationFlag:
-    """Installs a handler that only sets a flag (and calls ``callback(signum)``).
-
-    Saving from inside a signal handler is unsafe (it interrupts the main thread anywhere,
-    e.g. halfway through an optimizer update or inside orbax), so the handler just records
-    the request; keep ``callback`` as small (log a line). A second signal of the same kind
-    restores the previous handler and re-sends the signal, so a stuck run can still be
-    stopped (with the default SIGTERM action: the process ends).
-
-    Must be called from the main thread (a Python rule for signal handlers).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("install_sigterm_handler must be called from the main thread")
-    flag = TerminationFlag()
-
-    def handler(signum, frame):
-        if flag.is_set() and flag.signum == signum:
-            previous = flag._previous.pop(signum, None)
-            # None: the previous handler was not installed from Python; use the default.
-            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-            os.kill(os.getpid(), signum)
-            return
-        flag.set(signum)
-        if callback is not None:
-            callback(signum)
-
-    for signum in signals:
-        flag._previous[signum] = signal.signal(signum, handler)
-    return flag

@@ -11,8 +11,10 @@ Every error names the field and, for choices, the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
+import threading
 import traceback
 import types
 import typing
@@ -21,7 +23,7 @@ from typing import Any
 
 from a3po_jax.core import advantages, importance, losses, objectives, prox
 from a3po_jax.core.batch_plan import BatchPlan
-from a3po_jax.core.checks import check_choice
+from a3po_jax.core.checks import check_choice, check_finite
 from a3po_jax.rollout.queue import CONSUME_ORDERS
 
 MODES = ("sync", "periodic", "one_step_off", "async")
@@ -84,11 +86,84 @@ def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> No
     check_choice(f"{section}.{name}", value, allowed, error=ConfigError)
 
 
+def _name(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name  # top-level fields have no section
+
+
 def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    check_finite(_name(section, name), value, error=ConfigError)  # NaN passes `value < 0`
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        field = f"{section}.{name}" if section else name  # top-level fields have no section
-        raise ConfigError(f"{field} must be {bound}, got {value!r}")
+        raise ConfigError(f"{_name(section, name)} must be {bound}, got {value!r}")
+
+
+# Every int of a run (steps, sizes, seeds, versions) ends up in int32 arrays or in NumPy's
+# and JAX's seeds: a value outside int32 is a typo, refused rather than wrapped.
+INT_LIMIT = 2**31
+# Numbers are >= 0 (sizes, seeds, rates, coefficients, caps, seconds), or -1 where -1 means
+# "all" or "automatic": in the fields named here and in every field whose default is -1. A
+# field added to a section gets this rule without a line of its own.
+MINUS_ONE_FIELDS = frozenset({"system.mesh_data", "system.mesh_fsdp", "system.mesh_tensor"})
+# Durations (fields named *_s) end up as thread wait timeouts, which refuse longer ones.
+MAX_SECONDS = threading.TIMEOUT_MAX
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_types(section: str, obj: Any) -> None:
+    """Every field of the dataclass ``obj`` against its annotation, before any range check:
+    bools are bools, ints are ints (not bools) inside int32, floats are finite numbers,
+    strings are strings, ``tuple[int, ...]`` holds such ints. A field added to a section is
+    checked without a line of its own (an experiment file can hand any Python value in)."""
+    for field in dataclasses.fields(obj):
+        hint, value = _hints(type(obj))[field.name], getattr(obj, field.name)
+        where = _name(section, field.name)
+        if hint == tuple[int, ...]:
+            if not isinstance(value, tuple):
+                raise ConfigError(f"{where} must be a tuple of ints, got {value!r}")
+            for item in value:
+                _check_value(where, int, item)
+        elif hint in (bool, int, float, str):
+            _check_value(where, hint, value)
+            if hint in (int, float) and value < 0:
+                minus_one = where in MINUS_ONE_FIELDS or field.default == -1
+                if not (minus_one and value == -1):
+                    allowed = ">= 0 (or -1)" if minus_one else ">= 0"
+                    raise ConfigError(f"{where} must be {allowed}, got {value!r}")
+        elif dataclasses.is_dataclass(hint) and not isinstance(value, hint):
+            raise ConfigError(f"{where} must be a {hint.__name__} section, got {value!r}")
+
+
+def _check_value(where: str, hint: type, value: Any) -> None:
+    kinds = {bool: "a bool (true/false)", int: "an int", float: "a number", str: "a string"}
+    ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+    if hint is float:  # an int is a float's value too (clip_eps=1), a bool is not
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok:
+        raise ConfigError(f"{where} must be {kinds[hint]}, got {value!r}")
+    if hint is float:
+        check_finite(where, value, error=ConfigError)
+        if where.endswith("_s") and value > MAX_SECONDS:
+            raise ConfigError(f"{where} must be <= {MAX_SECONDS:.0f} seconds, got {value!r}")
+    if hint is int and not -INT_LIMIT <= value < INT_LIMIT:
+        raise ConfigError(f"{where} must fit in int32 (|{where}| < 2**31), got {value!r}")
+    if hint is str and "\x00" in value:
+        raise ConfigError(f"{where} must not contain a NUL character, got {value!r}")
+
+
+def _check_address(address: str) -> None:
+    """One ``system.inference_hosts`` entry: ``host:port`` (empty entries are skipped)."""
+    if not address:
+        return
+    host, _, port = address.rpartition(":")
+    ok_host = host and host.isascii() and host.isprintable() and " " not in host
+    if not (ok_host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(
+            f"system.inference_hosts entry {address!r} is not host:port (port 1-65535)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +177,12 @@ class ModelSection:
     seed: int = 0  # init seed for random ("tiny") models
 
     def __post_init__(self):
+        _check_types("model", self)
         _choice("model", "param_dtype", self.param_dtype, DTYPES)
         _choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         if not self.name:
             raise ConfigError("model.name must be 'smollm2', 'tiny' or a checkpoint path")
+        _positive("model", "seed", self.seed, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +196,10 @@ class TaskSection:
     no_eos_penalty: float = 0.0  # subtracted when a sample hits max_new_tokens
 
     def __post_init__(self):
+        _check_types("task", self)
+        for name in ("name", "split"):
+            if not getattr(self, name).strip():
+                raise ConfigError(f"task.{name} must not be empty")
         try:
             opts = json.loads(self.options)
         except json.JSONDecodeError as err:
@@ -149,6 +230,7 @@ class RolloutSection:
     overlong_filter: bool = False  # truncated samples (no EOS) get loss mask 0
 
     def __post_init__(self):
+        _check_types("rollout", self)
         for name in ("group_size", "groups_per_step", "max_new_tokens", "num_slots"):
             _positive("rollout", name, getattr(self, name))
         for name in ("dynamic_sampling", "overlong_filter"):
@@ -169,9 +251,14 @@ class RolloutSection:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _positive("rollout", "top_k", self.top_k, allow_zero=True)
-        if not self.prompt_buckets or list(self.prompt_buckets) != sorted(self.prompt_buckets):
+        buckets = self.prompt_buckets
+        if (
+            not buckets
+            or buckets[0] < 1
+            or any(a >= b for a, b in zip(buckets, buckets[1:], strict=False))
+        ):
             raise ConfigError(
-                f"rollout.prompt_buckets must be increasing, got {self.prompt_buckets}"
+                f"rollout.prompt_buckets must be positive and increasing, got {buckets}"
             )
 
     @property
@@ -210,6 +297,7 @@ class AlgoSection:
     num_minibatches: int = 1  # optimizer steps per batch (each is one version)
 
     def __post_init__(self):
+        _check_types("algo", self)
         objectives.get(self.loss, what="algo.loss", error=ConfigError)
         _choice("algo", "prox", self.prox, PROX_MODES)
         _choice("algo", "a3po_zero_staleness", self.a3po_zero_staleness, ZERO_STALENESS)
@@ -254,9 +342,12 @@ class OptimSection:
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
 
     def __post_init__(self):
+        _check_types("optim", self)
         _positive("optim", "learning_rate", self.learning_rate)
         _positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("optim", "grad_clip", self.grad_clip, allow_zero=True)
+        _positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim", "eps", self.eps)
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
@@ -305,6 +396,7 @@ class SystemSection:
     trim_heap_every_s: float = 1.0  # 0 = never
 
     def __post_init__(self):
+        _check_types("system", self)
         _choice("system", "mode", self.mode, MODES)
         _choice("system", "update_policy", self.update_policy, UPDATE_POLICIES)
         _choice("system", "consume_order", self.consume_order, CONSUME_ORDERS)
@@ -324,6 +416,8 @@ class SystemSection:
         _positive("system", "inference_mesh_tensor", self.inference_mesh_tensor)
         if self.inference_dtype:
             _choice("system", "inference_dtype", self.inference_dtype, DTYPES)
+        for address in self.inference_hosts.split(","):
+            _check_address(address.strip())
         placements = [
             name
             for name, on in (
@@ -405,7 +499,11 @@ class TrainConfig:
         )
 
     def __post_init__(self):
+        _check_types("", self)
         _positive("", "steps", self.steps)
+        _positive("", "seed", self.seed, allow_zero=True)
+        if not self.run_dir.strip():
+            raise ConfigError("run_dir must not be empty")
         _positive("", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("", "eval_every", self.eval_every, allow_zero=True)
         _positive("", "eval_prompts", self.eval_prompts)

@@ -195,8 +195,11 @@ class MetricsLogger:
         return record
 
     def _write_line(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:  # a failed write() does not say which file (disk full...)
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
 
     def _write_tensorboard(self, step: int, metrics: Mapping[str, Any], record: dict) -> None:
         for name, value in record.items():

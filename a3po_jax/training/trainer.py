@@ -63,13 +63,13 @@ from a3po_jax.training import heap, host_placement, recording, step_builder
 from a3po_jax.training.checkpointing import (
     CheckpointManager,
     async_save_pays,
-    install_sigterm_handler,
     restore_train_state,
     save_train_state,
 )
 from a3po_jax.training.config import TrainConfig
 from a3po_jax.training.follower import follow_leader
 from a3po_jax.training.metrics import MetricsLogger, ProgressBar, step_record
+from a3po_jax.training.stopping import STOP_SIGNALS, install_sigterm_handler, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,8 @@ class Trainer:
         self._overlong_masked = 0
         self._filter_counts_seen = {"filtered_groups": 0, "refilled_groups": 0}
         self.ledger: Ledger | None = None  # opened by run() once the run is accepted
-        self._sigterm = install_sigterm_handler()
+        # SIGTERM or SIGINT: save and stop at the next step boundary; a second one: exit now.
+        self._sigterm = install_sigterm_handler(signals=STOP_SIGNALS, exit_on_second=True)
         self.checkpoints = self._checkpoint_manager()
         # Freed heap pages back to the OS while the run goes on (training/heap.py).
         every = cfg.system.trim_heap_every_s
@@ -525,18 +526,11 @@ class Trainer:
                 f"{self.checkpoints.latest_step()}): pass --resume to continue that run, or "
                 "choose a new run_dir=... (nothing was overwritten)"
             )
-        # Written only once the run is accepted: a refused run leaves the old config, which
-        # evaluation rebuilds the run's model from.
-        if self.leader:
-            (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-        self._open_ledger()
-        start = self._resume() if resume else 0
-        if start == 0 and self.ledger is not None:
-            self.ledger.start(seed=self.cfg.seed)
-        if start == 0 and (self.multi_process or not self._embedded):
-            # A host in another process starts with weights of its own: serve ours before
-            # generating. (With several processes every process takes part.)
-            self._push_weights()
+        try:
+            start = self._begin(resume)
+        except BaseException:  # a write that failed, a resume that could not: no threads left
+            self.close()
+            raise
         if not self.leader:
             return self._follow(start)
         logger = MetricsLogger(self.run_dir, console=False, purge_step=start + 1 if start else None)
@@ -564,11 +558,20 @@ class Trainer:
                 if self.on_step is not None:
                     self.on_step(step + 1, record)
                 if self._stop_requested():  # SIGTERM here or on another process
-                    log.warning("SIGTERM: saving a checkpoint at step %d and stopping", step + 1)
+                    log.warning(
+                        "%s: saving a checkpoint at step %d and stopping",
+                        signal_name(self._sigterm.signum),
+                        step + 1,
+                    )
                     self._checkpoint(step + 1, force=True)
                     break
                 is_last = step + 1 == self.cfg.steps
                 self._checkpoint(step + 1, force=is_last)
+                if self._sigterm.is_set() and not self.multi_process:
+                    # Asked during the save: stop now, not a step later (several processes
+                    # vote once per step, above).
+                    self._stop_before(step + 1, during="while saving a checkpoint")
+                    break
                 self.workers.notify_version(int(self.state.step))
         finally:
             if progress is not None:
@@ -586,18 +589,48 @@ class Trainer:
             return False
         return step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
-    def _stop_before(self, step: int) -> None:
-        """SIGTERM while step ``step + 1`` waited for its rollouts: the state is that of the
-        ``step`` steps done, so save it (unless it is saved already, or nothing was trained)
-        and stop; ``--resume`` re-issues the groups still pending."""
+    def _begin(self, resume: bool) -> int:
+        """The run's config.json and ledger, the resumed state; returns the first step."""
+        # Written only once the run is accepted: a refused run leaves the old config, which
+        # evaluation rebuilds the run's model from.
+        if self.leader:
+            path = self.run_dir / "config.json"
+            try:
+                path.write_text(json.dumps(self.cfg.to_dict(), indent=2))
+            except OSError as err:  # a failed write() does not say which file
+                raise OSError(err.errno, err.strerror, str(path)) from err
+        self._open_ledger()
+        start = self._resume() if resume else 0
+        if start == 0 and self.ledger is not None:
+            self.ledger.start(seed=self.cfg.seed)
+        if start == 0 and (self.multi_process or not self._embedded):
+            # A host in another process starts with weights of its own: serve ours before
+            # generating. (With several processes every process takes part.)
+            self._push_weights()
+        return start
+
+    @property
+    def stop_signal(self) -> str | None:
+        """The signal that asked this run to stop early (``"SIGTERM"``, ``"SIGINT"``), or
+        None."""
+        return signal_name(self._sigterm.signum) if self._sigterm.is_set() else None
+
+    def _stop_before(self, step: int, *, during: str = "while waiting for rollouts") -> None:
+        """SIGTERM while step ``step + 1`` waited for its rollouts (or step ``step`` was
+        being saved): the state is that of the ``step`` steps done, so save it (unless it is
+        saved already, or nothing was trained) and stop; ``--resume`` re-issues the groups
+        still pending."""
+        what = f"{signal_name(self._sigterm.signum)} {during}"
+        if self.checkpoints is not None:
+            self.checkpoints.wait_until_finished()  # an asynchronous save counts once on disk
         if self.checkpoints is None:
-            log.warning("SIGTERM while waiting for rollouts: stopping (checkpoint_every=0)")
+            log.warning("%s: stopping (checkpoint_every=0: no checkpoint)", what)
         elif step == 0:
-            log.warning("SIGTERM while waiting for rollouts: stopping before any step trained")
+            log.warning("%s: stopping before any step trained (no checkpoint to make)", what)
         elif self.checkpoints.latest_step() == step:
-            log.warning("SIGTERM while waiting for rollouts: step %d is saved; stopping", step)
+            log.warning("%s: step %d is saved; stopping", what, step)
         else:
-            log.warning("SIGTERM while waiting for rollouts: saving step %d and stopping", step)
+            log.warning("%s: saving step %d and stopping", what, step)
             self._checkpoint(step, force=True)
 
     def _open_ledger(self) -> None:
