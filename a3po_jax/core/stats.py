@@ -3,7 +3,8 @@
 Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
 
 Reduction happens once, at the top (design.md §3): a loss term reports its metrics as
-:class:`Stats` (sums with their counts, totals, maxima, minima, histograms), which
+:class:`Stats` (sums with their counts, totals, maxima, minima, histograms, effective
+sample sizes), which
 :func:`combine` merges and :func:`finalize` turns into scalars with one division each.
 Averaging per micro-batch and then again would weight micro-batches, not tokens.
 """
@@ -25,8 +26,9 @@ class Stats(NamedTuple):
     ``means`` hold ``(Σ value, count)`` and report Σ / count; ``totals`` are sums reported
     as is; ``maxima`` / ``minima`` combine by max / min; ``histograms`` are ``[K]`` counts of
     log importance weights (:func:`a3po_jax.core.importance.log_weight_histogram`) that add
-    and report their quantiles as ``<name>_p01|p50|p99``. A metric's kind is its place here,
-    never its name.
+    and report their quantiles as ``<name>_p01|p50|p99``; ``ess`` hold ``(Σ w, Σ w², n)``
+    of importance weights (:func:`masked_ess`) and report the normalised effective sample
+    size (Σ w)² / (n · Σ w²). A metric's kind is its place here, never its name.
     """
 
     means: dict[str, tuple[jax.Array, jax.Array]] = {}
@@ -34,6 +36,7 @@ class Stats(NamedTuple):
     maxima: dict[str, jax.Array] = {}
     minima: dict[str, jax.Array] = {}
     histograms: dict[str, jax.Array] = {}
+    ess: dict[str, tuple[jax.Array, jax.Array, jax.Array]] = {}
 
 
 # Identities of max / min for "no valid token in this micro-batch"; finalize reports 0.
@@ -55,6 +58,20 @@ def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(mask > 0, x.astype(jnp.float32), _NO_MIN))
 
 
+def masked_ess(w: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(Σ m·w, Σ m·w², Σ m)`` in float32: the parts of the normalised effective sample
+    size (Σ w)² / (n · Σ w²) of importance weights ``w`` over the positions ``mask`` keeps.
+
+    The three sums add across micro-batches, minibatches and arriving groups, so the ESS of
+    a whole step is exact (a mean of per-micro-batch ESS would not be). 1 when every weight
+    is equal; 1/n when one weight carries everything; a weight of 0 (a dropped token) counts
+    in n and lowers it.
+    """
+    m = mask.astype(jnp.float32)
+    w = jnp.where(m > 0, w.astype(jnp.float32), 0.0)
+    return jnp.sum(w), jnp.sum(jnp.square(w)), jnp.sum(m)
+
+
 def combine(a: Stats, b: Stats) -> Stats:
     """Merge two :class:`Stats`: pairs and totals add, maxima max, minima min; a metric in
     only one of them is kept as is."""
@@ -71,12 +88,14 @@ def combine(a: Stats, b: Stats) -> Stats:
         maxima=merge(a.maxima, b.maxima, jnp.maximum),
         minima=merge(a.minima, b.minima, jnp.minimum),
         histograms=merge(a.histograms, b.histograms, jnp.add),
+        ess=merge(a.ess, b.ess, add),
     )
 
 
 def finalize(stats: Stats) -> dict[str, jax.Array]:
     """Scalars to report: Σ / count for means (0 when the count is 0), totals, maxima and
-    minima (0 when no token was valid anywhere)."""
+    minima (0 when no token was valid anywhere), histogram quantiles, and the effective
+    sample sizes (Σ w)² / (n · Σ w²) (0 when no token was valid or every weight was 0)."""
     out = {k: s / jnp.maximum(n, TINY) for k, (s, n) in stats.means.items()}
     out.update(stats.totals)
     out.update({k: jnp.where(v == _NO_MAX, 0.0, v) for k, v in stats.maxima.items()})
@@ -85,4 +104,9 @@ def finalize(stats: Stats) -> dict[str, jax.Array]:
     for key, counts in stats.histograms.items():
         values = importance.histogram_quantiles(counts, qs)
         out.update({f"{key}_{name}": values[i] for i, name in enumerate(names)})
+    for key, (s1, s2, n) in stats.ess.items():
+        # (Σw / Σw²) · Σw / n: never squares a sum, so large weights do not overflow float32;
+        # no TINY floor on Σw², which small weights (1e-5 each) legitimately go under.
+        w_over_w2 = jnp.where(s2 > 0, s1 / jnp.where(s2 > 0, s2, 1.0), 0.0)
+        out[key] = w_over_w2 * s1 / jnp.maximum(n, 1.0)
     return out

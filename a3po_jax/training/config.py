@@ -90,6 +90,16 @@ def _name(section: str, name: str) -> str:
     return f"{section}.{name}" if section else name  # top-level fields have no section
 
 
+def _in_range(section: str, name: str, value: float, low: float, high: float | None = None) -> None:
+    """Refuse ``value`` unless it is finite and ``low < value`` (``< high`` when given):
+    an open interval, which ``_positive`` (a closed lower bound) cannot say."""
+    field = _name(section, name)
+    check_finite(field, value, error=ConfigError)  # NaN passes every `<` check silently
+    if not (low < value and (high is None or value < high)):
+        bound = f"> {low}" if high is None else f"in ({low}, {high})"
+        raise ConfigError(f"{field} must be {bound}, got {value!r}")
+
+
 def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
     check_finite(_name(section, name), value, error=ConfigError)  # NaN passes `value < 0`
     if value < 0 or (value == 0 and not allow_zero):
@@ -294,12 +304,22 @@ class AlgoSection:
     track_ref_kl: bool = False  # log kl/ref_k3 (k3 KL to the initial policy), loss unchanged
     dpo_beta: float = 0.1  # Online DPO β
     dpo_kind: str = "sigmoid"  # "sigmoid" or "ipo"
+    m2po_tau: float = 0.04  # M2PO: bound τ on the mean (log π_θ/π_behav)² of the kept tokens
+    gspo_clip_low: float = 3e-4  # GSPO: ε_low of the sequence ratio's clip (paper §5.1)
+    gspo_clip_high: float = 4e-4  # GSPO: ε_high of the sequence ratio's clip (paper §5.1)
+    icepop_low: float = 0.5  # IcePop: α, tokens with π_prox/π_behav < α leave the loss
+    icepop_high: float = 5.0  # IcePop: β, tokens with π_prox/π_behav > β leave the loss
     num_minibatches: int = 1  # optimizer steps per batch (each is one version)
 
     def __post_init__(self):
         _check_types("algo", self)
-        objectives.get(self.loss, what="algo.loss", error=ConfigError)
+        objective = objectives.get(self.loss, what="algo.loss", error=ConfigError)
         _choice("algo", "prox", self.prox, PROX_MODES)
+        if objective.prox_rules is not None and self.prox not in objective.prox_rules:
+            raise ConfigError(
+                f"algo.loss={self.loss!r} needs algo.prox in {', '.join(objective.prox_rules)}, "
+                f"got {self.prox!r}"
+            )
         _choice("algo", "a3po_zero_staleness", self.a3po_zero_staleness, ZERO_STALENESS)
         _choice("algo", "a3po_staleness_unit", self.a3po_staleness_unit, prox.STALENESS_UNITS)
         _choice("algo", "advantage", self.advantage, ADVANTAGES)
@@ -326,6 +346,18 @@ class AlgoSection:
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {self.dual_clip}")
         _positive("algo", "dpo_beta", self.dpo_beta)
+        _in_range("algo", "m2po_tau", self.m2po_tau, 0.0)
+        _in_range("algo", "gspo_clip_low", self.gspo_clip_low, 0.0, 1.0)
+        _in_range("algo", "gspo_clip_high", self.gspo_clip_high, 0.0)
+        _in_range("algo", "icepop_low", self.icepop_low, 0.0)
+        _in_range("algo", "icepop_high", self.icepop_high, 0.0)
+        # α ≤ 1 ≤ β: a token whose train and inference probabilities agree is always kept.
+        if not (self.icepop_low <= 1.0 <= self.icepop_high and self.icepop_low < self.icepop_high):
+            raise ConfigError(
+                "algo.icepop_low and algo.icepop_high must satisfy icepop_low <= 1 <= "
+                f"icepop_high, icepop_low < icepop_high; got {self.icepop_low} and "
+                f"{self.icepop_high}"
+            )
         _positive("algo", "num_minibatches", self.num_minibatches)
 
 

@@ -4,6 +4,12 @@ Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po
 
 * :mod:`~a3po_jax.core.objectives.ppo`: decoupled PPO with its prox rules (``algo.loss=ppo``);
 * :mod:`~a3po_jax.core.objectives.dpo`: Online DPO on pairs (``algo.loss=dpo``);
+* :mod:`~a3po_jax.core.objectives.m2po`: M2PO, the second-moment trust region for stale
+  data (``algo.loss=m2po``);
+* :mod:`~a3po_jax.core.objectives.gspo`: GSPO, the clipped sequence-level ratio
+  (``algo.loss=gspo``);
+* :mod:`~a3po_jax.core.objectives.icepop`: IcePop, decoupled PPO with a two-sided mask of
+  the train/inference ratio (``algo.loss=icepop``);
 * :mod:`~a3po_jax.core.objectives.registry`: :func:`register`, :func:`get`, :func:`names`.
 
 Each module holds its per-token maths, the public loss (``decoupled_ppo_loss``,
@@ -12,7 +18,7 @@ registration. Adding an objective is one module that registers itself (see
 :mod:`~a3po_jax.core.objectives.registry`); ``algo.loss=<name>`` finds it.
 """
 
-from a3po_jax.core.objectives import dpo, ppo
+from a3po_jax.core.objectives import dpo, gspo, icepop, m2po, ppo
 from a3po_jax.core.objectives.registry import (
     PAIRS,
     ROWS,
@@ -34,6 +40,9 @@ __all__ = [
     "TermFn",
     "dpo",
     "get",
+    "gspo",
+    "icepop",
+    "m2po",
     "names",
     "ppo",
     "register",

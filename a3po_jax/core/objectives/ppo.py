@@ -37,7 +37,15 @@ from a3po_jax.core.aggregation import AGGREGATIONS, TINY, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
 from a3po_jax.core.importance import SequenceCorrection
 from a3po_jax.core.objectives.registry import Term, register
-from a3po_jax.core.stats import Stats, combine, finalize, masked_max, masked_min, masked_pair
+from a3po_jax.core.stats import (
+    Stats,
+    combine,
+    finalize,
+    masked_ess,
+    masked_max,
+    masked_min,
+    masked_pair,
+)
 
 Batch = dict[str, jax.Array]
 Aggregate = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -223,6 +231,27 @@ def decoupled_ppo_sums(
     """
     per_token, diag = decoupled_ppo_per_token(logp, prox_logp, behav_logp, advantages, mask, **clip)
     loss_sum, count = aggregate(per_token, mask)
+    return loss_sum, count, token_stats(logp, behav_logp, staleness, mask, diag)
+
+
+def token_stats(
+    logp: jax.Array,
+    behav_logp: jax.Array,
+    staleness: jax.Array | None,
+    mask: jax.Array,
+    diag: dict[str, jax.Array],
+) -> Stats:
+    """The metrics of :func:`decoupled_ppo_sums` from :func:`decoupled_ppo_per_token`'s
+    diagnostics (or diagnostics with the same keys, as IcePop's): ``loss/clipfrac``,
+    ``loss/dual_clipfrac``, ``is/*``, ``kl/behav_k3``, ``staleness/*`` and
+    :func:`mismatch_stats`.
+
+    Args:
+      logp, behav_logp: ``[b, T]`` current and behaviour log-probs.
+      staleness: ``[b, T]`` d_t, or None.
+      mask: ``[b, T]`` loss mask.
+      diag: the per-token diagnostics.
+    """
     d = None if staleness is None else staleness.astype(jnp.float32)
     means = {
         "loss/clipfrac": masked_pair(diag["clipped"], mask),
@@ -241,7 +270,7 @@ def decoupled_ppo_sums(
         maxima=maxima,
         minima={"is/weight_min": masked_min(diag["is_weight"], mask)},
     )
-    return loss_sum, count, combine(stats, mismatch_stats(logp, behav_logp, staleness, mask, diag))
+    return combine(stats, mismatch_stats(logp, behav_logp, staleness, mask, diag))
 
 
 def mismatch_stats(
@@ -267,6 +296,10 @@ def mismatch_stats(
     mismatch/seq_truncated_frac  the sequence cap (0 with the token-level cap)
     mismatch/seq_log_iw_min|max  log W_b = Σ_t log w_t of the sequences (log: a product
                                over a long response overflows float32)
+    mismatch/ess               normalised effective sample size (Σ w)² / (n · Σ w²) of
+                               the weights the loss applies (after the cap; 0 for a
+                               dropped token) over the n valid tokens: 1 when every
+                               token weighs the same, → 1/n when one token dominates
 
     Args:
       logp, behav_logp: ``[b, T]`` current and behaviour log-probs.
@@ -313,6 +346,7 @@ def mismatch_stats(
             "mismatch/seq_log_iw_min": masked_min(log_seq, rows),
         },
         histograms={"mismatch/iw": importance.log_weight_histogram(log_w, mask)},
+        ess={"mismatch/ess": masked_ess(diag["is_weight"] * (1.0 - diag["masked"]), mask)},
     )
 
 

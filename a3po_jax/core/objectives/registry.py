@@ -13,7 +13,9 @@ does the same for its losses)::
 binds the objective's hyperparameters (read from ``cfg.algo``) and returns the
 :class:`Term` the differentiated function calls. The registration also says what the step
 must prepare: a frozen reference's log-probs (``needs_reference``) and the batch layout
-(:data:`ROWS`, or :data:`PAIRS` for a pairwise loss such as Online DPO).
+(:data:`ROWS`, or :data:`PAIRS` for a pairwise loss such as Online DPO); and, for an
+objective that is meaningless under some prox rules, the ``algo.prox`` values it accepts
+(``prox_rules``; the config refuses the others before anything loads).
 
 :func:`get` finds an objective by name. A name not registered yet is looked for as a
 module, first ``a3po_jax.core.objectives.<name>`` and then ``<name>`` on the Python path,
@@ -67,6 +69,7 @@ class Objective:
     make: Callable[[Any], Term]  # (validated run config) -> Term, called once per build
     needs_reference: bool = False  # the term reads ref_logp (a frozen reference's pass)
     layout: BatchLayout = ROWS
+    prox_rules: tuple[str, ...] | None = None  # algo.prox values it accepts; None: any
 
     @property
     def origin(self) -> str:
@@ -79,9 +82,16 @@ _PACKAGE = __name__.rsplit(".", 1)[0]  # a3po_jax.core.objectives
 
 
 def register(
-    name: str, *, needs_reference: bool = False, layout: BatchLayout = ROWS
+    name: str,
+    *,
+    needs_reference: bool = False,
+    layout: BatchLayout = ROWS,
+    prox_rules: tuple[str, ...] | None = None,
 ) -> Callable[[Callable[[Any], Term]], Callable[[Any], Term]]:
     """Decorator registering ``make`` as the objective ``name``.
+
+    ``prox_rules`` lists the ``algo.prox`` values the objective makes sense with (None:
+    any, or it reads no prox); the config refuses the others, naming them.
 
     Raises:
       ValueError: ``name`` is already registered by another function (the message names
@@ -90,7 +100,9 @@ def register(
     """
 
     def decorate(make: Callable[[Any], Term]) -> Callable[[Any], Term]:
-        objective = Objective(name, make, needs_reference=needs_reference, layout=layout)
+        objective = Objective(
+            name, make, needs_reference=needs_reference, layout=layout, prox_rules=prox_rules
+        )
         known = _REGISTRY.get(name)
         if known is not None and known.origin != objective.origin:
             raise ValueError(
