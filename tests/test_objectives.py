@@ -68,17 +68,18 @@ def test_a_duplicate_name_is_refused_naming_the_owner_and_the_choices(scratch_re
             raise AssertionError("never built")
 
     assert "a3po_jax.core.objectives.ppo.ppo" in str(err.value)
-    assert "registered: dpo, ppo" in str(err.value)
+    assert "registered: dpo, gspo, icepop, m2po, ppo" in str(err.value)
     assert objectives.get("ppo").origin == "a3po_jax.core.objectives.ppo.ppo"  # unchanged
     # The same function again (its module imported a second time) is not a conflict.
     objectives.register("ppo")(objectives.get("ppo").make)
 
 
 def test_an_unknown_name_is_refused_naming_the_choices(scratch_registry):
-    with pytest.raises(ValueError, match="objective='no_such_loss' is not one of dpo, ppo"):
+    known = "dpo, gspo, icepop, m2po, ppo"
+    with pytest.raises(ValueError, match=f"objective='no_such_loss' is not one of {known}"):
         objectives.get("no_such_loss")
     # The config says which field it was, and refuses before anything loads.
-    with pytest.raises(ConfigError, match="algo.loss='no_such_loss' is not one of dpo, ppo"):
+    with pytest.raises(ConfigError, match=f"algo.loss='no_such_loss' is not one of {known}"):
         AlgoSection(loss="no_such_loss")
 
 
