@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,7 @@ from factories import synthetic_groups
 
 from a3po_jax import model
 from a3po_jax.core import losses, objectives, prox
+from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.objectives import gspo, icepop, m2po
 from a3po_jax.core.stats import Stats, combine, finalize, masked_ess
@@ -481,3 +483,45 @@ def test_each_objective_trains_through_the_cli(tmp_path, loss_name, metric):
         assert metric in record and 0 <= record["mismatch/ess"] <= 1 + 1e-6
     assert records[0]["optim/grad_norm"] > 0
     assert json.loads((run_dir / "config.json").read_text())["algo"]["loss"] == loss_name
+
+
+# --------------------------------------------------------------------------------------
+# Through the step: micro-batched gradients and metrics equal the full batch's.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "loss_name, extra, metric, exercised",
+    [
+        ("gspo", dict(prox="a3po"), "gspo/seq_clipfrac", lambda x: 0 < x < 1),
+        (
+            "icepop",
+            dict(prox="recompute", icepop_low=0.8, icepop_high=1.25),
+            "icepop/masked_frac",
+            lambda x: 0 < x < 1,
+        ),
+        # τ high enough that no micro-batch drops a token: each mask is the full batch's.
+        ("m2po", dict(m2po_tau=1e3), "m2po/masked_frac", lambda x: x == 0),
+    ],
+)
+def test_micro_batched_step_equals_full_batch(loss_name, extra, metric, exercised):
+    algo = step_builder.algorithm(TrainConfig(algo=AlgoSection(loss=loss_name, **extra)), CFG)
+    params = model.init_params(CFG, jax.random.key(1))
+    batch = _model_batch(seed=2)
+
+    def accumulate(m):
+        mbs = ts.split_micro_batches(batch, m)
+        old, ref = ts.auxiliary_logprobs(params, None, mbs, algo=algo)
+        return ts.accumulate_grads(
+            params, mbs, version=jnp.int32(3), old_logp=old, ref_logp=ref, algo=algo
+        )
+
+    one, four = accumulate(1), accumulate(4)
+    np.testing.assert_allclose(one.loss_sum, four.loss_sum, rtol=1e-5)
+    np.testing.assert_allclose(one.count, four.count)
+    chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)
+    m1, m4 = finalize(one.stats), finalize(four.stats)
+    assert m1.keys() == m4.keys()
+    for key in m1:
+        np.testing.assert_allclose(m1[key], m4[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert exercised(float(m1[metric])) and 0 < float(m1["mismatch/ess"]) <= 1
