@@ -27,8 +27,9 @@ behaviour policy enters through w_b, the geometric mean of the token weights π_
   train/inference mismatch and the staleness;
 * ``a3po``: the anchor interpolated by staleness, no recompute pass.
 
-``algo.aggregation`` is not read (GSPO is a sequence mean by construction), nor are
-``algo.clip_eps*`` (``algo.gspo_clip_low|high`` are its ε) or the weight caps.
+``algo.aggregation`` is not read (GSPO is a sequence mean by construction; the step still
+reduces a KL term in the loss with it, so ``seq_mean_token_mean`` keeps the two alike),
+nor are ``algo.clip_eps*`` (``algo.gspo_clip_low|high`` are its ε) or the weight caps.
 
 Shape letters: B sequences (b in a micro-batch), T tokens.
 """
