@@ -387,6 +387,29 @@ def test_each_objective_is_its_public_loss_through_the_step(loss_name):
         np.testing.assert_allclose(metrics[key], value, rtol=1e-6, err_msg=key)
 
 
+@pytest.mark.parametrize("loss_name", ["gspo", "icepop"])
+@pytest.mark.parametrize("unit", ["step", "update"])
+def test_a3po_reads_the_staleness_unit_as_for_ppo(loss_name, unit):
+    # With several minibatches the step puts d in training steps beside d in updates;
+    # A-3PO's α reads the one algo.a3po_staleness_unit names, in these terms as in ppo's.
+    cfg = TrainConfig(algo=AlgoSection(loss=loss_name, prox="a3po", a3po_staleness_unit=unit))
+    algo = step_builder.algorithm(cfg, CFG)
+    batch = _model_batch()
+    logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
+    mask, behav, adv = batch["loss_mask"], batch["behav_logp"], batch["advantages"]
+    updates = jnp.where(mask > 0, 3, 0).astype(jnp.int32)
+    steps = jnp.where(mask > 0, 1, 0).astype(jnp.int32)
+    loss_sum, count, _ = algo.loss_term(
+        logp, {**batch, "step_staleness": steps}, staleness=updates, old_logp=None, ref_logp=None
+    )
+    px = prox.a3po_prox_logp(logp, behav, steps if unit == "step" else updates)
+    public = {
+        "gspo": lambda: losses.gspo_loss(logp, px, behav, adv, mask),
+        "icepop": lambda: losses.icepop_loss(logp, px, behav, adv, mask),
+    }
+    np.testing.assert_allclose(loss_sum / count, public[loss_name]()[0], rtol=1e-6)
+
+
 def test_prox_rules_bind_as_for_ppo():
     def build(loss, prox_rule, **system):
         cfg = TrainConfig(

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from a3po_jax.core import prox
 from a3po_jax.core.aggregation import TINY, aggregate_sum
 from a3po_jax.core.checks import check_positive, check_rank, check_same_shape
+from a3po_jax.core.objectives.ppo import ProxStaleness, proximal_logp
 from a3po_jax.core.objectives.registry import Term, register
 from a3po_jax.core.stats import Stats, finalize, masked_ess, masked_max, masked_min, masked_pair
 
@@ -189,14 +190,18 @@ def gspo_term(
     old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
     prox_fn: prox.ProxFn,
+    prox_staleness: ProxStaleness | None = None,
     clip_low: float,
     clip_high: float,
 ) -> tuple[jax.Array, jax.Array, Stats]:
-    """GSPO on one micro-batch: prox from ``prox_fn``, then :func:`gspo_sums` (a sequence
-    lies in one micro-batch, so the sequence sums add exactly)."""
+    """GSPO on one micro-batch: prox from ``prox_fn`` (A-3PO's d from ``prox_staleness``, as
+    for ``ppo``), then :func:`gspo_sums` (a sequence lies in one micro-batch, so the
+    sequence sums add exactly)."""
     del ref_logp
     behav = mb["behav_logp"]
-    prox_logp = prox_fn(logp, behav, staleness, old_logp)
+    prox_logp = proximal_logp(
+        logp, mb, staleness, old_logp, prox_fn=prox_fn, prox_staleness=prox_staleness
+    )
     return gspo_sums(
         logp,
         prox_logp,
@@ -212,14 +217,18 @@ def gspo_term(
 @register("gspo")
 def gspo(cfg: Any) -> Term:
     """``algo.loss=gspo``: :func:`gspo_term` with the prox rule (``algo.prox``,
-    ``algo.a3po_zero_staleness``, ``system.one_pass_old``) and ``algo.gspo_clip_low|high``
-    bound once."""
+    ``algo.a3po_zero_staleness``, ``algo.a3po_staleness_unit``, ``system.one_pass_old``)
+    and ``algo.gspo_clip_low|high`` bound once."""
     a = cfg.algo
     rule = prox.make_prox_rule(
         a.prox, zero_staleness=a.a3po_zero_staleness, one_pass_old=cfg.system.one_pass_old
     )
     fn = functools.partial(
-        gspo_term, prox_fn=rule.fn, clip_low=a.gspo_clip_low, clip_high=a.gspo_clip_high
+        gspo_term,
+        prox_fn=rule.fn,
+        prox_staleness=prox.staleness_for_prox(a.a3po_staleness_unit),
+        clip_low=a.gspo_clip_low,
+        clip_high=a.gspo_clip_high,
     )
     return Term(fn, needs_old_pass=rule.needs_old_pass)
 

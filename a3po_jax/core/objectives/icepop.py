@@ -40,7 +40,13 @@ import jax.numpy as jnp
 from a3po_jax.core import prox
 from a3po_jax.core.aggregation import AGGREGATIONS, TINY, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_same_shape
-from a3po_jax.core.objectives.ppo import Aggregate, decoupled_ppo_per_token, token_stats
+from a3po_jax.core.objectives.ppo import (
+    Aggregate,
+    ProxStaleness,
+    decoupled_ppo_per_token,
+    proximal_logp,
+    token_stats,
+)
 from a3po_jax.core.objectives.registry import Term, register
 from a3po_jax.core.stats import Stats, combine, finalize, masked_pair
 
@@ -151,13 +157,17 @@ def icepop_term(
     old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
     prox_fn: prox.ProxFn,
+    prox_staleness: ProxStaleness | None = None,
     aggregate: Aggregate,
     **hyper: Any,
 ) -> tuple[jax.Array, jax.Array, Stats]:
-    """IcePop on one micro-batch: prox from ``prox_fn``, then :func:`icepop_sums`."""
+    """IcePop on one micro-batch: prox from ``prox_fn`` (A-3PO's d from ``prox_staleness``,
+    as for ``ppo``), then :func:`icepop_sums`."""
     del ref_logp
     behav = mb["behav_logp"]
-    prox_logp = prox_fn(logp, behav, staleness, old_logp)
+    prox_logp = proximal_logp(
+        logp, mb, staleness, old_logp, prox_fn=prox_fn, prox_staleness=prox_staleness
+    )
     return icepop_sums(
         logp,
         prox_logp,
@@ -172,7 +182,8 @@ def icepop_term(
 
 @register("icepop", prox_rules=("recompute", "a3po"))
 def icepop(cfg: Any) -> Term:
-    """``algo.loss=icepop``: :func:`icepop_term` with the prox rule, ``algo.icepop_low`` /
+    """``algo.loss=icepop``: :func:`icepop_term` with the prox rule (``algo.prox``,
+    ``algo.a3po_zero_staleness``, ``algo.a3po_staleness_unit``), ``algo.icepop_low`` /
     ``algo.icepop_high`` (α, β), the clip (``algo.clip_eps``, ``clip_eps_high``,
     ``dual_clip``) and the aggregation bound once."""
     a = cfg.algo
@@ -182,6 +193,7 @@ def icepop(cfg: Any) -> Term:
     fn = functools.partial(
         icepop_term,
         prox_fn=rule.fn,
+        prox_staleness=prox.staleness_for_prox(a.a3po_staleness_unit),
         aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
         low=a.icepop_low,
         high=a.icepop_high,

@@ -355,6 +355,26 @@ def mismatch_stats(
 # --------------------------------------------------------------------------------------
 
 
+ProxStaleness = Callable[[Batch, jax.Array], jax.Array]
+
+
+def proximal_logp(
+    logp: jax.Array,
+    mb: Batch,
+    staleness: jax.Array,
+    old_logp: jax.Array | None,
+    *,
+    prox_fn: prox.ProxFn,
+    prox_staleness: ProxStaleness | None = None,
+) -> jax.Array:
+    """``[b, T]`` log π_prox of a micro-batch from the bound prox rule, A-3PO reading the d
+    of ``prox_staleness`` (:func:`a3po_jax.core.prox.staleness_for_prox`; None: ``staleness``
+    itself, in optimizer updates). The anchor of every objective with a prox rule (IcePop,
+    GSPO); :func:`ppo_term` computes the same inline."""
+    d = staleness if prox_staleness is None else prox_staleness(mb, staleness)
+    return prox_fn(logp, mb["behav_logp"], d, old_logp)
+
+
 def ppo_term(
     logp: jax.Array,
     mb: Batch,
