@@ -124,6 +124,16 @@ CASES: dict[str, list[str]] = {
         "rollout.group_size=2",
         "rollout.groups_per_step=8",
     ],
+    # The staleness-robust objectives (tests/test_objectives_offpolicy.py has their maths).
+    "m2po": ["algo.loss=m2po", "algo.m2po_tau=0.02"],
+    "gspo_micro": ["algo.loss=gspo", "algo.gspo_clip_low=0.003", "system.micro_batch_size=4"],
+    "icepop_minibatches": [
+        "algo.loss=icepop",
+        "algo.icepop_low=0.8",
+        "algo.icepop_high=1.25",
+        "algo.num_minibatches=2",
+        "system.max_staleness=2",
+    ],
 }
 
 
