@@ -300,8 +300,9 @@ CHOICES = {k: c for k in TEXT if (c := choices_of(k))}
 def valid_configs(draw) -> dict[str, object]:
     """Choice fields from their allowed values, bools free, numbers inside their ranges;
     then the combination rules the config documents (periodic is on-policy, a loss may
-    fix the group size (DPO trains pairs), async η >= k - 1, one_pass_old needs recompute
-    with one minibatch, the two weight caps are alternatives)."""
+    fix the group size (DPO trains pairs) or the prox rules it takes (IcePop: not behav),
+    async η >= k - 1, one_pass_old needs recompute with one minibatch, the two weight caps
+    are alternatives)."""
     values: dict[str, object] = {k: draw(st.sampled_from(c)) for k, c in CHOICES.items()}
     for key, hint in FIELDS.items():
         if hint is bool:
@@ -332,6 +333,9 @@ def valid_configs(draw) -> dict[str, object]:
     pairs = objectives.get(values["algo.loss"]).layout.group_size  # DPO: 2 (a pair)
     if pairs is not None:
         values["rollout.group_size"] = pairs
+    rules = objectives.get(values["algo.loss"]).prox_rules  # IcePop: recompute or a3po
+    if rules is not None and values["algo.prox"] not in rules:
+        values["algo.prox"] = draw(st.sampled_from(rules))
     if values["system.mode"] == "periodic":
         values["system.max_staleness"] = 0
     k = values["algo.num_minibatches"]
