@@ -17,6 +17,10 @@ What it shows: a stress regime in which asynchronous methods can be told apart. 
             * a3po          async, prox=a3po         (d in training steps, the paper's)
             * a3po_update   async, prox=a3po, a3po_staleness_unit=update (d in updates)
             * dpo           async, loss=dpo          (Online DPO, reference = initial policy)
+            * m2po          async, loss=m2po         (second-moment mask, τ = 0.04, no clip)
+            * gspo          async, loss=gspo, prox=recompute (sequence ratio and clip)
+            * icepop        async, loss=icepop, prox=recompute (decoupled PPO with
+                            IcePop's two-sided mask of π_prox/π_behav, [0.5, 5])
           seeds 0, 1 and 2 (data order and sampling; the same initial weights).
           algo.track_ref_kl logs kl/ref_k3, the KL to the initial policy (a metric only).
 Parent:   experiments/a3po_compare_toy.py (model, task, 12 new tokens, temperature 1);
@@ -48,6 +52,9 @@ METHODS = {
     "a3po": {"algo.prox": "a3po"},
     "a3po_update": {"algo.prox": "a3po", "algo.a3po_staleness_unit": "update"},
     "dpo": {"algo.loss": "dpo"},
+    "m2po": {"algo.loss": "m2po"},
+    "gspo": {"algo.loss": "gspo", "algo.prox": "recompute"},
+    "icepop": {"algo.loss": "icepop", "algo.prox": "recompute"},
 }
 SEEDS = (0, 1, 2)
 
