@@ -65,12 +65,14 @@ def test_non_finite_steps_are_skipped_and_n_in_a_row_stop_the_run(tmp_path, capl
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("when", ["after_a_step", "during_a_checkpoint_write"])
+@pytest.mark.parametrize(
+    "when", ["after_a_step", "during_a_checkpoint_write", "during_a_weight_push"]
+)
 def test_sigterm_saves_a_checkpoint_and_stops_the_run(tmp_path, when):
-    steps = 8 if when == "after_a_step" else 4
+    steps = 4 if when == "during_a_checkpoint_write" else 8
     base = make_cfg(tmp_path, "term", mode="sync", steps=steps, prox="behav")
-    # After a step: only the SIGTERM save. During a write: the regular save of step 2.
-    every = 100 if when == "after_a_step" else 2
+    # After a step or a push: only the SIGTERM save. During a write: the regular save of step 2.
+    every = 2 if when == "during_a_checkpoint_write" else 100
     cfg = dataclasses.replace(base, checkpoint_every=every)
     previous = signal.getsignal(signal.SIGTERM)
 
@@ -96,6 +98,19 @@ def test_sigterm_saves_a_checkpoint_and_stops_the_run(tmp_path, when):
                 return save(step, **kwargs)
 
             trainer.checkpoints.save = preempted_save
+        if when == "during_a_weight_push":
+            push = trainer.host.update_weights
+
+            def preempted_push(params, version):
+                # The notice lands while step 2's weights go to the host: the push
+                # completes (the host serves version 2), then the run saves and stops.
+                if version == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.2)
+                    assert trainer.stop_signal == "SIGTERM"
+                return push(params, version)
+
+            trainer.host.update_weights = preempted_push
         trainer.run()
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -110,3 +110,19 @@ def finalize(stats: Stats) -> dict[str, jax.Array]:
         w_over_w2 = jnp.where(s2 > 0, s1 / jnp.where(s2 > 0, s2, 1.0), 0.0)
         out[key] = w_over_w2 * s1 / jnp.maximum(n, 1.0)
     return out
+
+
+def finalized_loss(
+    loss_sum: jax.Array,
+    count: jax.Array,
+    stats: Stats,
+    mask: jax.Array,
+    denominator: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A whole batch's sums as a public loss's ``(loss, metrics)``: ``loss_sum`` over the
+    count (or over a caller-given ``denominator``, the whole batch's count, so that
+    micro-batch losses add up), the metrics finalized, and ``loss/num_tokens`` = Σ mask."""
+    loss = loss_sum / (count + TINY if denominator is None else denominator)
+    metrics = finalize(stats)
+    metrics["loss/num_tokens"] = jnp.sum(mask.astype(jnp.float32))
+    return loss, metrics

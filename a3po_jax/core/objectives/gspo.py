@@ -43,11 +43,18 @@ import jax
 import jax.numpy as jnp
 
 from a3po_jax.core import prox
-from a3po_jax.core.aggregation import TINY, aggregate_sum
+from a3po_jax.core.aggregation import aggregate_sum
 from a3po_jax.core.checks import check_positive, check_rank, check_same_shape
 from a3po_jax.core.objectives.ppo import ProxStaleness, proximal_logp
 from a3po_jax.core.objectives.registry import Term, register
-from a3po_jax.core.stats import Stats, finalize, masked_ess, masked_max, masked_min, masked_pair
+from a3po_jax.core.stats import (
+    Stats,
+    finalized_loss,
+    masked_ess,
+    masked_max,
+    masked_min,
+    masked_pair,
+)
 
 Batch = dict[str, jax.Array]
 
@@ -282,7 +289,4 @@ def gspo_loss(
         clip_high=clip_high,
         staleness=staleness,
     )
-    loss = loss_sum / (count + TINY if denominator is None else denominator)
-    metrics = finalize(stats)
-    metrics["loss/num_tokens"] = jnp.sum(mask.astype(jnp.float32))
-    return loss, metrics
+    return finalized_loss(loss_sum, count, stats, mask, denominator)

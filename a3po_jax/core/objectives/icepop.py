@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from a3po_jax.core import prox
-from a3po_jax.core.aggregation import AGGREGATIONS, TINY, aggregate_sum
+from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_same_shape
 from a3po_jax.core.objectives.ppo import (
     Aggregate,
@@ -48,7 +48,7 @@ from a3po_jax.core.objectives.ppo import (
     token_stats,
 )
 from a3po_jax.core.objectives.registry import Term, register
-from a3po_jax.core.stats import Stats, combine, finalize, masked_pair
+from a3po_jax.core.stats import Stats, combine, finalized_loss, masked_pair
 
 Batch = dict[str, jax.Array]
 
@@ -265,7 +265,4 @@ def icepop_loss(
         clip_eps_high=clip_eps_high,
         dual_clip=dual_clip,
     )
-    loss = loss_sum / (count + TINY if denominator is None else denominator)
-    metrics = finalize(stats)
-    metrics["loss/num_tokens"] = jnp.sum(mask.astype(jnp.float32))
-    return loss, metrics
+    return finalized_loss(loss_sum, count, stats, mask, denominator)

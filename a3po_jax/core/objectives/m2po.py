@@ -43,11 +43,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core.aggregation import AGGREGATIONS, TINY, aggregate_sum
+from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
 from a3po_jax.core.objectives.ppo import Aggregate
 from a3po_jax.core.objectives.registry import Term, register
-from a3po_jax.core.stats import Stats, finalize, masked_ess, masked_max, masked_pair
+from a3po_jax.core.stats import Stats, finalized_loss, masked_ess, masked_max, masked_pair
 
 Batch = dict[str, jax.Array]
 
@@ -256,7 +256,4 @@ def m2po_loss(
         tau=tau,
         staleness=staleness,
     )
-    loss = loss_sum / (count + TINY if denominator is None else denominator)
-    metrics = finalize(stats)
-    metrics["loss/num_tokens"] = jnp.sum(mask.astype(jnp.float32))
-    return loss, metrics
+    return finalized_loss(loss_sum, count, stats, mask, denominator)

@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 
 from a3po_jax.core import importance, prox
-from a3po_jax.core.aggregation import AGGREGATIONS, TINY, aggregate_sum
+from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
 from a3po_jax.core.importance import SequenceCorrection
 from a3po_jax.core.objectives.registry import Term, register
 from a3po_jax.core.stats import (
     Stats,
     combine,
-    finalize,
+    finalized_loss,
     masked_ess,
     masked_max,
     masked_min,
@@ -369,8 +369,8 @@ def proximal_logp(
 ) -> jax.Array:
     """``[b, T]`` log π_prox of a micro-batch from the bound prox rule, A-3PO reading the d
     of ``prox_staleness`` (:func:`a3po_jax.core.prox.staleness_for_prox`; None: ``staleness``
-    itself, in optimizer updates). The anchor of every objective with a prox rule (IcePop,
-    GSPO); :func:`ppo_term` computes the same inline."""
+    itself, in optimizer updates). The anchor of every objective with a prox rule (PPO,
+    IcePop, GSPO)."""
     d = staleness if prox_staleness is None else prox_staleness(mb, staleness)
     return prox_fn(logp, mb["behav_logp"], d, old_logp)
 
@@ -398,16 +398,13 @@ def ppo_term(
     ``cap_mode`` and ``seq_correction`` (bound when the step is built, by :func:`ppo`).
     """
     del ref_logp
-    behav = mb["behav_logp"]
-    if prox_staleness is not None:
-        staleness_of_prox = prox_staleness(mb, staleness)
-    else:  # one update per step: updates and steps are the same d
-        staleness_of_prox = staleness
-    prox_logp = prox_fn(logp, behav, staleness_of_prox, old_logp)
+    prox_logp = proximal_logp(
+        logp, mb, staleness, old_logp, prox_fn=prox_fn, prox_staleness=prox_staleness
+    )
     return decoupled_ppo_sums(
         logp,
         prox_logp,
-        behav,
+        mb["behav_logp"],
         mb["advantages"],
         mb["loss_mask"],
         aggregate=aggregate,
@@ -532,11 +529,7 @@ def decoupled_ppo_loss(
         cap_mode=cap_mode,
         seq_correction=seq_correction,
     )
-    # A caller-given denominator is the whole batch's count (micro-batch losses then add).
-    loss = loss_sum / (count + TINY if denominator is None else denominator)
-    metrics = finalize(stats)
-    metrics["loss/num_tokens"] = jnp.sum(mask.astype(jnp.float32))
-    return loss, metrics
+    return finalized_loss(loss_sum, count, stats, mask, denominator)
 
 
 def ppo_clip_loss(
