@@ -515,3 +515,85 @@ def decode_shardings(
             )
 
     return placed
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout on the wire: a weight push carries the serving tensors themselves
+
+# The name a host states in its weight port's handshake (`weight_transfer.py`) for the
+# tensors it receives: `DecodeParams`' leaves under their `flatten_params` names. A pusher
+# that lays out something else is refused by this name (change it with the layout).
+WIRE_LAYOUT = "decode-params-v1"
+
+
+def serving_source(
+    name: str, model: dict[str, np.ndarray], *, out_major: bool, shards: int
+) -> np.ndarray | None:
+    """The model array (a view, no copy) that serving tensor `name` (a `flatten_params` name
+    of `DecodeParams`) is as it stands, or None for the fused or transposed matrices, which
+    `fill_serving` writes. `model` maps the stacked params' flat names to numpy arrays."""
+    if name == "embed":
+        return model["embed/embedding"]
+    if name == "final_norm":
+        return model["final_norm/scale"]
+    if name == "lm_head":
+        return model["lm_head/kernel"]
+    layer, key = _layer_key(name)
+    if key.startswith(("attn/qkv/", "mlp/gate_up/")) or (
+        out_major and key in ("attn/o_proj/kernel_t", "mlp/down_proj/kernel_t")
+    ):
+        return None
+    return model["layers/" + key][layer]
+
+
+def fill_serving(
+    out: np.ndarray, name: str, model: dict[str, np.ndarray], *, out_major: bool, shards: int
+) -> None:
+    """Writes serving tensor `name` into `out` from the model's stacked arrays: the same
+    values, in the same order, as `decode_params` lays out (`_decode_layers`), computed with
+    numpy on the pusher's side, so the host receives what its decode step reads."""
+    src = serving_source(name, model, out_major=out_major, shards=shards)
+    if src is not None:
+        np.copyto(out, src, casting="no")
+        return
+    layer, key = _layer_key(name)
+
+    def kernel(proj: str) -> np.ndarray:  # layer's [I, O] kernel of `proj`
+        k = model[f"layers/{proj}/kernel"][layer]
+        return k.reshape(-1, k.shape[-1]) if proj == "attn/o_proj" else k.reshape(k.shape[0], -1)
+
+    if key in ("attn/o_proj/kernel_t", "mlp/down_proj/kernel_t"):
+        np.copyto(out, kernel(key.rsplit("/", 1)[0]).T, casting="no")
+        return
+    if key == "attn/qkv/bias":
+        parts = [model[f"layers/attn/{x}_proj/bias"][layer].reshape(shards, -1) for x in "qkv"]
+        _fill_shard_major(out, [p[s] for s in range(shards) for p in parts], axis=0)
+        return
+    projs = {
+        "attn/qkv": ("attn/q_proj", "attn/k_proj", "attn/v_proj"),
+        "mlp/gate_up": ("mlp/gate_proj", "mlp/up_proj"),
+    }[key.rsplit("/", 1)[0]]
+    pieces = [kernel(p).reshape(-1, shards, kernel(p).shape[1] // shards) for p in projs]
+    blocks = [p[:, s] for s in range(shards) for p in pieces]  # [I, O_j / S] shard by shard
+    if key.endswith("kernel_t"):  # rows: each block transposed, stacked
+        _fill_shard_major(out, [b.T for b in blocks], axis=0)
+    else:  # columns: the blocks side by side
+        _fill_shard_major(out, blocks, axis=1)
+
+
+def _fill_shard_major(out: np.ndarray, blocks: list[np.ndarray], axis: int) -> None:
+    at = 0
+    for block in blocks:
+        n = block.shape[axis]
+        np.copyto(out[at : at + n] if axis == 0 else out[:, at : at + n], block, casting="no")
+        at += n
+    if at != out.shape[axis]:
+        raise ValueError(f"serving tensor of shape {out.shape} got {at} along axis {axis}")
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    """ "layers/<i>/<key>" -> (i, key); ValueError for any other name."""
+    parts = name.split("/")
+    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+        raise ValueError(f"{name!r} is not a serving tensor of DecodeParams")
+    return int(parts[1]), "/".join(parts[2:])
