@@ -55,6 +55,33 @@ def test_a_push_installs_the_weights_whole_and_the_host_generates_with_them(serv
     assert [s.name for s in sender.specs()] == list(weight_sync.flatten_params(new))
 
 
+def test_receive_buffers_are_reused_only_once_nothing_holds_them(served, monkeypatch):
+    # The host serves from the receive buffers as they are (aliased on a CPU). A set still
+    # held (here: the v1 split kept alive, as a computation reading it would) must never be
+    # refilled by a later push; sets nothing holds are, so pushes do not grow memory.
+    host, receiver = served
+    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    sender.push(scaled_params(1), 1)
+    assert host.wait_serving(1, timeout=30)
+    held = host._decode_params
+    v1 = {n: np.array(a) for n, a in weight_sync.flatten_params(held).items()}
+    allocated = []
+    real_empty = weight_sync.aligned_empty
+    monkeypatch.setattr(
+        weight_sync, "aligned_empty", lambda *a: allocated.append(a) or real_empty(*a)
+    )
+    for version in range(2, 7):
+        sender.push(scaled_params(version), version)
+        assert host.wait_serving(version, timeout=30)
+    for name, array in weight_sync.flatten_params(held).items():
+        np.testing.assert_array_equal(np.asarray(array), v1[name], name)
+    # Five pushes, two new sets: v2's (v1's is held), v3's (v2's serves); then by turns.
+    assert len(allocated) == 2 * len(host.serving_specs())
+    np.testing.assert_array_equal(
+        greedy(host, "v6").tokens, recompute_greedy(scaled_params(6), PROMPT, 6)
+    )
+
+
 @pytest.mark.parametrize("num_slots", [2, 1])  # out-major, and in-major (one slot)
 def test_weights_pushed_in_the_serving_layout_serve_as_an_in_process_update(num_slots):
     # The pusher lays the weights out as the host serves them (fused, transposed), the host

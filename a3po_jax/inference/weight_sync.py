@@ -89,7 +89,8 @@ def as_flat(params: Any) -> dict[str, Any]:
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-order array whose data starts at a multiple of `ALIGNMENT` bytes."""
+    """An uninitialised C-order array whose data starts at a multiple of `ALIGNMENT` bytes; a
+    view whose `base` owns the memory (what an aliasing `jax.device_put` holds on to)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)

@@ -35,6 +35,7 @@ import logging
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -144,6 +145,11 @@ class WeightReceiver:
         self._sock = socket.create_server((bind, port))
         self.port = self._sock.getsockname()[1]
         self._install_lock = threading.Lock()
+        # Sets of receive buffers. The host serves from a set as it is (a CPU aliases it), so a
+        # set is filled again only once nothing but this list holds it (`_free_buffers`):
+        # reused, a set costs no page faults per push, which for fresh memory cost as much
+        # as the receive itself (docs/performance.md).
+        self._sets: list[dict[str, np.ndarray]] = []
         self._closed = threading.Event()
         self._counts = {"pushes": 0, "bytes": 0, "receive_s": 0.0, "install_s": 0.0}
         self._thread = threading.Thread(target=self._accept, name="weight-receiver", daemon=True)
@@ -222,8 +228,7 @@ class WeightReceiver:
         weight_sync.check_specs_match(specs, _specs_from(header, "the PUSH header"))
         with self._install_lock:
             _send_frame(conn, b"GO  ")
-            # New buffers per push: the host serves from them as they are (aliased on a CPU).
-            buffers = {s.name: weight_sync.aligned_empty(s.shape, s.dtype) for s in specs}
+            buffers = self._free_buffers(specs)
             t0 = time.perf_counter()
             for spec in specs:
                 _recv_into(conn, _bytes_of(buffers[spec.name]))
@@ -241,6 +246,24 @@ class WeightReceiver:
             b"DONE",
             {"version": version, "bytes": nbytes, "receive_s": t1 - t0, "install_s": t2 - t1},
         )
+
+    def _free_buffers(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        """A set of receive buffers for `specs` that no one else holds, else a new one.
+
+        The host's arrays made from a set hold its memory's owner (`ndarray.base`) for as
+        long as they live, including while a computation still reads them, so an owner
+        referenced by its own array alone (reference count 2, with the call's argument) is
+        free. Up to three sets are kept: serving, staged, and the one being received.
+        """
+        layout = [(s.name, s.shape, s.dtype) for s in specs]
+        if self._sets and [(n, b.shape, b.dtype) for n, b in self._sets[0].items()] != layout:
+            self._sets = []
+        for buffers in self._sets:
+            if all(sys.getrefcount(b.base) <= 2 for b in buffers.values()):
+                return buffers
+        buffers = {s.name: weight_sync.aligned_empty(s.shape, s.dtype) for s in specs}
+        self._sets = [*self._sets[-2:], buffers]
+        return buffers
 
 
 def _try_send_error(conn: socket.socket, kind: str, message: str) -> None:
