@@ -563,7 +563,7 @@ def fill_serving(
         return k.reshape(-1, k.shape[-1]) if proj == "attn/o_proj" else k.reshape(k.shape[0], -1)
 
     if key in ("attn/o_proj/kernel_t", "mlp/down_proj/kernel_t"):
-        np.copyto(out, kernel(key.rsplit("/", 1)[0]).T, casting="no")
+        _copy_transposed(out, kernel(key.rsplit("/", 1)[0]))
         return
     if key == "attn/qkv/bias":
         parts = [model[f"layers/attn/{x}_proj/bias"][layer].reshape(shards, -1) for x in "qkv"]
@@ -576,7 +576,12 @@ def fill_serving(
     pieces = [kernel(p).reshape(-1, shards, kernel(p).shape[1] // shards) for p in projs]
     blocks = [p[:, s] for s in range(shards) for p in pieces]  # [I, O_j / S] shard by shard
     if key.endswith("kernel_t"):  # rows: each block transposed, stacked
-        _fill_shard_major(out, [b.T for b in blocks], axis=0)
+        at = 0
+        for block in blocks:
+            _copy_transposed(out[at : at + block.shape[1]], block)
+            at += block.shape[1]
+        if at != out.shape[0]:
+            raise ValueError(f"serving tensor {name!r} of shape {out.shape} got {at} rows")
     else:  # columns: the blocks side by side
         _fill_shard_major(out, blocks, axis=1)
 
@@ -589,6 +594,23 @@ def _fill_shard_major(out: np.ndarray, blocks: list[np.ndarray], axis: int) -> N
         at += n
     if at != out.shape[axis]:
         raise ValueError(f"serving tensor of shape {out.shape} got {at} along axis {axis}")
+
+
+# Side of the square tiles `_copy_transposed` copies: a tile's rows and columns both stay in
+# cache, where a whole-matrix transposed copy misses on every strided read (128: 1.3x faster
+# than np.copyto(out, src.T) over SmolLM2's float32 layer matrices, docs/log.md).
+_TRANSPOSE_TILE = 128
+
+
+def _copy_transposed(out: np.ndarray, src: np.ndarray) -> None:
+    """out [O, I] = src [I, O] transposed, tile by tile (the same values, copied exactly)."""
+    if out.shape != src.shape[::-1]:
+        raise ValueError(f"cannot write the transpose of {src.shape} into {out.shape}")
+    rows, cols = src.shape
+    t = _TRANSPOSE_TILE
+    for i in range(0, rows, t):
+        for j in range(0, cols, t):
+            np.copyto(out[j : j + t, i : i + t], src[i : i + t, j : j + t].T, casting="no")
 
 
 def _layer_key(name: str) -> tuple[int, str]:

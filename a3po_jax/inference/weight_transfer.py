@@ -4,26 +4,36 @@ Inference layer (host-side shell).
 
 A gRPC message costs several copies of its bytes on each side (serialisation, the
 transport's buffers, parsing), which held pushes to a fraction of what the link carries. Here
-the sender writes each tensor's bytes straight from its host buffer into the socket and the
-receiver reads them straight into the buffer the host installs from (`recv_into`), so each
-side copies a byte once more than the kernel does (docs/performance.md has the figures).
+the sender writes each tensor's bytes straight from a host buffer into the socket and the
+receiver reads them straight into the buffers the host then serves from (`recv_into`), so
+each side copies a byte once more than the kernel does (docs/performance.md has the figures).
+
+The tensors travel in the host's serving layout (`decode_layout.DecodeParams`: q/k/v and
+gate/up fused, the layer matrices out-major where the host's decode step wants them), laid
+out by the pusher (`decode_layout.fill_serving`, tensor by tensor while the previous one is
+on the wire): the host places what it received on its device as it is, with no transform
+of its own between the last byte and serving.
 
 The exchange, one push per connection (frames are a 4-byte kind, an 8-byte little-endian
 length and a payload)::
 
     host   -> pusher   MAGIC + 32-byte nonce
     pusher -> host     HMAC-SHA256(token, nonce)              (the token never travels)
-    host   -> pusher   SPEC  {"tensors": [[name, dtype, shape], ...]}   (the serving params)
-    pusher -> host     PUSH  {"version": v, "tensors": [...]}  or  BYE  (the spec was all)
+    host   -> pusher   SPEC  {"layout": {"name", "out_major", "shards"},
+                              "tensors": [[name, dtype, shape], ...],   (serving layout)
+                              "params": [[name, dtype, shape], ...]}    (the model's tree)
+    pusher -> host     PUSH  {"version": v, "layout": ..., "tensors": [...]}  or  BYE
     host   -> pusher   GO                                      (or ERR {"kind", "message"})
-    pusher -> host     every tensor's raw bytes, in the spec's order
+    pusher -> host     every serving tensor's raw bytes, in the spec's order
     host   -> pusher   DONE  {"version", "bytes", "receive_s", "install_s"}  (or ERR)
 
-The host validates names, shapes and dtypes before any byte is read, and installs the
-weights only once every byte arrived: a push that fails or breaks off leaves the serving
-weights as they were. The pusher casts floating-point tensors to the host's dtypes first (a
-host that serves bfloat16 receives half the bytes of a float32 trainer's weights).
-Nothing is pickled; the bind address follows the gRPC server's (127.0.0.1 unless told).
+The layout is named (`decode_layout.WIRE_LAYOUT`): a pusher and a host of different layouts
+refuse each other by that name before any tensor byte moves. The host validates the layout,
+names, shapes and dtypes before any byte is read, and installs the weights only once every
+byte arrived: a push that fails or breaks off leaves the serving weights as they were. The
+pusher casts floating-point tensors to the host's dtypes first (a host that serves bfloat16
+receives half the bytes of a float32 trainer's weights). Nothing is pickled; the bind
+address follows the gRPC server's (127.0.0.1 unless told).
 """
 
 from __future__ import annotations
@@ -127,7 +137,8 @@ class WeightReceiver:
     one push installs at a time).
 
     Args:
-      host: the serving `InferenceHost` (``params_spec``, ``update_weights``).
+      host: the serving `InferenceHost` (``params_spec``, ``serving_layout``,
+        ``serving_specs``, ``install_serving``).
       token: the host token; a pusher proves it knows it (HMAC of a fresh nonce).
       bind: address to listen on (the gRPC server's).
       port: 0 picks a free one (`port` says which).
@@ -334,14 +345,14 @@ class WeightSender:
                 _send_json(conn, b"PUSH", header)
                 self._expect(conn, b"GO  ", raw=True)
                 t0 = time.perf_counter()
-                self._send_tensors(conn, layout, wire, self._specs, flat)
+                layout_s = self._send_tensors(conn, layout, wire, self._specs, flat)
                 t1 = time.perf_counter()
                 report = self._expect(conn, b"DONE")
         except (OSError, ConnectionError) as err:
             raise InferenceError(
                 f"weight push to {self.address}:{self.port} failed: {err}"
             ) from None
-        return {**report, "send_s": t1 - t0}
+        return {**report, "send_s": t1 - t0, "layout_s": layout_s}
 
     def _send_tensors(
         self,
@@ -350,24 +361,28 @@ class WeightSender:
         wire: list[TensorSpec],
         params: list[TensorSpec],
         flat: dict,
-    ) -> None:
-        """Lays out serving tensor i + 1 (in a thread) while tensor i is on the wire."""
+    ) -> float:
+        """Lays out serving tensor i + 1 (in a thread) while tensor i is on the wire; returns
+        the seconds spent laying out."""
         options = {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
         buffers = self._buffers = _reusable_buffers(self._buffers, wire)
         model = _LazyHostArrays(flat, {s.name: s for s in params})
         ready: list[np.ndarray | None] = [None] * len(wire)
         done = [threading.Event() for _ in wire]
         error: list[BaseException] = []
+        seconds = [0.0]
 
         def lay_out_all() -> None:
             try:
                 for i, spec in enumerate(wire):
+                    t0 = time.perf_counter()
                     source = decode_layout.serving_source(spec.name, model, **options)
                     if _fits(source, spec):  # a view of the model's array: sent as it lies
                         ready[i] = source
                     else:
                         decode_layout.fill_serving(buffers[spec.name], spec.name, model, **options)
                         ready[i] = buffers[spec.name]
+                    seconds[0] += time.perf_counter() - t0
                     done[i].set()
             except BaseException as err:  # noqa: BLE001 -- re-raised in the sending thread
                 error.append(err)
@@ -384,6 +399,7 @@ class WeightSender:
                 conn.sendall(_bytes_of(ready[i]))
         finally:
             worker.join()
+        return seconds[0]
 
     def _connect(self) -> socket.socket:
         try:
