@@ -13,8 +13,9 @@ Measured:
 * ``loopback``: a plain socket sending the model's bytes to a sink process on the host's
   cores (the link's own limit);
 * ``push``: `GrpcInferenceClient.update_weights` of the trainer's float32 weights (cast to
-  the host's dtype on the way), until the host reports the new version; with the host's
-  receive and install seconds;
+  the host's dtype and laid out in its serving layout on the way), until the host reports
+  the new version; with the host's receive and install seconds and the pusher's layout
+  seconds (spent beside the wire);
 * ``background``: the same through a `HostPool(background_push=True)`, as the trainer pushes
   to local and remote hosts: the seconds the trainer is held (the staging copy) and the
   seconds until the host serves.

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 
 import chex
 import jax
@@ -527,7 +528,7 @@ WIRE_LAYOUT = "decode-params-v1"
 
 
 def serving_source(
-    name: str, model: dict[str, np.ndarray], *, out_major: bool, shards: int
+    name: str, model: Mapping[str, np.ndarray], *, out_major: bool, shards: int
 ) -> np.ndarray | None:
     """The model array (a view, no copy) that serving tensor `name` (a `flatten_params` name
     of `DecodeParams`) is as it stands, or None for the fused or transposed matrices, which
@@ -547,7 +548,7 @@ def serving_source(
 
 
 def fill_serving(
-    out: np.ndarray, name: str, model: dict[str, np.ndarray], *, out_major: bool, shards: int
+    out: np.ndarray, name: str, model: Mapping[str, np.ndarray], *, out_major: bool, shards: int
 ) -> None:
     """Writes serving tensor `name` into `out` from the model's stacked arrays: the same
     values, in the same order, as `decode_params` lays out (`_decode_layers`), computed with
