@@ -13,8 +13,9 @@ Measured:
 * ``loopback``: a plain socket sending the model's bytes to a sink process on the host's
   cores (the link's own limit);
 * ``push``: `GrpcInferenceClient.update_weights` of the trainer's float32 weights (cast to
-  the host's dtype on the way), until the host reports the new version; with the host's
-  receive and install seconds;
+  the host's dtype and laid out in its serving layout on the way), until the host reports
+  the new version; with the host's receive and install seconds and the pusher's layout
+  seconds (spent beside the wire);
 * ``background``: the same through a `HostPool(background_push=True)`, as the trainer pushes
   to local and remote hosts: the seconds the trainer is held (the staging copy) and the
   seconds until the host serves.
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None):
         "push (call -> serving)": push,
         "  host receive": [r["receive_s"] for r in reports],
         "  host install": [r["install_s"] for r in reports],
+        "  pusher lays out (beside the wire)": [r.get("layout_s", 0.0) for r in reports],
         "background: caller held": held,
         "background: call -> serving": serving,
     }
@@ -195,9 +197,10 @@ def main(argv: list[str] | None = None):
         f"({args.dtype}); host on cores {host_cores}, trainer on {trainer_cores}; "
         f"{machine['cpu']} ({', '.join(machine['isa'])})"
     )
-    print(f"{'':<30}{'seconds':>24}{'GB/s (wire bytes)':>20}")
+    print(f"{'':<38}{'seconds':>24}{'GB/s (wire bytes)':>20}")
     for name, values in rows.items():
-        print(f"{name:<30}{summary(values):>24}{gb / statistics.median(values):>20.2f}")
+        gbps = gb / statistics.median(values) if statistics.median(values) else float("inf")
+        print(f"{name:<38}{summary(values):>24}{gbps:>20.2f}")
     ratio = statistics.median(loop) / statistics.median(push)
     print(f"push / loopback bandwidth: {ratio:.2f}")
     print(

@@ -575,6 +575,57 @@ def test_decode_params_refuses_shards_that_split_a_head_or_a_column():
             decode_params(params, config, shards=bad)
 
 
+@one_only
+@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("out_major", [True, False], ids=["out_major", "in_major"])
+@pytest.mark.parametrize("name", list(SHARDABLE))
+def test_the_wire_layout_made_with_numpy_is_decode_params_bit_for_bit(name, out_major, shards):
+    """A weight push's pusher lays the serving tensors out with numpy (`fill_serving`) from
+    the stacked params; the host installs them as they come. Every leaf must be
+    `decode_params`' own, bit for bit (a transposed piece in another row order, or a shard's
+    q heads in another shard's place, would still have every value somewhere)."""
+    config = SHARDABLE[name]
+    params = init_params(config, jax.random.key(3))
+    model = {k: np.asarray(v) for k, v in model_lib.flatten_params(params).items()}
+    split = model_lib.flatten_params(
+        decode_params(params, config, out_major=out_major, shards=shards)
+    )
+    options = {"out_major": out_major, "shards": shards}
+    for leaf_name, leaf in split.items():
+        out = np.full(leaf.shape, np.nan, leaf.dtype)
+        decode_layout.fill_serving(out, leaf_name, model, **options)
+        np.testing.assert_array_equal(out, np.asarray(leaf), err_msg=leaf_name)
+        source = decode_layout.serving_source(leaf_name, model, **options)
+        if source is not None:  # sent as it lies: a view of the model's array, no copy
+            assert np.shares_memory(source, model[_model_name(leaf_name)])
+    with pytest.raises(ValueError, match="'layers/x/attn' is not a serving tensor"):
+        decode_layout.fill_serving(out, "layers/x/attn", model, **options)
+
+
+@one_only
+def test_tiled_transposes_cover_every_element(monkeypatch):
+    """`fill_serving`'s transposes go tile by tile: with tiles that divide neither side (3
+    against 7 x 10), the ragged edge tiles must still land, each element in its place."""
+    monkeypatch.setattr(decode_layout, "_TRANSPOSE_TILE", 3)
+    src = np.arange(70, dtype=np.float32).reshape(7, 10)
+    out = np.full((10, 7), np.nan, np.float32)
+    decode_layout._copy_transposed(out, src)
+    np.testing.assert_array_equal(out, src.T)
+    with pytest.raises(ValueError, match="transpose of"):
+        decode_layout._copy_transposed(np.empty((7, 10), np.float32), src)
+
+
+def _model_name(serving_name: str) -> str:
+    top = {
+        "embed": "embed/embedding",
+        "final_norm": "final_norm/scale",
+        "lm_head": "lm_head/kernel",
+    }
+    if serving_name in top:
+        return top[serving_name]
+    return "layers/" + serving_name.split("/", 2)[2]
+
+
 def test_shards_are_static_not_leaves():
     """`shards` and `out_major` are tree metadata: no leaf is a Python number, two layouts
     have different tree structures, and a jitted step traces once per layout, not per

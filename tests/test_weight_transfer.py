@@ -51,8 +51,72 @@ def test_a_push_installs_the_weights_whole_and_the_host_generates_with_them(serv
     np.testing.assert_array_equal(result.tokens, recompute_greedy(new, PROMPT, 6))
     assert set(result.versions.tolist()) == {1}
     assert receiver.stats()["pushes"] == 1
-    # The spec lists the serving tensors in push order, with their dtypes and shapes.
+    # The spec lists the params a push takes, with their dtypes and shapes.
     assert [s.name for s in sender.specs()] == list(weight_sync.flatten_params(new))
+
+
+def test_receive_buffers_are_reused_only_once_nothing_holds_them(served, monkeypatch):
+    # The host serves from the receive buffers as they are (aliased on a CPU). A set still
+    # held (here: the v1 split kept alive, as a computation reading it would) must never be
+    # refilled by a later push; sets nothing holds are, so pushes do not grow memory.
+    host, receiver = served
+    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    sender.push(scaled_params(1), 1)
+    assert host.wait_serving(1, timeout=30)
+    held = host._decode_params
+    v1 = {n: np.array(a) for n, a in weight_sync.flatten_params(held).items()}
+    allocated = []
+    real_empty = weight_sync.aligned_empty
+    monkeypatch.setattr(
+        weight_sync, "aligned_empty", lambda *a: allocated.append(a) or real_empty(*a)
+    )
+    for version in range(2, 7):
+        sender.push(scaled_params(version), version)
+        assert host.wait_serving(version, timeout=30)
+    for name, array in weight_sync.flatten_params(held).items():
+        np.testing.assert_array_equal(np.asarray(array), v1[name], name)
+    # Five pushes, two new sets: v2's (v1's is held), v3's (v2's serves); then by turns.
+    assert len(allocated) == 2 * len(host.serving_specs())
+    np.testing.assert_array_equal(
+        greedy(host, "v6").tokens, recompute_greedy(scaled_params(6), PROMPT, 6)
+    )
+
+
+@pytest.mark.parametrize("num_slots", [2, 1])  # out-major, and in-major (one slot)
+def test_weights_pushed_in_the_serving_layout_serve_as_an_in_process_update(num_slots):
+    # The pusher lays the weights out as the host serves them (fused, transposed), the host
+    # installs the received bytes as they are. Against a host that made its split itself
+    # from the same weights (`update_weights`): the same arrays bit for bit, hence the same
+    # sampled tokens and log-probs at temperature 1 (a layout that differed in one element
+    # or one row order would change the log-probs).
+    new = scaled_params(6)
+    hosts = [
+        InferenceHost(CFG, scaled_params(0), num_slots=num_slots, prefill_buckets=(8,)).start()
+        for _ in range(2)
+    ]
+    receiver = WeightReceiver(hosts[0], TOKEN)
+    try:
+        WeightSender("127.0.0.1", receiver.port, TOKEN).push(new, 1)
+        hosts[1].update_weights(new, 1)
+        for host in hosts:
+            assert host.wait_serving(1, timeout=30)
+        pushed, local = (weight_sync.flatten_params(h._decode_params) for h in hosts)
+        assert list(pushed) == list(local)
+        for name in local:
+            np.testing.assert_array_equal(np.asarray(pushed[name]), np.asarray(local[name]), name)
+        sampling = SamplingParams(1.0, max_new_tokens=12)
+        results = []
+        for host in hosts:
+            host.submit(GenerateRequest("r", PROMPT, num_samples=3, sampling=sampling, seed=11))
+            results.append(collect(host, 3))
+        for key, result in results[1].items():
+            np.testing.assert_array_equal(results[0][key].tokens, result.tokens)
+            np.testing.assert_array_equal(results[0][key].logprobs, result.logprobs)
+            assert set(results[0][key].versions.tolist()) == {1}
+    finally:
+        receiver.close()
+        for host in hosts:
+            host.close()
 
 
 def test_staged_numpy_and_device_arrays_push_the_same_weights(served):
@@ -111,11 +175,26 @@ def test_refusals_name_what_is_wrong_and_change_nothing(served):
     with pytest.raises(ValueError, match="version must be an int"):
         sender.push(scaled_params(4), "7")
     # The receiver checks the manifest itself too: a pusher that skips the client's checks.
-    with raw_push(receiver.port) as (conn, specs):
+    with raw_push(receiver.port) as (conn, specs, layout):
         specs[0] = [specs[0][0], specs[0][1], [1, 2, 3]]
-        weight_transfer._send_json(conn, b"PUSH", {"version": 7, "tensors": specs})
+        header = {"version": 7, "layout": layout, "tensors": specs}
+        weight_transfer._send_json(conn, b"PUSH", header)
         kind, payload = weight_transfer._recv_frame(conn)
         assert kind == b"ERR " and specs[0][0] in payload.decode() and b"shape" in payload
+    # A pusher of another layout (an older one sends the stacked params) is refused by name.
+    with raw_push(receiver.port) as (conn, specs, layout):
+        header = {"version": 7, "layout": {**layout, "name": "stacked"}, "tensors": specs}
+        weight_transfer._send_json(conn, b"PUSH", header)
+        kind, payload = weight_transfer._recv_frame(conn)
+        assert kind == b"ERR " and b"'stacked'" in payload and b"decode-params-v1" in payload
+    # ... and so is a host of another layout, by the pusher, before a byte is sent.
+    real_layout = host.serving_layout
+    host.serving_layout = lambda: {**real_layout(), "name": "stacked"}
+    try:
+        with pytest.raises(ValueError, match="receives layout 'stacked'.*decode-params-v1"):
+            WeightSender("127.0.0.1", receiver.port, TOKEN).push(scaled_params(4), 7)
+    finally:
+        host.serving_layout = real_layout
     assert host.version == 0
     np.testing.assert_array_equal(greedy(host, "after").tokens, before)
 
@@ -123,8 +202,9 @@ def test_refusals_name_what_is_wrong_and_change_nothing(served):
 def test_a_push_that_breaks_off_leaves_the_old_weights_and_the_receiver_serving(served):
     host, receiver = served
     before = greedy(host, "before").tokens
-    with raw_push(receiver.port) as (conn, specs):
-        weight_transfer._send_json(conn, b"PUSH", {"version": 9, "tensors": specs})
+    with raw_push(receiver.port) as (conn, specs, layout):
+        header = {"version": 9, "layout": layout, "tensors": specs}
+        weight_transfer._send_json(conn, b"PUSH", header)
         assert weight_transfer._recv_frame(conn)[0] == b"GO  "
         conn.sendall(b"\x01" * 1000)  # part of the first tensor, then the pusher dies
     # A later good push still lands; nothing of the broken one was installed meanwhile.
@@ -136,7 +216,8 @@ def test_a_push_that_breaks_off_leaves_the_old_weights_and_the_receiver_serving(
 
 
 class raw_push:
-    """A connection that has proved the token and read the host's spec (as JSON lists)."""
+    """A connection that has proved the token and read the host's spec: (connection, serving
+    tensors as JSON lists, layout)."""
 
     def __init__(self, port):
         self.conn = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -146,7 +227,8 @@ class raw_push:
         self.conn.sendall(weight_transfer._mac(TOKEN.encode(), hello[len(weight_transfer.MAGIC) :]))
         kind, payload = weight_transfer._recv_frame(self.conn)
         assert kind == b"SPEC"
-        return self.conn, weight_transfer._parse_json(payload, "SPEC")["tensors"]
+        spec = weight_transfer._parse_json(payload, "SPEC")
+        return self.conn, spec["tensors"], spec["layout"]
 
     def __exit__(self, *exc):
         self.conn.close()

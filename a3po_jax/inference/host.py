@@ -422,7 +422,46 @@ class InferenceHost:
         if not isinstance(version, int | np.integer) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
         weight_sync.check_params_match(self._params_spec, params)
-        split = self._serving_split(params)
+        self._stage_split(self._serving_split(params), version)
+
+    def serving_layout(self) -> dict[str, Any]:
+        """The layout `install_serving` takes: ``{"name": decode_layout.WIRE_LAYOUT,
+        "out_major", "shards"}`` (`decode_layout.DecodeParams`)."""
+        split = self._decode_params
+        return {
+            "name": decode_layout.WIRE_LAYOUT,
+            "out_major": split.out_major,
+            "shards": split.shards,
+        }
+
+    def serving_specs(self) -> list[weight_sync.TensorSpec]:
+        """The serving split's tensors (`serving_layout`) as the ordered (name, dtype, shape)
+        list a weight push in that layout sends."""
+        return weight_sync.tensor_specs(self._decode_params)
+
+    def install_serving(self, arrays: dict[str, np.ndarray], version: int) -> None:
+        """`update_weights` of weights already in the serving layout: ``{name: array}`` with
+        `serving_specs`' names, shapes and dtypes (ValueError naming the first that differs).
+        They are placed on the host's devices as they are, no transform: on a CPU an aligned
+        numpy buffer is aliased, so the caller hands its buffers over (never writes them
+        again)."""
+        if not isinstance(version, int | np.integer) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        current = self._decode_params
+        names = weight_sync.flatten_params(current)
+        weight_sync.check_names(names, arrays)
+        leaves = [arrays[n] for n in names]
+        given = [
+            weight_sync.TensorSpec(n, np.dtype(a.dtype), np.shape(a))
+            for n, a in zip(names, leaves, strict=True)
+        ]
+        weight_sync.check_specs_match(weight_sync.tensor_specs(current), given)
+        split = jax.tree_util.tree_unflatten(jax.tree.structure(current), leaves)
+        placed = jax.device_put(split, jax.tree.map(lambda x: x.sharding, current))
+        self._stage_split(placed, version)
+
+    def _stage_split(self, split: decode_layout.DecodeParams, version: int) -> None:
+        """Stages `split` (the serving layout, on the host's devices) to serve as `version`."""
         jax.block_until_ready(split)  # made here, not on the serving thread's first step
         with self._lock:
             self._check_alive()

@@ -89,7 +89,8 @@ def as_flat(params: Any) -> dict[str, Any]:
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-order array whose data starts at a multiple of `ALIGNMENT` bytes."""
+    """An uninitialised C-order array whose data starts at a multiple of `ALIGNMENT` bytes; a
+    view whose `base` owns the memory (what an aliasing `jax.device_put` holds on to)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
@@ -162,9 +163,11 @@ def check_specs_match(reference: list[TensorSpec], candidate: list[TensorSpec]) 
             )
 
 
-def copy_to_host(buffer: np.ndarray, leaf: Any, spec: TensorSpec) -> None:
-    """Copies `leaf` (a jax or numpy array) into `buffer`, cast to the spec's dtype first on
-    its own device (a float32 model served in bfloat16 moves half the bytes)."""
+def host_array(leaf: Any, spec: TensorSpec) -> np.ndarray:
+    """`leaf` (a jax or numpy array) as a numpy array of the spec's dtype: the leaf itself or
+    a view of it where it already is one (a CPU jax array), else cast first on its own
+    device (a float32 model served in bfloat16 moves half the bytes). ValueError names a
+    shape or a non-float dtype that differs from the spec."""
     if tuple(np.shape(leaf)) != spec.shape:
         raise ValueError(
             f"weights rejected: tensor {spec.name!r} has shape {tuple(np.shape(leaf))}, "
@@ -178,8 +181,14 @@ def copy_to_host(buffer: np.ndarray, leaf: Any, spec: TensorSpec) -> None:
                 f"the serving model expects {spec.dtype.name}"
             )
         leaf = leaf.astype(spec.dtype)
-    # A CPU jax array reads as a numpy view: one copy, straight into the buffer.
-    np.copyto(buffer, np.asarray(jax.device_get(leaf)), casting="no")
+    # A CPU jax array reads as a numpy view: no copy.
+    return np.asarray(jax.device_get(leaf))
+
+
+def copy_to_host(buffer: np.ndarray, leaf: Any, spec: TensorSpec) -> None:
+    """Copies `leaf` (a jax or numpy array) into `buffer`, cast to the spec's dtype first on
+    its own device (`host_array`)."""
+    np.copyto(buffer, host_array(leaf, spec), casting="no")
 
 
 class Staged:

@@ -4,26 +4,36 @@ Inference layer (host-side shell).
 
 A gRPC message costs several copies of its bytes on each side (serialisation, the
 transport's buffers, parsing), which held pushes to a fraction of what the link carries. Here
-the sender writes each tensor's bytes straight from its host buffer into the socket and the
-receiver reads them straight into the buffer the host installs from (`recv_into`), so each
-side copies a byte once more than the kernel does (docs/performance.md has the figures).
+the sender writes each tensor's bytes straight from a host buffer into the socket and the
+receiver reads them straight into the buffers the host then serves from (`recv_into`), so
+each side copies a byte once more than the kernel does (docs/performance.md has the figures).
+
+The tensors travel in the host's serving layout (`decode_layout.DecodeParams`: q/k/v and
+gate/up fused, the layer matrices out-major where the host's decode step wants them), laid
+out by the pusher (`decode_layout.fill_serving`, tensor by tensor while the previous one is
+on the wire): the host places what it received on its device as it is, with no transform
+of its own between the last byte and serving.
 
 The exchange, one push per connection (frames are a 4-byte kind, an 8-byte little-endian
 length and a payload)::
 
     host   -> pusher   MAGIC + 32-byte nonce
     pusher -> host     HMAC-SHA256(token, nonce)              (the token never travels)
-    host   -> pusher   SPEC  {"tensors": [[name, dtype, shape], ...]}   (the serving params)
-    pusher -> host     PUSH  {"version": v, "tensors": [...]}  or  BYE  (the spec was all)
+    host   -> pusher   SPEC  {"layout": {"name", "out_major", "shards"},
+                              "tensors": [[name, dtype, shape], ...],   (serving layout)
+                              "params": [[name, dtype, shape], ...]}    (the model's tree)
+    pusher -> host     PUSH  {"version": v, "layout": ..., "tensors": [...]}  or  BYE
     host   -> pusher   GO                                      (or ERR {"kind", "message"})
-    pusher -> host     every tensor's raw bytes, in the spec's order
+    pusher -> host     every serving tensor's raw bytes, in the spec's order
     host   -> pusher   DONE  {"version", "bytes", "receive_s", "install_s"}  (or ERR)
 
-The host validates names, shapes and dtypes before any byte is read, and installs the
-weights only once every byte arrived: a push that fails or breaks off leaves the serving
-weights as they were. The pusher casts floating-point tensors to the host's dtypes first (a
-host that serves bfloat16 receives half the bytes of a float32 trainer's weights).
-Nothing is pickled; the bind address follows the gRPC server's (127.0.0.1 unless told).
+The layout is named (`decode_layout.WIRE_LAYOUT`): a pusher and a host of different layouts
+refuse each other by that name before any tensor byte moves. The host validates the layout,
+names, shapes and dtypes before any byte is read, and installs the weights only once every
+byte arrived: a push that fails or breaks off leaves the serving weights as they were. The
+pusher casts floating-point tensors to the host's dtypes first (a host that serves bfloat16
+receives half the bytes of a float32 trainer's weights). Nothing is pickled; the bind
+address follows the gRPC server's (127.0.0.1 unless told).
 """
 
 from __future__ import annotations
@@ -35,13 +45,15 @@ import logging
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from a3po_jax.inference import weight_sync
+from a3po_jax.inference import decode_layout, weight_sync
 from a3po_jax.inference.types import HostClosedError, InferenceError
 from a3po_jax.inference.weight_sync import TensorSpec
 
@@ -125,7 +137,8 @@ class WeightReceiver:
     one push installs at a time).
 
     Args:
-      host: the serving `InferenceHost` (``params_spec``, ``update_weights``).
+      host: the serving `InferenceHost` (``params_spec``, ``serving_layout``,
+        ``serving_specs``, ``install_serving``).
       token: the host token; a pusher proves it knows it (HMAC of a fresh nonce).
       bind: address to listen on (the gRPC server's).
       port: 0 picks a free one (`port` says which).
@@ -143,7 +156,11 @@ class WeightReceiver:
         self._sock = socket.create_server((bind, port))
         self.port = self._sock.getsockname()[1]
         self._install_lock = threading.Lock()
-        self._buffers: dict[str, np.ndarray] | None = None  # reused: no page faults per push
+        # Sets of receive buffers. The host serves from a set as it is (a CPU aliases it), so a
+        # set is filled again only once nothing but this list holds it (`_free_buffers`):
+        # reused, a set costs no page faults per push, which for fresh memory cost as much
+        # as the receive itself (docs/performance.md).
+        self._sets: list[dict[str, np.ndarray]] = []
         self._closed = threading.Event()
         self._counts = {"pushes": 0, "bytes": 0, "receive_s": 0.0, "install_s": 0.0}
         self._thread = threading.Thread(target=self._accept, name="weight-receiver", daemon=True)
@@ -193,8 +210,18 @@ class WeightReceiver:
         if not hmac.compare_digest(_recv_exact(conn, 32), _mac(self._key, nonce)):
             raise WeightAuthError("missing or wrong host token")
         conn.settimeout(self._timeout)
-        specs = weight_sync.tensor_specs(self._host.params_spec)
-        _send_json(conn, b"SPEC", {"tensors": [s.to_json() for s in specs]})
+        layout = self._host.serving_layout()
+        specs = self._host.serving_specs()
+        params = weight_sync.tensor_specs(self._host.params_spec)
+        _send_json(
+            conn,
+            b"SPEC",
+            {
+                "layout": layout,
+                "tensors": [s.to_json() for s in specs],
+                "params": [s.to_json() for s in params],
+            },
+        )
         kind, payload = _recv_frame(conn)
         if kind == b"BYE ":
             return
@@ -204,17 +231,21 @@ class WeightReceiver:
         version = header.get("version")
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
+        if header.get("layout") != layout:
+            raise ValueError(
+                f"weights rejected: the pusher lays them out as {header.get('layout')!r}, this "
+                f"host receives {layout!r} (pusher and host must run the same weight layout)"
+            )
         weight_sync.check_specs_match(specs, _specs_from(header, "the PUSH header"))
         with self._install_lock:
             _send_frame(conn, b"GO  ")
-            buffers = self._buffers_for(specs)
+            buffers = self._free_buffers(specs)
             t0 = time.perf_counter()
             for spec in specs:
                 _recv_into(conn, _bytes_of(buffers[spec.name]))
             t1 = time.perf_counter()
             # Every byte is here: only now does anything reach the host.
-            params = weight_sync.unflatten_params(buffers, self._host.params_spec)
-            self._host.update_weights(params, version)
+            self._host.install_serving(buffers, version)
             t2 = time.perf_counter()
             nbytes = sum(s.nbytes for s in specs)
             self._counts["pushes"] += 1
@@ -227,9 +258,23 @@ class WeightReceiver:
             {"version": version, "bytes": nbytes, "receive_s": t1 - t0, "install_s": t2 - t1},
         )
 
-    def _buffers_for(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-        self._buffers = _reusable_buffers(self._buffers, specs)
-        return self._buffers
+    def _free_buffers(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        """A set of receive buffers for `specs` that no one else holds, else a new one.
+
+        The host's arrays made from a set hold its memory's owner (`ndarray.base`) for as
+        long as they live, including while a computation still reads them, so an owner
+        referenced by its own array alone (reference count 2, with the call's argument) is
+        free. Up to three sets are kept: serving, staged, and the one being received.
+        """
+        layout = [(s.name, s.shape, s.dtype) for s in specs]
+        if self._sets and [(n, b.shape, b.dtype) for n, b in self._sets[0].items()] != layout:
+            self._sets = []
+        for buffers in self._sets:
+            if all(sys.getrefcount(b.base) <= 2 for b in buffers.values()):
+                return buffers
+        buffers = {s.name: weight_sync.aligned_empty(s.shape, s.dtype) for s in specs}
+        self._sets = [*self._sets[-2:], buffers]
+        return buffers
 
 
 def _try_send_error(conn: socket.socket, kind: str, message: str) -> None:
@@ -259,16 +304,16 @@ class WeightSender:
         self._key = token.encode()
         self._timeout = timeout
         self._specs: list[TensorSpec] | None = None
-        # Host buffers for pushes of device arrays, reused (no page faults per push); one
-        # push at a time per sender (`push_lock`).
+        # Host buffers for the serving tensors that are fused or transposed, reused (no page
+        # faults per push); one push at a time per sender (`push_lock`).
         self._buffers: dict[str, np.ndarray] | None = None
         self.push_lock = threading.Lock()
 
     def specs(self) -> list[TensorSpec]:
-        """The host's serving tensors (names, dtypes, shapes), asked once."""
+        """The host's params (names, dtypes, shapes of the tree a push takes), asked once."""
         if self._specs is None:
             with self._connect() as conn:
-                self._specs = self._handshake(conn)
+                self._specs = self._handshake(conn)[1]
                 _send_frame(conn, b"BYE ")
         return self._specs
 
@@ -276,66 +321,85 @@ class WeightSender:
         """Sends `params` (a tree or flat dict; jax or numpy arrays) stamped `version`; returns
         once the host has installed them, with the host's report plus ``send_s``.
 
-        Numpy arrays already in the host's dtypes are sent from where they lie; anything else
-        is first copied into this sender's reusable host buffers (cast to the host's dtypes),
-        tensor by tensor while the previous tensor is on the wire.
+        The tensors go in the host's serving layout (`decode_layout.fill_serving`: q/k/v and
+        gate/up fused, matrices out-major), laid out here tensor by tensor while the previous
+        one is on the wire, so the host installs what it receives as it is. Floating-point
+        tensors are cast to the host's dtypes first, on their own device.
 
-        Raises ValueError (the host refused the weights: a name, shape or dtype), WeightAuthError
-        (the token), HostClosedError (the host is closing) or InferenceError (the connection).
+        Raises ValueError (the host refused the weights: a name, shape, dtype or layout),
+        WeightAuthError (the token), HostClosedError (the host is closing) or InferenceError
+        (the connection).
         """
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
         flat = weight_sync.as_flat(params)
         try:
             with self.push_lock, self._connect() as conn:
-                specs = self._handshake(conn)
-                self._specs = specs
-                weight_sync.check_names({s.name: s for s in specs}, flat)
-                header = {"version": version, "tensors": [s.to_json() for s in specs]}
+                layout, self._specs, wire = self._handshake(conn)
+                weight_sync.check_names({s.name: s for s in self._specs}, flat)
+                header = {
+                    "version": version,
+                    "layout": layout,
+                    "tensors": [s.to_json() for s in wire],
+                }
                 _send_json(conn, b"PUSH", header)
                 self._expect(conn, b"GO  ", raw=True)
                 t0 = time.perf_counter()
-                self._send_tensors(conn, specs, flat)
+                layout_s = self._send_tensors(conn, layout, wire, self._specs, flat)
                 t1 = time.perf_counter()
                 report = self._expect(conn, b"DONE")
         except (OSError, ConnectionError) as err:
             raise InferenceError(
                 f"weight push to {self.address}:{self.port} failed: {err}"
             ) from None
-        return {**report, "send_s": t1 - t0}
+        return {**report, "send_s": t1 - t0, "layout_s": layout_s}
 
-    def _send_tensors(self, conn: socket.socket, specs: list[TensorSpec], flat: dict) -> None:
-        ready = [_as_ready(flat[s.name], s) for s in specs]
-        if all(r is not None for r in ready):
-            for array in ready:
-                conn.sendall(_bytes_of(array))
-            return
-        # Copy tensor i + 1 into the host buffers while tensor i is on the wire.
-        buffers = self._buffers = _reusable_buffers(self._buffers, specs)
-        copied = [threading.Event() for _ in specs]
+    def _send_tensors(
+        self,
+        conn: socket.socket,
+        layout: dict,
+        wire: list[TensorSpec],
+        params: list[TensorSpec],
+        flat: dict,
+    ) -> float:
+        """Lays out serving tensor i + 1 (in a thread) while tensor i is on the wire; returns
+        the seconds spent laying out."""
+        options = {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
+        buffers = self._buffers = _reusable_buffers(self._buffers, wire)
+        model = _LazyHostArrays(flat, {s.name: s for s in params})
+        ready: list[np.ndarray | None] = [None] * len(wire)
+        done = [threading.Event() for _ in wire]
         error: list[BaseException] = []
+        seconds = [0.0]
 
-        def copy_all() -> None:
+        def lay_out_all() -> None:
             try:
-                for i, spec in enumerate(specs):
-                    if ready[i] is None:
-                        weight_sync.copy_to_host(buffers[spec.name], flat[spec.name], spec)
-                    copied[i].set()
+                for i, spec in enumerate(wire):
+                    t0 = time.perf_counter()
+                    source = decode_layout.serving_source(spec.name, model, **options)
+                    if _fits(source, spec):  # a view of the model's array: sent as it lies
+                        ready[i] = source
+                    else:
+                        decode_layout.fill_serving(buffers[spec.name], spec.name, model, **options)
+                        ready[i] = buffers[spec.name]
+                    seconds[0] += time.perf_counter() - t0
+                    done[i].set()
             except BaseException as err:  # noqa: BLE001 -- re-raised in the sending thread
                 error.append(err)
-                for event in copied:
+                for event in done:
                     event.set()
 
-        copier = threading.Thread(target=copy_all, name="weight-stage", daemon=True)
-        copier.start()
+        worker = threading.Thread(target=lay_out_all, name="weight-layout", daemon=True)
+        worker.start()
         try:
-            for i, spec in enumerate(specs):
-                copied[i].wait()
+            for i in range(len(wire)):
+                done[i].wait()
                 if error:
                     raise error[0]
-                conn.sendall(_bytes_of(ready[i] if ready[i] is not None else buffers[spec.name]))
+                conn.sendall(_bytes_of(ready[i]))
         finally:
-            copier.join()
+            worker.join()
+        return seconds[0]
 
     def _connect(self) -> socket.socket:
         try:
@@ -347,12 +411,23 @@ class WeightSender:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def _handshake(self, conn: socket.socket) -> list[TensorSpec]:
+    def _handshake(self, conn: socket.socket) -> tuple[dict, list[TensorSpec], list[TensorSpec]]:
+        """(layout, the host's params, its serving tensors in wire order) from its SPEC."""
         hello = _recv_exact(conn, len(MAGIC) + _NONCE_BYTES)
         if not hello.startswith(MAGIC):
             raise InferenceError(f"{self.address}:{self.port} is not a weight receiver")
         conn.sendall(_mac(self._key, hello[len(MAGIC) :]))
-        return _specs_from(_parse_json(self._expect(conn, b"SPEC", raw=True), "SPEC"), "SPEC")
+        spec = _parse_json(self._expect(conn, b"SPEC", raw=True), "SPEC")
+        layout = spec.get("layout")
+        if not (isinstance(layout, dict) and layout.get("name") == decode_layout.WIRE_LAYOUT):
+            name = layout.get("name") if isinstance(layout, dict) else layout
+            raise ValueError(
+                f"weights not sent: the host at {self.address}:{self.port} receives layout "
+                f"{name!r}, this pusher sends {decode_layout.WIRE_LAYOUT!r} (pusher and host "
+                "must run the same weight layout)"
+            )
+        params = _specs_from({"tensors": spec.get("params")}, "SPEC's params")
+        return layout, params, _specs_from(spec, "SPEC")
 
     def _expect(self, conn: socket.socket, kind: bytes, raw: bool = False) -> Any:
         got, payload = _recv_frame(conn)
@@ -369,17 +444,34 @@ class WeightSender:
         return payload if raw else _parse_json(payload, kind.decode().strip())
 
 
-def _as_ready(leaf: Any, spec: TensorSpec) -> np.ndarray | None:
-    """`leaf` itself when it can go on the wire as it is (a C-contiguous numpy array of the
-    spec's dtype and shape), else None."""
-    if (
-        isinstance(leaf, np.ndarray)
-        and leaf.dtype == spec.dtype
-        and leaf.shape == spec.shape
-        and leaf.flags.c_contiguous
-    ):
-        return leaf
-    return None
+def _fits(array: np.ndarray | None, spec: TensorSpec) -> bool:
+    """Whether `array` can go on the wire as it is (C-contiguous, the spec's dtype and shape)."""
+    return (
+        array is not None
+        and array.dtype == spec.dtype
+        and array.shape == spec.shape
+        and array.flags.c_contiguous
+    )
+
+
+class _LazyHostArrays(Mapping):
+    """The pushed params by name as numpy arrays in the host's dtypes, each made on first
+    read (`weight_sync.host_array`: a view where the leaf already is one, else a cast or a
+    copy off its device), so the first tensors go on the wire before the last are read."""
+
+    def __init__(self, flat: dict, specs: dict[str, TensorSpec]):
+        self._flat, self._specs, self._arrays = flat, specs, {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = weight_sync.host_array(self._flat[name], self._specs[name])
+        return self._arrays[name]
+
+    def __iter__(self):
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
 
 
 def _reusable_buffers(
