@@ -167,6 +167,7 @@ COMMANDS: dict[str, object] = {
     ),
     "python scripts/run_sweep.py experiments/offpolicy_robustness_smollm2.py --subprocess "
     "--prune": DRY_RUN,
+    "nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_toy.py --prune": DRY_RUN,
     "python scripts/run_sweep.py experiments/one_step_off_vs_sync.py --subprocess --prune": (
         DRY_RUN
     ),
@@ -194,6 +195,9 @@ COMMANDS: dict[str, object] = {
     "results/offpolicy_robustness_toy": PARSE_ONLY,
     "python -m a3po_jax.cli.results results/offpolicy_robustness_smollm2 --out "
     "results/offpolicy_robustness_smollm2": PARSE_ONLY,
+    "python -m a3po_jax.cli.results results/offpolicy_lab_toy --out results/offpolicy_lab_toy": (
+        PARSE_ONLY
+    ),
     "python -m a3po_jax.cli.results results/one_step_off_vs_sync --out "
     "results/one_step_off_vs_sync": PARSE_ONLY,
     "python -m a3po_jax.cli.results results/a3po_vs_recompute_smollm2 --out "
