@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         plans.append((run, cfg, overrides))
 
-    if not args.dry_run and args.compile_cache:
+    # In this process only when the runs are: with --subprocess the children get the cache
+    # through their environment, and this process (a test's, say) keeps its own settings.
+    if not args.dry_run and args.compile_cache and not args.subprocess:
         _enable_compile_cache(args.compile_cache)
 
     from a3po_jax.cli import train

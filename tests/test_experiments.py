@@ -487,12 +487,21 @@ def test_launch_inference_host_dry_run(capsys):
 
 
 def test_run_sweep_subprocess_mode_runs_each_run_in_a_child(tmp_path, capsys):
+    import jax
+
     run_sweep = load_script("run_sweep")
     path = str(ROOT / "experiments" / "a3po_compare_toy.py")
+    cache = tmp_path / "jax_cache"
     argv = [path, "--out", str(tmp_path), "--prune", "--subprocess", "steps=2"]
+    argv += ["--compile-cache", str(cache)]
+    before = jax.config.jax_compilation_cache_dir
     assert run_sweep.main([*argv, "--only", "mode-sync_prox-behav_seed-0"]) == 0
     assert completed_steps(tmp_path / "mode-sync_prox-behav_seed-0") == 2
     assert "done in" in capsys.readouterr().out
+    assert any(cache.iterdir())  # the child compiled into the sweep's cache...
+    # ...and this process's compilations stay out of it (they would land there for the
+    # rest of the test session).
+    assert jax.config.jax_compilation_cache_dir == before
 
 
 def test_run_sweep_stops_when_a_run_is_stopped(tmp_path, capsys, monkeypatch):
