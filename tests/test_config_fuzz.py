@@ -217,7 +217,9 @@ def test_zero_tiny_and_huge_numbers_build_or_are_refused_naming_the_field(workdi
 @example(key="task.split", text="validation")
 @example(key="model.name", text="/no/such/model")
 @example(key="system.inference_hosts", text="localhost")
+@example(key="system.inference_hosts", text=" ")  # no address: once passed, then the token
 @example(key="algo.loss", text="")
+@example(key="algo.loss", text="\n")  # once echoed raw in the registry's hint: two lines
 @example(key="run_dir", text="")
 @given(
     key=st.sampled_from(TEXT),

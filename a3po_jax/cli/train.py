@@ -489,7 +489,10 @@ def _read_token(path: str) -> str:
             raise Refused(f"config error: system.host_token_file={path!r}: {err}") from err
     token = os.environ.get("A3PO_HOST_TOKEN", "")
     if not token:
-        raise Refused("remote hosts need system.host_token_file or A3PO_HOST_TOKEN")
+        raise Refused(
+            "config error: system.inference_hosts (remote hosts) needs "
+            "system.host_token_file or A3PO_HOST_TOKEN"
+        )
     return token
 
 

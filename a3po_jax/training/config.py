@@ -450,6 +450,11 @@ class SystemSection:
             _choice("system", "inference_dtype", self.inference_dtype, DTYPES)
         for address in self.inference_hosts.split(","):
             _check_address(address.strip())
+        if self.inference_hosts and not self.inference_hosts.replace(",", "").strip():
+            raise ConfigError(
+                f"system.inference_hosts={self.inference_hosts!r} lists no host:port (leave it "
+                "empty for a host this run starts)"
+            )
         placements = [
             name
             for name, on in (

@@ -142,6 +142,11 @@ def get(name: str, *, what: str = "objective", error: type[Exception] = ValueErr
                 continue
             if name in _REGISTRY:
                 break
-    hint = f" (nor does a module {_PACKAGE}.{name} or {name} on the Python path register it)"
+    # Only a Python identifier names a module that could register it (and fits in one line).
+    hint = (
+        f" (nor does a module {_PACKAGE}.{name} or {name} on the Python path register it)"
+        if name.isidentifier()
+        else ""
+    )
     check_choice(what, name, names(), error=error, hint=hint)
     return _REGISTRY[name]
