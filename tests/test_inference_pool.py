@@ -40,9 +40,12 @@ def expected_tokens(seed: int, sample_index: int, version: int) -> list[int]:
 class FakeHost:
     """An in-process stand-in for a remote host, with kill / freeze / revive switches."""
 
-    def __init__(self, name: str, *, policy: str = "in_flight", delay: float = 0.02):
+    def __init__(
+        self, name: str, *, policy: str = "in_flight", delay: float = 0.02, invariant=False
+    ):
         self.address = name
         self.policy = policy
+        self.invariant = invariant
         self.delay = delay
         self.version = 0
         self.weight_pushes: list[int] = []
@@ -122,6 +125,7 @@ class FakeHost:
         self._check()
         return {
             "update_policy": self.policy,
+            "batch_invariant": self.invariant,
             "version": self.version,
             "tokens_generated": self.generated,
             "samples_done": self.done,
@@ -369,6 +373,15 @@ def test_hosts_must_agree_on_the_update_policy_and_one_must_be_reachable():
         HostPool([])
     with pytest.raises(ValueError, match="hang_timeout_s"):
         HostPool([FakeHost("a")], hang_timeout_s=0)
+
+
+def test_a_pool_is_batch_invariant_only_if_every_host_is():
+    for invariant, expected in (((True, True), True), ((True, False), False)):
+        pool = HostPool([FakeHost(n, invariant=i) for n, i in zip("ab", invariant, strict=True)])
+        try:
+            assert pool.stats()["batch_invariant"] is expected
+        finally:
+            pool.close()
 
 
 def test_every_host_kind_implements_the_host_protocol():

@@ -1,6 +1,8 @@
 """The trainer against a separate-process gRPC inference host (tiny model): weights are
 pushed over the wire with their versions and the rollouts come back stamped with them."""
 
+import dataclasses
+
 import pytest
 from inference_reference import start_grpc_server, stop_grpc_server
 from test_trainer_e2e import LetterTask, make_cfg
@@ -12,12 +14,12 @@ from a3po_jax.training.trainer import Trainer, load_policy
 pytestmark = pytest.mark.slow
 
 
-def start_server(tmp_path, update_policy):
+def start_server(tmp_path, update_policy, *extra):
     """(process, address, token) of a tiny-model host with the given update policy."""
     token_file = tmp_path / "token"
     proc, address = start_grpc_server(
         token_file, "--num-slots", "8", "--prefill-buckets", "64", "--max-cache-len", "96",
-        "--update-policy", update_policy,
+        "--update-policy", update_policy, *extra,
     )  # fmt: skip
     return proc, address, token_file.read_text().strip()
 
@@ -50,6 +52,23 @@ def test_mode_and_host_update_policy_must_agree(tmp_path):
         client = GrpcInferenceClient(address, token)
         with pytest.raises(ValueError, match="update policy 'drain'"):
             Trainer(cfg, load_policy(cfg.model), host=client, task=LetterTask(), console=False)
+        # A reproducible run needs a batch-invariant host: this one is not.
+        cfg = make_cfg(tmp_path, "variant", mode="async", steps=1)
+        cfg = dataclasses.replace(
+            cfg, rollout=dataclasses.replace(cfg.rollout, batch_invariant=True)
+        )
+        with pytest.raises(ValueError, match="--batch-invariant"):
+            Trainer(cfg, load_policy(cfg.model), host=client, task=LetterTask(), console=False)
+        client.close()
+    finally:
+        stop(proc)
+
+
+def test_a_batch_invariant_host_says_so_over_grpc(tmp_path):
+    proc, address, token = start_server(tmp_path, "drain", "--batch-invariant")
+    try:
+        client = GrpcInferenceClient(address, token)
+        assert client.stats()["batch_invariant"] is True
         client.close()
     finally:
         stop(proc)

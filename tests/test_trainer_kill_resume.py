@@ -8,13 +8,18 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from a3po_jax.training.checkpointing import CheckpointManager
-from a3po_jax.training.metrics import read_metrics
+from a3po_jax.training.config import load_experiment
+from a3po_jax.training.metrics import learning_metrics, read_metrics
+from a3po_jax.training.trainer import load_policy
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "experiments" / "smoke_tiny.py"
 
 
 def cli(run_dir, *extra):
@@ -57,3 +62,48 @@ def test_kill_9_then_resume(tmp_path):
     # Steps up to the checkpoint are the ones logged before the kill, untouched.
     for v in range(1, last + 1):
         assert records[v - 1]["loss/total"] == before[v]["loss/total"]
+
+
+def test_kill_9_then_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path):
+    """With the reproducibility options (docs/reproducibility.md), three processes on one
+    machine: an uninterrupted sync run, and a run killed after its third step and resumed,
+    end with the same metrics and parameters, bit for bit."""
+    options = ["rollout.batch_invariant=true", "system.consume_order=admission"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    full_dir, run_dir = tmp_path / "full", tmp_path / "run"
+    done = subprocess.run(
+        cli(full_dir, *options), cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.Popen(
+        cli(run_dir, *options), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(
+        cli(run_dir, *options, "--resume"), cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    full = [learning_metrics(r) for r in read_metrics(full_dir)]
+    records = [learning_metrics(r) for r in read_metrics(run_dir)]
+    assert [r["version"] for r in records] == [r["version"] for r in full] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full, records, strict=True):
+        different = sorted(k for k in a if a[k] != b.get(k))
+        assert not different, f"step {a['version']}: {different}"
+    template = load_policy(load_experiment(SMOKE).model).params
+    params = []
+    for directory in (full_dir, run_dir):
+        with CheckpointManager(directory / "checkpoints", async_save=False) as manager:
+            assert manager.latest_step() == 6
+            params.append(manager.restore_params(params_template=template))
+    for x, y in zip(*(jax.tree.leaves(p) for p in params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-buckets", default="32,64,128,256")
     parser.add_argument("--max-cache-len", type=int, default=None)
     parser.add_argument("--update-policy", default="in_flight", choices=list(UPDATE_POLICIES))
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a sample's numbers never depend on the samples beside it (reproducible runs)",
+    )
     parser.add_argument("--version", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0, help="host seed mixed into requests")
     parser.add_argument("--init-seed", type=int, default=0, help="params seed for --model tiny")
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         version=args.version,
         update_policy=args.update_policy,
         seed=args.seed,
+        batch_invariant=args.batch_invariant,
     )
     if args.warmup:
         host.warmup()

@@ -648,6 +648,12 @@ class EngineCore:
     (laid out with ``shards`` = the ``tensor`` size, `decode_layout.decode_shardings`) and
     the KV cache's heads over ``tensor``, so a model too large for one device serves from
     several. Without one it runs on this process's first device.
+
+    With ``batch_invariant`` the engine compiles one shape per prompt bucket and one decode
+    window: every prompt is prefilled alone (`prefill_rows` = (1,)) and every step attends to
+    the whole cache (`decode_windows` = (capacity,)). A compiled program's rows do not mix,
+    so a sample's tokens and log-probs then depend only on its prompt, its sampling seed and
+    the weights, never on the prompts prefilled with it or on its neighbours' lengths.
     """
 
     def __init__(
@@ -659,6 +665,7 @@ class EngineCore:
         prefill_buckets: tuple[int, ...],
         cache_dtype=None,
         mesh: Mesh | None = None,
+        batch_invariant: bool = False,
     ):
         buckets = tuple(sorted(set(int(b) for b in prefill_buckets)))
         if not buckets or buckets[0] <= 0:
@@ -694,18 +701,22 @@ class EngineCore:
         self._prefill = functools.partial(jits.prefill, config=config, cache_dtype=cache_dtype)
         self._generate = functools.partial(jits.generate, config=config)
         self._recompute = functools.partial(jits.recompute, config=config)
+        # Batch-invariant: one program shape per prompt bucket and one decode window, so a
+        # sample's numbers never depend on which prompts share its prefill or how long its
+        # neighbours run (the cost is in docs/performance.md, "Batch-invariant generation").
+        self.batch_invariant = bool(batch_invariant)
         windows, w = [], buckets[0]
-        while w < self.capacity:
+        while w < self.capacity and not self.batch_invariant:
             windows.append(w)
             w *= 2
         self.decode_windows = (*windows, self.capacity)
         # Prompts prefilled together are padded to a power of two of rows (up to the slot
         # count): one prefill program per (rows, bucket), not per number of prompts.
         rows, r = [], 1
-        while r < self.num_slots:
+        while r < self.num_slots and not self.batch_invariant:
             rows.append(r)
             r *= 2
-        self.prefill_rows = (*rows, self.num_slots)
+        self.prefill_rows = (1,) if self.batch_invariant else (*rows, self.num_slots)
         self._prefill_batch = functools.partial(
             jits.prefill_batch, config=config, cache_dtype=cache_dtype
         )
@@ -766,8 +777,8 @@ class EngineCore:
         are padded to the next of `prefill_rows` (padding rows repeat the first prompt).
         Row r of the result is `prompts[r]`."""
         R = len(prompts)
-        if not 1 <= R <= self.num_slots:
-            raise ValueError(f"prefill_batch takes 1..{self.num_slots} prompts, got {R}")
+        if not 1 <= R <= self.prefill_rows[-1]:
+            raise ValueError(f"prefill_batch takes 1..{self.prefill_rows[-1]} prompts, got {R}")
         Tb = self.bucket_for(max(len(p) for p in prompts))
         Rb = next(r for r in self.prefill_rows if R <= r)
         tokens = np.zeros((Rb, Tb), np.int32)

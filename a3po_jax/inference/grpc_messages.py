@@ -138,7 +138,7 @@ _INT_STATS = (
     "kv_recompute_tokens",
     "weight_port",
 )
-_BOOL_STATS = ("update_pending", "live")
+_BOOL_STATS = ("update_pending", "live", "batch_invariant")
 
 
 def stats_from_proto(message: pb.StatsResponse) -> dict[str, Any]:

@@ -164,6 +164,9 @@ class InferenceHost:
       cache_dtype: KV cache dtype (default: the model's compute dtype).
       mesh: the devices it serves on (`EngineCore`: slots over ``data``, weights and cache
         heads over ``tensor``); default this process's first device.
+      batch_invariant: a sample's tokens and log-probs depend only on its prompt, seed and
+        weights, never on the samples beside it (`EngineCore`; its cost is in
+        docs/performance.md).
     """
 
     def __init__(
@@ -179,6 +182,7 @@ class InferenceHost:
         seed: int = 0,
         cache_dtype=None,
         mesh=None,
+        batch_invariant: bool = False,
     ):
         if update_policy not in UPDATE_POLICIES:
             raise ValueError(
@@ -210,6 +214,7 @@ class InferenceHost:
             prefill_buckets=tuple(prefill_buckets),
             cache_dtype=cache_dtype,
             mesh=mesh,
+            batch_invariant=batch_invariant,
         )
         self.mesh = self._core.mesh
         # Names, shapes and dtypes an update must match.
@@ -503,6 +508,7 @@ class InferenceHost:
             "version": self._version,
             "update_pending": staged,
             "update_policy": self.update_policy,
+            "batch_invariant": self._core.batch_invariant,
             "tokens_per_s": tokens / span if span > 0 else 0.0,
             "samples_done": self._samples_done,
             "tokens_generated": self._tokens_generated,
@@ -793,13 +799,16 @@ class InferenceHost:
             if request.request_id not in self._prefixes:
                 bucket = self._core.bucket_for(len(request.prompt_tokens))
                 to_prefill.setdefault(bucket, {})[request.request_id] = request
+        rows = self._core.prefill_rows[-1]  # 1 when batch-invariant: each prompt alone
         for requests in to_prefill.values():
-            group = list(requests.values())
-            prefixes = self._core.prefill_batch(
-                self._decode_params, [r.prompt_tokens for r in group]
-            )
-            for row, request in enumerate(group):
-                self._prefixes[request.request_id] = _PrefixEntry(prefixes, row, self._version, now)
+            waiting = list(requests.values())
+            for group in (waiting[i : i + rows] for i in range(0, len(waiting), rows)):
+                prefixes = self._core.prefill_batch(
+                    self._decode_params, [r.prompt_tokens for r in group]
+                )
+                for row, request in enumerate(group):
+                    entry = _PrefixEntry(prefixes, row, self._version, now)
+                    self._prefixes[request.request_id] = entry
         # One insert per prefill batch (usually one), every sample of it at once.
         by_batch: dict[int, list[tuple[int, _PrefixEntry, SlotSampling]]] = {}
         runs: list[_SampleRun | None] = [None] * self.num_slots

@@ -44,7 +44,8 @@ class LocalHostProcess:
       update_policy: the host's weight-update policy ("in_flight" or "drain").
       param_dtype / compute_dtype: the serving dtypes.
       init_seed: the params seed of ``model="tiny"``.
-      num_slots, prefill_buckets, max_cache_len: the host's engine (`InferenceHost`).
+      num_slots, prefill_buckets, max_cache_len, batch_invariant: the host's engine
+        (`InferenceHost`).
       start_timeout_s: seconds allowed until the child serves (it loads and compiles).
     """
 
@@ -60,6 +61,7 @@ class LocalHostProcess:
         num_slots: int = 8,
         prefill_buckets: Sequence[int] = (32, 64, 128, 256),
         max_cache_len: int | None = None,
+        batch_invariant: bool = False,
         start_timeout_s: float = 600.0,
     ):
         if not cores:
@@ -76,6 +78,8 @@ class LocalHostProcess:
         ]  # fmt: skip
         if max_cache_len is not None:
             self._args += ["--max-cache-len", str(max_cache_len)]
+        if batch_invariant:
+            self._args.append("--batch-invariant")
         self.start_timeout_s = start_timeout_s
         self.token = secrets.token_urlsafe(32)
         self.address: str | None = None

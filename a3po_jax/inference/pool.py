@@ -192,6 +192,10 @@ class HostPool:
         if len(set(policies.values())) > 1:
             raise ValueError(f"inference hosts disagree on update_policy: {policies}")
         self.update_policy = next(iter(policies.values()))
+        # Reproducible only if every host is (a sample may land on any of them).
+        self.batch_invariant = all(
+            bool(m.stats.get("batch_invariant", False)) for m in self._members if m.name in policies
+        )
 
         self._threads = [
             threading.Thread(target=self._read, args=(i,), name=f"pool-read-{i}", daemon=True)
@@ -349,6 +353,7 @@ class HostPool:
             parked = sum(self._tracked[r].request.num_samples for r in self._parked)
             out: dict[str, Any] = {
                 "update_policy": self.update_policy,
+                "batch_invariant": self.batch_invariant,
                 "version": self._latest[2] if self._latest else _min_version(healthy),
                 "hosts_healthy": len(healthy),
                 "hosts_total": len(self._members),

@@ -238,12 +238,15 @@ class RolloutSection:
     dynamic_sampling: bool = False  # groups with zero reward variance never train
     max_extra_groups: int = -1  # fresh prompts per step replacing filtered groups; -1 = B
     overlong_filter: bool = False  # truncated samples (no EOS) get loss mask 0
+    # A sample's tokens and log-probs independent of the samples beside it (one program
+    # shape per bucket; the cost is in docs/performance.md): for bitwise-reproducible runs
+    batch_invariant: bool = False
 
     def __post_init__(self):
         _check_types("rollout", self)
         for name in ("group_size", "groups_per_step", "max_new_tokens", "num_slots"):
             _positive("rollout", name, getattr(self, name))
-        for name in ("dynamic_sampling", "overlong_filter"):
+        for name in ("dynamic_sampling", "overlong_filter", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"rollout.{name} must be true or false, got {getattr(self, name)!r}"

@@ -74,6 +74,7 @@ def start_local_host(cfg, *, num_slots: int, prefill_buckets: Sequence[int], max
         num_slots=num_slots,
         prefill_buckets=prefill_buckets,
         max_cache_len=max_cache_len,
+        batch_invariant=cfg.rollout.batch_invariant,
     ).start()
 
 

@@ -261,6 +261,30 @@ def _format_number(value: Any) -> str:
     return str(value)  # ints exactly; strings, nan and inf as they are
 
 
+# Keys of a step record that describe the machine and how far generation had run ahead when
+# the step was logged (timings, memory, the host's and the queue's counters), not what the
+# step learned: two runs of one reproducible configuration differ only in these.
+SNAPSHOT_KEYS = (
+    "time/",
+    "throughput/",
+    "mem/",
+    "queue/",
+    "host/",
+    "hosts/",
+    "length/generated_mean",
+    "length/dropped_",
+    "length/trained_minus_generated",
+    "wall_time",
+    "run_dir",
+)
+
+
+def learning_metrics(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` without its `SNAPSHOT_KEYS` (prefixes): what to compare between two runs
+    that should have learned the same (docs/reproducibility.md)."""
+    return {k: v for k, v in record.items() if not k.startswith(SNAPSHOT_KEYS)}
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """Reads ``run_dir/metrics.jsonl`` into a list of records, one per logged step.
 

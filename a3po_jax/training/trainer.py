@@ -151,15 +151,23 @@ def sampling_params(rollout, tokenizer: Any) -> SamplingParams:
     )
 
 
-def check_update_policy(host: Host, system) -> None:
-    """A host started elsewhere has its update policy fixed: refuse a mismatch now rather
-    than train on samples that span versions in a mode that forbids it."""
+def check_host_settings(host: Host, cfg) -> None:
+    """A host started elsewhere has its update policy and batch invariance fixed: refuse a
+    mismatch now rather than train on samples that span versions in a mode that forbids it,
+    or call a run reproducible whose host is not."""
+    system = cfg.system
+    stats = host.stats()
     want = system.effective_update_policy
-    got = host.stats().get("update_policy", want)
+    got = stats.get("update_policy", want)
     if got != want:
         raise ValueError(
             f"system.mode={system.mode!r} needs inference hosts with update policy {want!r}, "
             f"but the host runs {got!r} (start it with --update-policy {want})"
+        )
+    if cfg.rollout.batch_invariant and not stats.get("batch_invariant", False):
+        raise ValueError(
+            "rollout.batch_invariant=true needs batch-invariant inference hosts, but the host "
+            "is not (start it with --batch-invariant)"
         )
 
 
@@ -223,7 +231,7 @@ class Trainer:
         if self._own_host:
             host = self._start_host(policy.params)
         elif self.leader and host is not None:
-            check_update_policy(host, cfg.system)
+            check_host_settings(host, cfg)
         self.host = host
         self._embedded = isinstance(host, InferenceHost)
         # The state and the embedded host hold copies of the initial params; the trainer keeps
@@ -869,6 +877,7 @@ class Trainer:
             version=version,
             update_policy=update_policy,
             seed=0,
+            batch_invariant=rollout.batch_invariant,
         ).start()
 
     def _evaluate(self, version: int) -> dict[str, float]:
