@@ -30,20 +30,27 @@ def cli(run_dir, *extra):
     ]  # fmt: skip
 
 
-def test_kill_9_then_resume(tmp_path):
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def kill_9_after_three_steps(run_dir, env, *extra) -> None:
+    """Starts the run, kill -9s it once three step records are written (the process must
+    still be running then)."""
     proc = subprocess.Popen(
-        cli(run_dir), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+        cli(run_dir, *extra), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3:
             break
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def test_kill_9_then_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    kill_9_after_three_steps(run_dir, env)
 
     manager = CheckpointManager(run_dir / "checkpoints", async_save=False)
     last = manager.latest_step()
@@ -75,18 +82,7 @@ def test_kill_9_then_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path):
         cli(full_dir, *options), cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    proc = subprocess.Popen(
-        cli(run_dir, *options), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_9_after_three_steps(run_dir, env, *options)
     resumed = subprocess.run(
         cli(run_dir, *options, "--resume"), cwd=REPO, env=env, capture_output=True, text=True,
         timeout=900,
