@@ -88,8 +88,19 @@ def run_mode(args, placement: str, label: str, overrides: tuple[str, ...], tmp: 
         "push_held_s": mean("time/weight_push_s"),
         "push_s": push_s,
         "staleness_max": max(r["staleness/max_observed"] for r in records),
+        "staleness_tokens": staleness_histogram(records),
         "reward_mean": statistics.mean(r["reward/mean"] for r in records),
     }
+
+
+def staleness_histogram(records: list[dict]) -> dict[str, int]:
+    """Trained tokens per staleness value (versions), summed over ``records``."""
+    total: dict[str, int] = {}
+    for r in records:
+        tokens = r.get("staleness/tokens") or {"values": [], "counts": []}
+        for value, count in zip(tokens["values"], tokens["counts"], strict=True):
+            total[str(value)] = total.get(str(value), 0) + int(count)
+    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
 def main(argv: list[str] | None = None):

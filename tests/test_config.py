@@ -69,6 +69,17 @@ def test_impossible_combinations_are_refused():
         apply_overrides(TrainConfig(), ["system.one_pass_old=true", "algo.prox=a3po"])
     with pytest.raises(ConfigError, match="dual_clip must be > 1"):
         apply_overrides(TrainConfig(), ["algo.dual_clip=0.5"])
+    lockstep = "system.lockstep_decode_steps=8"
+    for other, named in (
+        ("system.inference_hosts=localhost:5000", "system.inference_hosts"),
+        ("system.inference_cores=1", "system.inference_cores"),
+        ("system.mode=periodic", "system.mode='periodic'"),
+    ):
+        extra = ["system.max_staleness=0"] if "periodic" in other else []
+        with pytest.raises(ConfigError, match=f"lockstep_decode_steps=8 .*not with {named}"):
+            apply_overrides(TrainConfig(), [lockstep, other, *extra])
+    # The embedded host on devices of its own can be driven all the same.
+    apply_overrides(TrainConfig(), [lockstep, "system.inference_devices=1"])
 
 
 def test_staleness_bound_per_mode():

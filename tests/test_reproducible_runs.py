@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import pytest
 
+from a3po_jax.inference import InferenceHost
 from a3po_jax.tasks.toy import LetterTask
 from a3po_jax.training.config import (
     AlgoSection,
@@ -106,3 +107,39 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, mode):
         different = sorted(k for k in r if r[k] != other.get(k))
         assert not different, f"step {r['version']}: {different}"
     assert_bitwise_equal(full_params, resumed_params, "resumed vs uninterrupted parameters")
+
+
+def lockstep_cfg(tmp_path, name, **system):
+    cfg = reproducible_cfg(tmp_path, name, mode="async")
+    return dataclasses.replace(
+        cfg,
+        # Lockstep alone fixes every admission and swap, so neither option is needed.
+        rollout=dataclasses.replace(cfg.rollout, batch_invariant=False),
+        system=dataclasses.replace(
+            cfg.system, max_staleness=2, consume_order="completion", **system
+        ),
+        evaluate=True,  # the held-out evaluation drives the host too
+        eval_prompts=4,
+    )
+
+
+def test_two_lockstep_async_runs_are_bitwise_equal_and_stale(tmp_path):
+    first, params_1 = run(lockstep_cfg(tmp_path, "first", lockstep_decode_steps=3))
+    second, params_2 = run(lockstep_cfg(tmp_path, "second", lockstep_decode_steps=3))
+    assert [r["version"] for r in first if "loss/total" in r] == [1, 2, 3, 4]
+    for a, b in zip(first, second, strict=True):
+        different = sorted(k for k in a if a[k] != b.get(k))
+        assert not different, f"step {a['version']}: {different}"
+    assert_bitwise_equal(params_1, params_2, "lockstep async: final parameters")
+    # It is asynchronous: stale tokens are trained, none staler than η = 2.
+    maxima = [r["staleness/max"] for r in first if "staleness/max" in r]
+    assert 1 <= max(maxima) <= 2, maxima
+    assert "eval/accuracy" in first[-1]
+
+
+def test_lockstep_drives_only_a_host_the_trainer_starts(tmp_path):
+    cfg = lockstep_cfg(tmp_path, "given", lockstep_decode_steps=3)
+    policy = load_policy(cfg.model)
+    with InferenceHost(policy.config, policy.params, num_slots=8) as host:
+        with pytest.raises(ValueError, match="lockstep_decode_steps drives a host this trainer"):
+            Trainer(cfg, policy, host=host, task=LetterTask(), console=False)

@@ -68,6 +68,9 @@ class RolloutWorkers:
         prompt is drawn in their place, the others leave their batch's slot empty (see
         :class:`RolloutQueue`).
       max_extra_groups: that budget (``rollout.extra_groups_budget``).
+      lockstep: no threads: the caller drives an unstarted host itself (:meth:`drive`,
+        ``system.lockstep_decode_steps``), so every admission, decode step and result
+        lands at a point its own logic fixes and the run is a function of its seed.
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class RolloutWorkers:
         ledger: Any = None,
         dynamic_sampling: bool = False,
         max_extra_groups: int = 0,
+        lockstep: bool = False,
     ):
         self.host = host
+        self.lockstep = lockstep
         self.task = task
         self.tokenizer = tokenizer
         self.prompts = prompts
@@ -138,16 +143,36 @@ class RolloutWorkers:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
+        self._started = False
 
     # ------------------------------------------------------------------ the trainer's side
 
     def start(self) -> None:
+        if self.lockstep:
+            self._started = True  # (no threads: drive() does their work)
+            return
         for fn in (self._producer, self._collector):
             thread = threading.Thread(
                 target=self._guarded, args=(fn,), name=f"a3po-{fn.__name__[1:]}", daemon=True
             )
             thread.start()
             self._threads.append(thread)
+
+    def drive(self) -> bool:
+        """Lockstep: one iteration of the (unstarted) host's serving loop, between the
+        producer's and the collector's work done in this thread: every group the staleness
+        budget admits now is submitted first, and every sample the host finished is filed
+        after. True if the host ran a decode step."""
+        self._pump()
+        stepped = self.host.serve_once()
+        self._pump()
+        return stepped
+
+    def _pump(self) -> None:
+        while self._submit_next(timeout=0):
+            pass
+        for res in self.host.poll(timeout=0):
+            self._file(res)
 
     def raise_if_failed(self) -> None:
         """Re-raises (chained) the exception that stopped a worker thread, if any."""
@@ -332,81 +357,91 @@ class RolloutWorkers:
 
     def _producer(self) -> None:
         while not self._stop.is_set():
+            self._submit_next(timeout=0.5)
+
+    def _submit_next(self, timeout: float) -> bool:
+        """Submits one group: a re-issued one first, else one newly admitted under the
+        staleness budget (waiting up to ``timeout`` seconds for room). False if there was
+        none; raises `QueueClosed` once the controller is closed."""
+        with self._inflight_lock:
+            reissue = self._to_submit.pop(0) if self._to_submit else None
+        if reissue is not None:  # pending at the resumed checkpoint: already counted
+            group_id, prompt, version = reissue
+            # A wire id of its own: a host that outlived the old process may still hold
+            # (or deliver) the old "g<id>" request, which must not mix into this one.
+            request_id = f"g{group_id}.re{version}"
+        else:
+            try:
+                group_id, version = self.controller.wait_admit(timeout=timeout)
+            except RolloutTimeout:
+                return False
+            # Drawn and recorded under the lock state() takes: a checkpoint sees every
+            # drawn prompt as pending, or the iterator from before it was drawn.
             with self._inflight_lock:
-                reissue = self._to_submit.pop(0) if self._to_submit else None
-            if reissue is not None:  # pending at the resumed checkpoint: already counted
-                group_id, prompt, version = reissue
-                # A wire id of its own: a host that outlived the old process may still hold
-                # (or deliver) the old "g<id>" request, which must not mix into this one.
-                request_id = f"g{group_id}.re{version}"
-            else:
-                try:
-                    group_id, version = self.controller.wait_admit(timeout=0.5)
-                except RolloutTimeout:
-                    continue
-                except QueueClosed:
-                    return
-                # Drawn and recorded under the lock state() takes: a checkpoint sees every
-                # drawn prompt as pending, or the iterator from before it was drawn.
-                with self._inflight_lock:
-                    before = self.prompts.state()
-                    (prompt,) = self.prompts.next_batch()
-                    self._inflight[group_id] = (prompt, version, before)
-                    if self.ledger is not None:
-                        self.ledger.admit(group_id, prompt.prompt_id, before, version)
-                request_id = f"g{group_id}"
-            with self._inflight_lock:
-                self._request_ids[group_id] = request_id
-                self._group_of[request_id] = group_id
-            tokens = render_prompt(self.tokenizer, prompt)
-            self.host.submit(
-                GenerateRequest(
-                    request_id=request_id,
-                    prompt_tokens=tuple(int(t) for t in tokens),
-                    num_samples=self.group_size,
-                    sampling=self.sampling,
-                    seed=request_seed(self.seed, group_id),
-                )
+                before = self.prompts.state()
+                (prompt,) = self.prompts.next_batch()
+                self._inflight[group_id] = (prompt, version, before)
+                if self.ledger is not None:
+                    self.ledger.admit(group_id, prompt.prompt_id, before, version)
+            request_id = f"g{group_id}"
+        with self._inflight_lock:
+            self._request_ids[group_id] = request_id
+            self._group_of[request_id] = group_id
+        tokens = render_prompt(self.tokenizer, prompt)
+        self.host.submit(
+            GenerateRequest(
+                request_id=request_id,
+                prompt_tokens=tuple(int(t) for t in tokens),
+                num_samples=self.group_size,
+                sampling=self.sampling,
+                seed=request_seed(self.seed, group_id),
             )
+        )
+        return True
 
     def _collector(self) -> None:
         while not self._stop.is_set():
             for res in self.host.poll(timeout=0.2):
-                with self._inflight_lock:
-                    side = self._side_routes.get(res.request_id)
-                    group_id = self._group_of.get(res.request_id)
-                    entry = None if group_id is None else self._inflight.get(group_id)
-                if side is not None:
-                    side.results.put(res)
-                    continue
-                if entry is None:
-                    continue  # a group dropped earlier (e.g. after an error), or an old wire id
-                prompt, version, _ = entry
-                if res.finish_reason == "error":
-                    log.warning("group %d failed on the host: %s", group_id, res.error)
-                    lost = res.error_kind is ErrorKind.LOST
-                    self.queue.drop_group(group_id, "host_lost" if lost else "host_error")
-                    self._forget(group_id)
-                    continue
-                text = self.tokenizer.decode(res.tokens, skip_special_tokens=True)
-                reward, info = shaped_reward(
-                    self.task,
-                    prompt,
-                    text,
-                    finished=res.finish_reason == "stop",
-                    num_tokens=len(res.tokens),
-                    config=self.reward_config,
-                )
-                info = {**info, "num_tokens": len(res.tokens)}
-                self.queue.put(
-                    res.to_rollout(
-                        prompt_id=prompt.prompt_id,
-                        group_id=group_id,
-                        reward=float(reward),
-                        info=info,
-                        admitted_at_version=version,
-                    )
-                )
+                self._file(res)
+
+    def _file(self, res: SampleResult) -> None:
+        """Files one finished sample: into the queue (scored), to its side channel, or away
+        (a group dropped earlier, an old wire id)."""
+        with self._inflight_lock:
+            side = self._side_routes.get(res.request_id)
+            group_id = self._group_of.get(res.request_id)
+            entry = None if group_id is None else self._inflight.get(group_id)
+        if side is not None:
+            side.results.put(res)
+            return
+        if entry is None:
+            return  # a group dropped earlier (e.g. after an error), or an old wire id
+        prompt, version, _ = entry
+        if res.finish_reason == "error":
+            log.warning("group %d failed on the host: %s", group_id, res.error)
+            lost = res.error_kind is ErrorKind.LOST
+            self.queue.drop_group(group_id, "host_lost" if lost else "host_error")
+            self._forget(group_id)
+            return
+        text = self.tokenizer.decode(res.tokens, skip_special_tokens=True)
+        reward, info = shaped_reward(
+            self.task,
+            prompt,
+            text,
+            finished=res.finish_reason == "stop",
+            num_tokens=len(res.tokens),
+            config=self.reward_config,
+        )
+        info = {**info, "num_tokens": len(res.tokens)}
+        self.queue.put(
+            res.to_rollout(
+                prompt_id=prompt.prompt_id,
+                group_id=group_id,
+                reward=float(reward),
+                info=info,
+                admitted_at_version=version,
+            )
+        )
 
     def _forget(self, group_id: int) -> None:
         with self._inflight_lock:
@@ -485,8 +520,14 @@ class SideChannel:
         """This channel's finished samples: waits up to ``timeout`` seconds for the first,
         then takes what else is there. Raises if the rollout threads stopped (nothing would
         hand results over)."""
-        self._workers.raise_if_failed()
-        if self._workers._stop.is_set() or not self._workers._threads:
+        workers = self._workers
+        workers.raise_if_failed()
+        if workers.lockstep and workers._started:
+            # No collector: drive the host until one of this channel's samples is back.
+            while self.results.empty() and workers.drive():
+                pass
+            timeout = 0
+        elif workers._stop.is_set() or not workers._threads:
             raise RuntimeError("the rollout threads are not running: no results to hand over")
         try:
             out = [self.results.get(timeout=timeout)]

@@ -426,6 +426,11 @@ class SystemSection:
     # Queue order: "completion" (first finished first; long answers train staler, are
     # dropped more) or "admission" (oldest admitted first, waiting for it; docs/training.md)
     consume_order: str = "completion"  # "completion" or "admission" (rollout/queue.py)
+    # Deterministic asynchrony (docs/reproducibility.md): the trainer drives its embedded
+    # host itself, this many decode steps while each train step runs (and as many as its
+    # batch needs while it waits), so admissions, weight swaps and results land at points
+    # the run's logic fixes; 0 = the host runs free in a thread of its own
+    lockstep_decode_steps: int = 0
     # Freed heap memory back to the OS every this many seconds (glibc malloc_trim, a thread;
     # training/heap.py): a CPU run's RSS stays near its live memory instead of creeping up
     trim_heap_every_s: float = 1.0  # 0 = never
@@ -485,6 +490,16 @@ class SystemSection:
             value = getattr(self, name)
             if value != -1 and value < 1:
                 raise ConfigError(f"system.{name} must be a positive int or -1, got {value}")
+        _positive("system", "lockstep_decode_steps", self.lockstep_decode_steps, allow_zero=True)
+        if self.lockstep_decode_steps:
+            clash = [f"system.{p}" for p in placements if p != "inference_devices"]
+            clash += ["system.mode='periodic'"] if self.mode == "periodic" else []
+            if clash:
+                raise ConfigError(
+                    f"system.lockstep_decode_steps={self.lockstep_decode_steps} drives the "
+                    f"run's embedded host from the trainer's thread: not with {clash[0]} "
+                    "(set system.lockstep_decode_steps=0)"
+                )
         if self.mode == "periodic" and self.max_staleness > 0:
             raise ConfigError(
                 "system.mode='periodic' is strictly on-policy: system.max_staleness must be 0, "

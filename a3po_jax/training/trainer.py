@@ -56,7 +56,7 @@ from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed
 from a3po_jax.rollout import filters
 from a3po_jax.rollout.ledger import Ledger, ledger_path
-from a3po_jax.rollout.queue import RolloutQueue, WaitInterrupted
+from a3po_jax.rollout.queue import RolloutQueue, RolloutTimeout, WaitInterrupted
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training import heap, host_placement, recording, step_builder
@@ -121,6 +121,8 @@ def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_di
              "of their own: system.inference_hosts, scripts/launch.py)"),
             (cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling=true (a step whose "
              "groups were all filtered takes no update on process 0 alone)"),
+            (cfg.system.lockstep_decode_steps > 0, "system.lockstep_decode_steps (process 0 "
+             "would decode while the others wait in the step's collective)"),
         )  # fmt: skip
         for on, what in single:
             if on:
@@ -218,6 +220,13 @@ class Trainer:
         self.eta = cfg.staleness_bound
         self.group_size = cfg.rollout.group_size
         self.batch_groups = cfg.rollout.groups_per_step
+        # Deterministic asynchrony: this thread drives the embedded host (`_lockstep_batch`).
+        self.lockstep = cfg.system.lockstep_decode_steps > 0 and replay_dir is None
+        if self.lockstep and host is not None:
+            raise ValueError(
+                "system.lockstep_decode_steps drives a host this trainer starts (embedded), "
+                "not one it is given: set system.lockstep_decode_steps=0"
+            )
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.task = task if task is not None else make_task(cfg.task.name, **cfg.task.kwargs)
@@ -303,6 +312,7 @@ class Trainer:
             consume_order=cfg.system.consume_order,
             dynamic_sampling=cfg.rollout.dynamic_sampling,
             max_extra_groups=cfg.rollout.extra_groups_budget,
+            lockstep=self.lockstep,
         )
 
     def _recorder(self) -> recording.RolloutRecorder | None:
@@ -408,6 +418,28 @@ class Trainer:
         self._overlong_masked += masked["overlong_masked"]
         return batch, arrays
 
+    def _lockstep_batch(self, version: int) -> list[RolloutGroup]:
+        """Lockstep: the step's batch, driving the host one decode step at a time until it
+        is there; `WaitInterrupted` on SIGTERM."""
+        stop = self._stop_while_waiting()
+        while True:
+            try:
+                return self.workers.get_batch(self.batch_groups, trainer_version=version, timeout=0)
+            except RolloutTimeout:
+                pass
+            if stop is not None and stop():
+                raise WaitInterrupted("stop requested while generating the batch")
+            if not self.workers.drive():
+                try:  # a sample filed by the last iteration may have completed it
+                    return self.workers.get_batch(
+                        self.batch_groups, trainer_version=version, timeout=0
+                    )
+                except RolloutTimeout:
+                    raise RuntimeError(
+                        "lockstep: the host has nothing left to generate and the batch is "
+                        "not complete (groups lost?)"
+                    ) from None
+
     def _train_on(self, groups: list[RolloutGroup], version: int) -> tuple[TrainBatch, dict]:
         batch, arrays = self._batch_from_groups(groups, self.plan)
         self.state, metrics = self._train_step(
@@ -447,8 +479,8 @@ class Trainer:
         the swap, briefly, and trim. Under "drain" the swap waits for older requests to
         finish: nothing to wait for here.
         """
-        if self._trimmer is None or self.host.update_policy == "drain":
-            return
+        if self._trimmer is None or self.host.update_policy == "drain" or self.lockstep:
+            return  # (lockstep: the swap comes with the next decode step this thread runs)
         if self.host.wait_serving(version, timeout=SWAP_WAIT_S):
             heap.trim()
 
@@ -693,17 +725,23 @@ class Trainer:
             timings["time/train_s"] = time.perf_counter() - t0 - timings["time/wait_rollouts_s"]
         else:
             t0 = time.perf_counter()
-            groups = self.workers.get_batch(
-                self.batch_groups,
-                trainer_version=version,
-                timeout=self.cfg.system.rollout_timeout_s,
-                interrupted=self._stop_while_waiting(),
-            )
+            if self.lockstep:
+                groups = self._lockstep_batch(version)
+            else:
+                groups = self.workers.get_batch(
+                    self.batch_groups,
+                    trainer_version=version,
+                    timeout=self.cfg.system.rollout_timeout_s,
+                    interrupted=self._stop_while_waiting(),
+                )
             timings["time/wait_rollouts_s"] = time.perf_counter() - t0
             if not groups:  # every slot left empty (dynamic sampling): nothing to train
                 return self._empty_step(step, version, timings, t_step)
             t0 = time.perf_counter()
             batch, metrics = self._train_on(groups, version)
+            # Lockstep: the host's decode steps while the step (dispatched) runs.
+            for _ in range(self.cfg.system.lockstep_decode_steps if self.lockstep else 0):
+                self.workers.drive()
             metrics = jax.device_get(metrics)  # blocks until the step is done
             timings["time/train_s"] = time.perf_counter() - t0
         if groups is None:  # periodic: every slot left empty
@@ -867,7 +905,7 @@ class Trainer:
     def _embedded_host(self, params: Any, version: int, update_policy: str):
         """A started in-process inference host sized by the rollout settings."""
         rollout = self.cfg.rollout
-        return InferenceHost(
+        host = InferenceHost(
             self.policy.config,
             params,
             mesh=self._host_mesh,
@@ -878,7 +916,8 @@ class Trainer:
             update_policy=update_policy,
             seed=0,
             batch_invariant=rollout.batch_invariant,
-        ).start()
+        )
+        return host if self.lockstep else host.start()
 
     def _evaluate(self, version: int) -> dict[str, float]:
         """``eval/*`` metrics of the weights the host serves, version ``version``
