@@ -82,6 +82,14 @@ COMMANDS: dict[str, object] = {
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py --print-config": AS_WRITTEN,
+    "a3po-train experiments/smoke_tiny.py system.mode=sync rollout.batch_invariant=true "
+    "system.consume_order=admission": TINY_RUN,
+    "a3po-train experiments/quickstart_a3po.py system.mode=one_step_off "
+    "rollout.batch_invariant=true system.consume_order=admission run_dir=runs/a": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py system.mode=one_step_off "
+    "rollout.batch_invariant=true system.consume_order=admission run_dir=runs/b": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py system.lockstep_decode_steps=64 "
+    "run_dir=runs/async_a": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py steps=8 checkpoint_every=0 evaluate=false": (
         PRINT_CONFIG
@@ -224,6 +232,9 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_modes.py --experiment experiments/quickstart_a3po.py --steps 10 "
     "--warmup 2": PARSE_ONLY,
     "python scripts/bench_weight_push.py": PARSE_ONLY,
+    "python scripts/bench_reproducible.py": PARSE_ONLY,
+    "python scripts/bench_reproducible.py --experiment experiments/smoke_tiny.py --steps 12 "
+    "--lockstep-steps 8": PARSE_ONLY,
     "python scripts/bench_weight_push.py --dtype bfloat16": PARSE_ONLY,
     "python scripts/bench_weight_push.py --placement devices": PARSE_ONLY,
     "python scripts/bench_packing.py": PARSE_ONLY,
