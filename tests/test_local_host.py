@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from inference_reference import collect, start_grpc_server, stop_grpc_server
 
+from a3po_jax.inference import weight_transfer
 from a3po_jax.inference.grpc_client import GrpcInferenceClient
 from a3po_jax.inference.local_process import LocalHostProcess
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
+from a3po_jax.model.loader import load_model
 from a3po_jax.training import host_placement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +74,12 @@ def test_local_host_runs_on_its_cores_with_a_private_token_and_ends_at_close():
             GenerateRequest("r", (5, 6, 7), sampling=SamplingParams(0.0, max_new_tokens=3))
         )
         assert len(collect(client, 1)[("r", 0)].tokens) == 3
+        # A host on the trainer's machine takes its weights through shared memory.
+        client.update_weights(load_model("tiny").params, 1)
+        client.wait_until_version(1, timeout=60)
+        shared = weight_transfer.SHARED_MEMORY
+        assert bool(client.stats().get("weight_socket")) == shared
+        assert client.last_push["transport"] == ("shared_memory" if shared else "tcp")
         client.close()
     finally:
         host.close()

@@ -7,6 +7,8 @@ against a full recomputation), and that every refusal or broken push leaves the 
 weights as they were.
 """
 
+import functools
+import os
 import socket
 import threading
 
@@ -22,15 +24,28 @@ from a3po_jax.inference.types import GenerateRequest, SamplingParams
 from a3po_jax.inference.weight_transfer import WeightAuthError, WeightReceiver, WeightSender
 
 TOKEN = "weight-token"
+SHARED_ONLY = pytest.mark.skipif(
+    not weight_transfer.SHARED_MEMORY, reason="shared-memory pushes need Linux"
+)
 PROMPT = (5, 6, 7, 8)
 
 
-@pytest.fixture
-def served():
-    """A started float32 host at version 0 with its receiver; yields (host, receiver)."""
+TRANSPORTS = ["tcp", pytest.param("shared", marks=SHARED_ONLY)]
+
+
+def connect(receiver, transport, token=TOKEN):
+    """A sender to `receiver` over its TCP port, or through its shared sets."""
+    local = receiver.local_socket if transport == "shared" else ""
+    return WeightSender("127.0.0.1", receiver.port, token, local_socket=local)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def served(request):
+    """A started float32 host at version 0 with its receiver; yields (host, receiver,
+    sender factory) for each transport."""
     host = InferenceHost(CFG, scaled_params(0), num_slots=2, prefill_buckets=(8,)).start()
     receiver = WeightReceiver(host, TOKEN)
-    yield host, receiver
+    yield host, receiver, functools.partial(connect, receiver, request.param)
     receiver.close()
     host.close()
 
@@ -41,11 +56,12 @@ def greedy(host, request_id, n=6):
 
 
 def test_a_push_installs_the_weights_whole_and_the_host_generates_with_them(served):
-    host, receiver = served
-    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    host, receiver, connect = served
+    sender = connect()
     new = scaled_params(1)
     report = sender.push(new, 1)
     assert report["version"] == 1 and report["bytes"] == sum(x.nbytes for x in jax.tree.leaves(new))
+    assert report["transport"] == ("shared_memory" if sender.local_socket else "tcp")
     assert host.wait_serving(1, timeout=30)
     result = greedy(host, "after")
     np.testing.assert_array_equal(result.tokens, recompute_greedy(new, PROMPT, 6))
@@ -59,31 +75,41 @@ def test_receive_buffers_are_reused_only_once_nothing_holds_them(served, monkeyp
     # The host serves from the receive buffers as they are (aliased on a CPU). A set still
     # held (here: the v1 split kept alive, as a computation reading it would) must never be
     # refilled by a later push; sets nothing holds are, so pushes do not grow memory.
-    host, receiver = served
-    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    host, receiver, connect = served
+    sender = connect()
     sender.push(scaled_params(1), 1)
     assert host.wait_serving(1, timeout=30)
     held = host._decode_params
     v1 = {n: np.array(a) for n, a in weight_sync.flatten_params(held).items()}
     allocated = []
-    real_empty = weight_sync.aligned_empty
+    real_empty, real_shared = weight_sync.aligned_empty, weight_transfer._SharedSet
     monkeypatch.setattr(
         weight_sync, "aligned_empty", lambda *a: allocated.append(a) or real_empty(*a)
     )
+    monkeypatch.setattr(
+        weight_transfer,
+        "_SharedSet",
+        lambda specs: allocated.extend(specs) or real_shared(specs),
+    )
+    fds = []  # open descriptors once the sets exist: a push must not add any
     for version in range(2, 7):
         sender.push(scaled_params(version), version)
         assert host.wait_serving(version, timeout=30)
+        if os.path.isdir("/proc/self/fd"):
+            fds.append(len(os.listdir("/proc/self/fd")))
     for name, array in weight_sync.flatten_params(held).items():
         np.testing.assert_array_equal(np.asarray(array), v1[name], name)
     # Five pushes, two new sets: v2's (v1's is held), v3's (v2's serves); then by turns.
     assert len(allocated) == 2 * len(host.serving_specs())
+    assert len(set(fds[1:])) <= 1, fds  # the pusher closes each descriptor it was sent
     np.testing.assert_array_equal(
         greedy(host, "v6").tokens, recompute_greedy(scaled_params(6), PROMPT, 6)
     )
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("num_slots", [2, 1])  # out-major, and in-major (one slot)
-def test_weights_pushed_in_the_serving_layout_serve_as_an_in_process_update(num_slots):
+def test_weights_pushed_in_the_serving_layout_serve_as_an_in_process_update(num_slots, transport):
     # The pusher lays the weights out as the host serves them (fused, transposed), the host
     # installs the received bytes as they are. Against a host that made its split itself
     # from the same weights (`update_weights`): the same arrays bit for bit, hence the same
@@ -96,7 +122,7 @@ def test_weights_pushed_in_the_serving_layout_serve_as_an_in_process_update(num_
     ]
     receiver = WeightReceiver(hosts[0], TOKEN)
     try:
-        WeightSender("127.0.0.1", receiver.port, TOKEN).push(new, 1)
+        connect(receiver, transport).push(new, 1)
         hosts[1].update_weights(new, 1)
         for host in hosts:
             assert host.wait_serving(1, timeout=30)
@@ -122,8 +148,8 @@ def test_weights_pushed_in_the_serving_layout_serve_as_an_in_process_update(num_
 def test_staged_numpy_and_device_arrays_push_the_same_weights(served):
     # Numpy arrays in the host's dtypes go on the wire as they lie; device arrays are first
     # copied into the sender's buffers. Both must serve the same weights.
-    host, receiver = served
-    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+    host, receiver, connect = served
+    sender = connect()
     new = scaled_params(2)
     staging = weight_sync.StagingBuffers(sender.specs(), sets=1)
     staged = staging.stage(new)
@@ -136,13 +162,14 @@ def test_staged_numpy_and_device_arrays_push_the_same_weights(served):
     np.testing.assert_array_equal(by_staged, recompute_greedy(new, PROMPT, 6))
 
 
-def test_a_bfloat16_host_receives_bfloat16_bytes():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_bfloat16_host_receives_bfloat16_bytes(transport):
     # The pusher casts to the host's dtype on its own device: half the bytes of float32.
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), scaled_params(0))
     host = InferenceHost(CFG, params16, num_slots=2, prefill_buckets=(8,)).start()
     receiver = WeightReceiver(host, TOKEN)
     try:
-        sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+        sender = connect(receiver, transport)
         new32 = scaled_params(3)
         report = sender.push(new32, 1)
         assert report["bytes"] == sum(x.size * 2 for x in jax.tree.leaves(new32))
@@ -159,11 +186,11 @@ def test_a_bfloat16_host_receives_bfloat16_bytes():
 
 
 def test_refusals_name_what_is_wrong_and_change_nothing(served):
-    host, receiver = served
+    host, receiver, connect = served
     before = greedy(host, "before").tokens
     with pytest.raises(WeightAuthError, match="wrong host token"):
-        WeightSender("127.0.0.1", receiver.port, "not-the-token").push(scaled_params(4), 7)
-    sender = WeightSender("127.0.0.1", receiver.port, TOKEN)
+        connect(token="not-the-token").push(scaled_params(4), 7)
+    sender = connect()
     bad = scaled_params(4)
     bad["layers"]["attn"]["q_proj"]["kernel"] = jnp.zeros((2, 64, 4, 8))
     with pytest.raises(ValueError, match=r"layers/attn/q_proj/kernel.*\(2, 64, 4, 8\)"):
@@ -192,7 +219,7 @@ def test_refusals_name_what_is_wrong_and_change_nothing(served):
     host.serving_layout = lambda: {**real_layout(), "name": "stacked"}
     try:
         with pytest.raises(ValueError, match="receives layout 'stacked'.*decode-params-v1"):
-            WeightSender("127.0.0.1", receiver.port, TOKEN).push(scaled_params(4), 7)
+            connect().push(scaled_params(4), 7)
     finally:
         host.serving_layout = real_layout
     assert host.version == 0
@@ -200,7 +227,7 @@ def test_refusals_name_what_is_wrong_and_change_nothing(served):
 
 
 def test_a_push_that_breaks_off_leaves_the_old_weights_and_the_receiver_serving(served):
-    host, receiver = served
+    host, receiver, connect = served
     before = greedy(host, "before").tokens
     with raw_push(receiver.port) as (conn, specs, layout):
         header = {"version": 9, "layout": layout, "tensors": specs}
@@ -209,10 +236,42 @@ def test_a_push_that_breaks_off_leaves_the_old_weights_and_the_receiver_serving(
         conn.sendall(b"\x01" * 1000)  # part of the first tensor, then the pusher dies
     # A later good push still lands; nothing of the broken one was installed meanwhile.
     new = scaled_params(5)
-    WeightSender("127.0.0.1", receiver.port, TOKEN).push(new, 1)
+    connect().push(new, 1)
     assert host.wait_serving(1, timeout=30)
     np.testing.assert_array_equal(greedy(host, "after").tokens, recompute_greedy(new, PROMPT, 6))
     assert not np.array_equal(before, recompute_greedy(new, PROMPT, 6))
+
+
+@SHARED_ONLY
+def test_shared_memory_pushes_need_the_local_socket_and_a_broken_one_changes_nothing(served):
+    host, receiver, _ = served
+    before = greedy(host, "before").tokens
+    # Over TCP the host offers no shared set, and refuses a pusher that asks for one.
+    with raw_push(receiver.port) as (conn, specs, layout):
+        header = {"version": 3, "layout": layout, "tensors": specs, "transport": "shared_memory"}
+        weight_transfer._send_json(conn, b"PUSH", header)
+        kind, payload = weight_transfer._recv_frame(conn)
+        assert kind == b"ERR " and b"only over the host's local socket" in payload
+    # A pusher that gets a shared set, scribbles over part of it and dies before SENT.
+    with raw_push(receiver.local_socket) as (conn, specs, layout):
+        header = {"version": 3, "layout": layout, "tensors": specs, "transport": "shared_memory"}
+        weight_transfer._send_json(conn, b"PUSH", header)
+        (kind, payload), fds = weight_transfer._recv_frame_with_fds(conn)
+        assert kind == b"GO  " and len(fds) == 1
+        size = weight_transfer._parse_json(payload, "GO")["size"]
+        os.pwrite(fds[0], b"\x7f" * min(size, 4096), 0)
+        os.close(fds[0])
+    assert host.version == 0
+    np.testing.assert_array_equal(greedy(host, "broken").tokens, before)
+    # A sender whose local socket does not answer (a host on another machine) takes TCP.
+    away = WeightSender("127.0.0.1", receiver.port, TOKEN, local_socket="a3po-weights-gone")
+    assert away.push(scaled_params(5), 1)["transport"] == "tcp" and away.local_socket == ""
+    report = connect(receiver, "shared").push(scaled_params(6), 2)
+    assert report["transport"] == "shared_memory"
+    assert host.wait_serving(2, timeout=30)
+    np.testing.assert_array_equal(
+        greedy(host, "after").tokens, recompute_greedy(scaled_params(6), PROMPT, 6)
+    )
 
 
 class raw_push:
@@ -220,7 +279,12 @@ class raw_push:
     tensors as JSON lists, layout)."""
 
     def __init__(self, port):
-        self.conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+        if isinstance(port, str):  # the receiver's abstract Unix socket
+            self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.conn.settimeout(30)
+            self.conn.connect("\0" + port)
+        else:
+            self.conn = socket.create_connection(("127.0.0.1", port), timeout=30)
 
     def __enter__(self):
         hello = weight_transfer._recv_exact(self.conn, len(weight_transfer.MAGIC) + 32)

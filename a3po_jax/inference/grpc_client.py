@@ -155,15 +155,18 @@ class GrpcInferenceClient:
     def _weights(self) -> weight_transfer.WeightSender:
         """The sender to the host's weight port, asked anew each time (a host restarted on
         the same address has another weight port)."""
-        port = self.stats().get("weight_port")
+        stats = self.stats()
+        port, local = stats.get("weight_port"), str(stats.get("weight_socket", ""))
         if port is None:
             raise InferenceError(f"host {self.address} reports no weight_port")
-        if self._sender is None or self._sender.port != port:
+        sender = self._sender
+        if sender is None or sender.port != port or sender.offered_socket != local:
             self._sender = weight_transfer.WeightSender(
                 self.address.rsplit(":", 1)[0].strip("[]"),
                 int(port),
                 self._token,
                 timeout=self._weight_timeout,
+                local_socket=local,
             )
         return self._sender
 

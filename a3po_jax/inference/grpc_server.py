@@ -152,6 +152,8 @@ class InferenceServicer(pb_grpc.InferenceHostServicer):
         stats = self._host.stats()
         if self._weights is not None:
             stats["weight_port"] = self._weights.port
+            if self._weights.local_socket:  # pushes from this machine: shared memory
+                stats["weight_socket"] = self._weights.local_socket
         return stats_to_proto(stats)
 
 

@@ -27,6 +27,17 @@ length and a payload)::
     pusher -> host     every serving tensor's raw bytes, in the spec's order
     host   -> pusher   DONE  {"version", "bytes", "receive_s", "install_s"}  (or ERR)
 
+A pusher on the host's machine connects to the receiver's Unix socket instead (an abstract
+name, reported as ``weight_socket``; Linux) and the same exchange moves no tensor bytes
+through a socket: the host answers PUSH with GO and the file descriptor of a shared-memory
+set (a memfd, freed with its last holder, so a killed process leaks nothing), the pusher lays
+the serving tensors out straight into it and sends SENT, and the host serves them from
+there. Only a peer of the host's own user that proved the token receives the descriptor.
+The layout work is then the push's only copy (docs/performance.md has the figures)::
+
+    host   -> pusher   GO  {"set", "size", "offsets"}  + the set's descriptor
+    pusher -> host     SENT                            (every tensor written in place)
+
 The layout is named (`decode_layout.WIRE_LAYOUT`): a pusher and a host of different layouts
 refuse each other by that name before any tensor byte moves. The host validates the layout,
 names, shapes and dtypes before any byte is read, and installs the weights only once every
@@ -38,10 +49,13 @@ address follows the gRPC server's (127.0.0.1 unless told).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import logging
+import mmap
+import os
 import secrets
 import socket
 import struct
@@ -67,6 +81,14 @@ _MAX_HEADER_BYTES = 64 << 20  # a manifest of a few thousand tensors is a few hu
 _RECV_BYTES = 16 << 20
 # Seconds a connection may take to prove the token: a stranger cannot hold a thread long.
 AUTH_TIMEOUT_S = 10.0
+# Shared-memory pushes need memfds and descriptor passing (Linux, Python >= 3.9).
+SHARED_MEMORY = (
+    sys.platform.startswith("linux")
+    and hasattr(os, "memfd_create")
+    and hasattr(socket, "send_fds")
+    and hasattr(socket, "SO_PEERCRED")
+)
+SHARED = "shared_memory"  # the PUSH header's "transport" for a push through a shared set
 
 
 class WeightAuthError(InferenceError):
@@ -77,8 +99,12 @@ def _mac(key: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, nonce, hashlib.sha256).digest()
 
 
+def _frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return _FRAME.pack(kind, len(payload)) + payload
+
+
 def _send_frame(conn: socket.socket, kind: bytes, payload: bytes = b"") -> None:
-    conn.sendall(_FRAME.pack(kind, len(payload)) + payload)
+    conn.sendall(_frame(kind, payload))
 
 
 def _send_json(conn: socket.socket, kind: bytes, value: Any) -> None:
@@ -143,13 +169,24 @@ class WeightReceiver:
       bind: address to listen on (the gRPC server's).
       port: 0 picks a free one (`port` says which).
       timeout: seconds a connection may stall before it is dropped.
+      shared_memory: also listen on a Unix socket (`local_socket`) for pushes through shared
+        memory from this machine; None = where the platform has it (`SHARED_MEMORY`).
     """
 
     def __init__(
-        self, host: Any, token: str, *, bind: str = "127.0.0.1", port: int = 0, timeout=600.0
+        self,
+        host: Any,
+        token: str,
+        *,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        timeout=600.0,
+        shared_memory: bool | None = None,
     ):
         if not token:
             raise ValueError("token must be a non-empty string")
+        if shared_memory and not SHARED_MEMORY:
+            raise ValueError("shared-memory weight pushes need Linux (memfd, SCM_RIGHTS)")
         self._host = host
         self._key = token.encode()
         self._timeout = timeout
@@ -157,14 +194,27 @@ class WeightReceiver:
         self.port = self._sock.getsockname()[1]
         self._install_lock = threading.Lock()
         # Sets of receive buffers. The host serves from a set as it is (a CPU aliases it), so a
-        # set is filled again only once nothing but this list holds it (`_free_buffers`):
+        # set is filled again only once nothing but this list holds it (`_free_set`):
         # reused, a set costs no page faults per push, which for fresh memory cost as much
-        # as the receive itself (docs/performance.md).
+        # as the receive itself (docs/performance.md). Shared sets are kept apart.
         self._sets: list[dict[str, np.ndarray]] = []
+        self._shared_sets: list[_SharedSet] = []
         self._closed = threading.Event()
         self._counts = {"pushes": 0, "bytes": 0, "receive_s": 0.0, "install_s": 0.0}
-        self._thread = threading.Thread(target=self._accept, name="weight-receiver", daemon=True)
-        self._thread.start()
+        self._listeners = [self._sock]
+        self.local_socket = ""  # the abstract Unix socket's name ("" = none)
+        if SHARED_MEMORY if shared_memory is None else shared_memory:
+            self.local_socket = f"a3po-weights-{secrets.token_hex(12)}"
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind("\0" + self.local_socket)  # abstract: no file to leave behind
+            unix.listen()
+            self._listeners.append(unix)
+        self._threads = [
+            threading.Thread(target=self._accept, args=(sock,), name="weight-receiver", daemon=True)
+            for sock in self._listeners
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stats(self) -> dict[str, float]:
         """Pushes installed, their bytes, and seconds spent receiving and installing (totals)."""
@@ -172,16 +222,24 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._closed.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
+        for sock in self._listeners:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                sock.close()
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for shared in self._shared_sets:
+            shared.close()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # closed
             threading.Thread(
@@ -189,11 +247,15 @@ class WeightReceiver:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        local = conn.family == socket.AF_UNIX
         with conn:
             conn.settimeout(min(self._timeout, AUTH_TIMEOUT_S))  # the long one once proven
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not local:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                self._exchange(conn)
+                if local and _peer_uid(conn) != os.getuid():
+                    raise WeightAuthError("a local pusher must run as the host's user")
+                self._exchange(conn, local)
             except (ValueError, HostClosedError) as err:
                 kind = "closed" if isinstance(err, HostClosedError) else "invalid"
                 log.warning("weight push refused: %s", err)
@@ -204,7 +266,7 @@ class WeightReceiver:
             except (OSError, ConnectionError) as err:
                 log.warning("weight push broke off (serving weights unchanged): %s", err)
 
-    def _exchange(self, conn: socket.socket) -> None:
+    def _exchange(self, conn: socket.socket, local: bool) -> None:
         nonce = secrets.token_bytes(_NONCE_BYTES)
         conn.sendall(MAGIC + nonce)
         if not hmac.compare_digest(_recv_exact(conn, 32), _mac(self._key, nonce)):
@@ -220,6 +282,7 @@ class WeightReceiver:
                 "layout": layout,
                 "tensors": [s.to_json() for s in specs],
                 "params": [s.to_json() for s in params],
+                "shared_memory": local,
             },
         )
         kind, payload = _recv_frame(conn)
@@ -236,13 +299,26 @@ class WeightReceiver:
                 f"weights rejected: the pusher lays them out as {header.get('layout')!r}, this "
                 f"host receives {layout!r} (pusher and host must run the same weight layout)"
             )
+        transport = header.get("transport", "tcp")
+        if transport not in ("tcp", SHARED) or (transport == SHARED and not local):
+            raise ValueError(
+                f"transport {transport!r} is not offered on this connection (tcp; "
+                f"{SHARED!r} only over the host's local socket)"
+            )
         weight_sync.check_specs_match(specs, _specs_from(header, "the PUSH header"))
         with self._install_lock:
-            _send_frame(conn, b"GO  ")
-            buffers = self._free_buffers(specs)
             t0 = time.perf_counter()
-            for spec in specs:
-                _recv_into(conn, _bytes_of(buffers[spec.name]))
+            if transport == SHARED:
+                shared = self._free_shared_set(specs)
+                go = {"set": shared.key, "size": shared.size, "offsets": shared.offsets}
+                socket.send_fds(conn, [_frame(b"GO  ", json.dumps(go).encode())], [shared.fd])
+                self._expect_sent(conn)
+                buffers = shared.arrays
+            else:
+                _send_frame(conn, b"GO  ")
+                buffers = self._free_buffers(specs)
+                for spec in specs:
+                    _recv_into(conn, _bytes_of(buffers[spec.name]))
             t1 = time.perf_counter()
             # Every byte is here: only now does anything reach the host.
             self._host.install_serving(buffers, version)
@@ -255,26 +331,101 @@ class WeightReceiver:
         _send_json(
             conn,
             b"DONE",
-            {"version": version, "bytes": nbytes, "receive_s": t1 - t0, "install_s": t2 - t1},
+            {
+                "version": version,
+                "bytes": nbytes,
+                "receive_s": t1 - t0,
+                "install_s": t2 - t1,
+                "transport": transport,
+            },
         )
 
-    def _free_buffers(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-        """A set of receive buffers for `specs` that no one else holds, else a new one.
+    @staticmethod
+    def _expect_sent(conn: socket.socket) -> None:
+        kind, _ = _recv_frame(conn)
+        if kind != b"SENT":
+            raise ValueError(f"expected a SENT frame, got {kind!r}")
 
-        The host's arrays made from a set hold its memory's owner (`ndarray.base`) for as
-        long as they live, including while a computation still reads them, so an owner
-        referenced by its own array alone (reference count 2, with the call's argument) is
-        free. Up to three sets are kept: serving, staged, and the one being received.
-        """
-        layout = [(s.name, s.shape, s.dtype) for s in specs]
-        if self._sets and [(n, b.shape, b.dtype) for n, b in self._sets[0].items()] != layout:
-            self._sets = []
-        for buffers in self._sets:
-            if all(sys.getrefcount(b.base) <= 2 for b in buffers.values()):
-                return buffers
-        buffers = {s.name: weight_sync.aligned_empty(s.shape, s.dtype) for s in specs}
-        self._sets = [*self._sets[-2:], buffers]
-        return buffers
+    def _free_buffers(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        """A set of receive buffers for `specs` that no one else holds, else a new one."""
+        found = _free_set(self._sets, specs, lambda buffers: buffers)
+        if found is None:
+            found = {s.name: weight_sync.aligned_empty(s.shape, s.dtype) for s in specs}
+            self._sets = [*self._sets[-2:], found]
+        return found
+
+    def _free_shared_set(self, specs: list[TensorSpec]) -> _SharedSet:
+        """`_free_buffers` for shared sets (a set dropped from the list is closed once its
+        last array is gone: the memfd lives while anything maps it)."""
+        found = _free_set(self._shared_sets, specs, lambda shared: shared.arrays)
+        if found is None:
+            found = _SharedSet(specs)
+            for old in self._shared_sets[:-2]:
+                old.close()
+            self._shared_sets = [*self._shared_sets[-2:], found]
+        return found
+
+
+def _free_set(sets: list, specs: list[TensorSpec], arrays_of) -> Any:
+    """The first of `sets` whose arrays fit `specs` and that no one else holds, or None
+    (`sets` is emptied when the layout changed).
+
+    The host's arrays made from a set hold each array's memory owner (`ndarray.base`) for
+    as long as they live, including while a computation still reads them, so an owner
+    referenced by its own array alone (reference count 2, with the call's argument) is free.
+    Up to three sets are kept: serving, staged, and the one being received.
+    """
+    layout = [(s.name, s.shape, s.dtype) for s in specs]
+    if sets and [(n, b.shape, b.dtype) for n, b in arrays_of(sets[0]).items()] != layout:
+        for old in sets:
+            if isinstance(old, _SharedSet):
+                old.close()
+        sets.clear()
+    for candidate in sets:
+        if all(sys.getrefcount(b.base) <= 2 for b in arrays_of(candidate).values()):
+            return candidate
+    return None
+
+
+class _SharedSet:
+    """One set of receive buffers in a memfd: every serving tensor at an aligned offset, each
+    a numpy array over its own slice of the mapping (so its `base` is its own, as
+    `_free_set` needs)."""
+
+    def __init__(self, specs: list[TensorSpec]):
+        self.key = secrets.token_hex(8)
+        self.offsets, at = [], 0
+        for spec in specs:
+            at += -at % weight_sync.ALIGNMENT
+            self.offsets.append(at)
+            at += spec.nbytes
+        self.size = max(at, 1)
+        self.fd = os.memfd_create(f"a3po-weights-{self.key}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        self._map = mmap.mmap(self.fd, self.size)
+        self.arrays = _views(self._map, specs, self.offsets)
+
+    def close(self) -> None:
+        """Closes the descriptor; the memory stays while an array (or a peer) maps it."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _views(buffer: Any, specs: list[TensorSpec], offsets: list[int]) -> dict[str, np.ndarray]:
+    """numpy arrays of `specs` at `offsets` of `buffer` (a writable mapping), each over a
+    memoryview slice of its own."""
+    whole = memoryview(buffer)
+    return {
+        s.name: np.frombuffer(whole[at : at + s.nbytes], np.uint8).view(s.dtype).reshape(s.shape)
+        for s, at in zip(specs, offsets, strict=True)
+    }
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The user id of a Unix socket's peer (SO_PEERCRED: pid, uid, gid)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
 def _try_send_error(conn: socket.socket, kind: str, message: str) -> None:
@@ -296,34 +447,51 @@ class WeightSender:
       port: its weight port (the gRPC server reports it in its stats as ``weight_port``).
       token: the host token.
       timeout: seconds to connect, and that the connection may stall.
+      local_socket: the host's Unix socket (stats' ``weight_socket``): where it answers, the
+        push goes through shared memory; a host on another machine does not, and the push
+        takes the TCP port.
     """
 
-    def __init__(self, address: str, port: int, token: str, *, timeout: float = 600.0):
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        token: str,
+        *,
+        timeout: float = 600.0,
+        local_socket: str = "",
+    ):
         self.address = address
         self.port = int(port)
+        self.offered_socket = local_socket  # as the host reported it
+        self.local_socket = local_socket if SHARED_MEMORY else ""  # "" once it did not answer
         self._key = token.encode()
         self._timeout = timeout
         self._specs: list[TensorSpec] | None = None
         # Host buffers for the serving tensors that are fused or transposed, reused (no page
         # faults per push); one push at a time per sender (`push_lock`).
         self._buffers: dict[str, np.ndarray] | None = None
+        # The host's shared sets mapped here, by key: mapped once, written without page faults.
+        self._maps: dict[str, mmap.mmap] = {}
         self.push_lock = threading.Lock()
 
     def specs(self) -> list[TensorSpec]:
         """The host's params (names, dtypes, shapes of the tree a push takes), asked once."""
         if self._specs is None:
             with self._connect() as conn:
-                self._specs = self._handshake(conn)[1]
+                self._specs = self._handshake(conn).params
                 _send_frame(conn, b"BYE ")
         return self._specs
 
     def push(self, params: Any, version: int) -> dict[str, Any]:
         """Sends `params` (a tree or flat dict; jax or numpy arrays) stamped `version`; returns
-        once the host has installed them, with the host's report plus ``send_s``.
+        once the host has installed them, with the host's report plus ``send_s`` and
+        ``layout_s``.
 
         The tensors go in the host's serving layout (`decode_layout.fill_serving`: q/k/v and
-        gate/up fused, matrices out-major), laid out here tensor by tensor while the previous
-        one is on the wire, so the host installs what it receives as it is. Floating-point
+        gate/up fused, matrices out-major): over TCP laid out here tensor by tensor while
+        the previous one is on the wire, through shared memory laid out straight into the
+        host's buffers, so the host installs what it receives as it is. Floating-point
         tensors are cast to the host's dtypes first, on their own device.
 
         Raises ValueError (the host refused the weights: a name, shape, dtype or layout),
@@ -335,17 +503,25 @@ class WeightSender:
         flat = weight_sync.as_flat(params)
         try:
             with self.push_lock, self._connect() as conn:
-                layout, self._specs, wire = self._handshake(conn)
+                spec = self._handshake(conn)
+                self._specs = spec.params
                 weight_sync.check_names({s.name: s for s in self._specs}, flat)
                 header = {
                     "version": version,
-                    "layout": layout,
-                    "tensors": [s.to_json() for s in wire],
+                    "layout": spec.layout,
+                    "tensors": [s.to_json() for s in spec.wire],
                 }
+                if spec.shared_memory:
+                    header["transport"] = SHARED
                 _send_json(conn, b"PUSH", header)
-                self._expect(conn, b"GO  ", raw=True)
+                model = _LazyHostArrays(flat, {s.name: s for s in self._specs})
                 t0 = time.perf_counter()
-                layout_s = self._send_tensors(conn, layout, wire, self._specs, flat)
+                if spec.shared_memory:
+                    layout_s = self._write_shared(conn, spec, model)
+                else:
+                    self._expect(conn, b"GO  ", raw=True)
+                    t0 = time.perf_counter()
+                    layout_s = self._send_tensors(conn, spec, model)
                 t1 = time.perf_counter()
                 report = self._expect(conn, b"DONE")
         except (OSError, ConnectionError) as err:
@@ -354,19 +530,11 @@ class WeightSender:
             ) from None
         return {**report, "send_s": t1 - t0, "layout_s": layout_s}
 
-    def _send_tensors(
-        self,
-        conn: socket.socket,
-        layout: dict,
-        wire: list[TensorSpec],
-        params: list[TensorSpec],
-        flat: dict,
-    ) -> float:
+    def _send_tensors(self, conn: socket.socket, spec: _Spec, model: Mapping) -> float:
         """Lays out serving tensor i + 1 (in a thread) while tensor i is on the wire; returns
         the seconds spent laying out."""
-        options = {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
+        wire = spec.wire
         buffers = self._buffers = _reusable_buffers(self._buffers, wire)
-        model = _LazyHostArrays(flat, {s.name: s for s in params})
         ready: list[np.ndarray | None] = [None] * len(wire)
         done = [threading.Event() for _ in wire]
         error: list[BaseException] = []
@@ -374,14 +542,15 @@ class WeightSender:
 
         def lay_out_all() -> None:
             try:
-                for i, spec in enumerate(wire):
+                for i, tensor in enumerate(wire):
                     t0 = time.perf_counter()
-                    source = decode_layout.serving_source(spec.name, model, **options)
-                    if _fits(source, spec):  # a view of the model's array: sent as it lies
+                    source = decode_layout.serving_source(tensor.name, model, **spec.options)
+                    if _fits(source, tensor):  # a view of the model's array: sent as it lies
                         ready[i] = source
                     else:
-                        decode_layout.fill_serving(buffers[spec.name], spec.name, model, **options)
-                        ready[i] = buffers[spec.name]
+                        out = buffers[tensor.name]
+                        decode_layout.fill_serving(out, tensor.name, model, **spec.options)
+                        ready[i] = out
                     seconds[0] += time.perf_counter() - t0
                     done[i].set()
             except BaseException as err:  # noqa: BLE001 -- re-raised in the sending thread
@@ -401,7 +570,45 @@ class WeightSender:
             worker.join()
         return seconds[0]
 
+    def _write_shared(self, conn: socket.socket, spec: _Spec, model: Mapping) -> float:
+        """Waits for the host's GO and shared set, lays every serving tensor out straight
+        into it, and says SENT; returns the seconds spent laying out."""
+        go, fds = _recv_frame_with_fds(conn)
+        kind, payload = go
+        try:
+            if kind != b"GO  ":
+                self._raise_for(kind, payload, b"GO  ")
+            where = _parse_json(payload, "GO")
+            key, size, offsets = where.get("set"), where.get("size"), where.get("offsets")
+            if not (isinstance(key, str) and isinstance(size, int) and len(fds) == 1):
+                raise InferenceError(f"host {self.address} sent no shared set with its GO")
+            _check_offsets(offsets, spec.wire, size)
+            if key not in self._maps:
+                for old in list(self._maps)[:-3]:  # the host keeps three sets
+                    del self._maps[old]  # unmapped once its last view is gone
+                self._maps[key] = mmap.mmap(fds[0], size)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        views = _views(self._maps[key], spec.wire, offsets)
+        t0 = time.perf_counter()
+        for tensor in spec.wire:
+            decode_layout.fill_serving(views[tensor.name], tensor.name, model, **spec.options)
+        seconds = time.perf_counter() - t0
+        del views
+        _send_frame(conn, b"SENT")
+        return seconds
+
     def _connect(self) -> socket.socket:
+        if self.local_socket:
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.settimeout(self._timeout)
+            try:
+                local.connect("\0" + self.local_socket)
+                return local
+            except OSError:  # another machine (or namespace): the TCP port
+                local.close()
+                self.local_socket = ""
         try:
             conn = socket.create_connection((self.address, self.port), timeout=self._timeout)
         except OSError as err:
@@ -411,8 +618,9 @@ class WeightSender:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def _handshake(self, conn: socket.socket) -> tuple[dict, list[TensorSpec], list[TensorSpec]]:
-        """(layout, the host's params, its serving tensors in wire order) from its SPEC."""
+    def _handshake(self, conn: socket.socket) -> _Spec:
+        """The host's SPEC: its layout, params, serving tensors in wire order, and whether it
+        offers shared memory on this connection."""
         hello = _recv_exact(conn, len(MAGIC) + _NONCE_BYTES)
         if not hello.startswith(MAGIC):
             raise InferenceError(f"{self.address}:{self.port} is not a weight receiver")
@@ -426,11 +634,21 @@ class WeightSender:
                 f"{name!r}, this pusher sends {decode_layout.WIRE_LAYOUT!r} (pusher and host "
                 "must run the same weight layout)"
             )
-        params = _specs_from({"tensors": spec.get("params")}, "SPEC's params")
-        return layout, params, _specs_from(spec, "SPEC")
+        return _Spec(
+            layout=layout,
+            params=_specs_from({"tensors": spec.get("params")}, "SPEC's params"),
+            wire=_specs_from(spec, "SPEC"),
+            shared_memory=spec.get("shared_memory") is True and conn.family == socket.AF_UNIX,
+        )
 
     def _expect(self, conn: socket.socket, kind: bytes, raw: bool = False) -> Any:
         got, payload = _recv_frame(conn)
+        if got != kind:
+            self._raise_for(got, payload, kind)
+        return payload if raw else _parse_json(payload, kind.decode().strip())
+
+    def _raise_for(self, got: bytes, payload: bytes, expected: bytes) -> None:
+        """Raises the host's ERR as its kind of error, or says what frame came instead."""
         if got == b"ERR ":
             err = _parse_json(payload, "ERR")
             message, what = str(err.get("message")), err.get("kind")
@@ -439,9 +657,50 @@ class WeightSender:
             if what == "closed":
                 raise HostClosedError(message)
             raise ValueError(message)
-        if got != kind:
-            raise InferenceError(f"expected a {kind!r} frame from the host, got {got!r}")
-        return payload if raw else _parse_json(payload, kind.decode().strip())
+        raise InferenceError(f"expected a {expected!r} frame from the host, got {got!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """What a host's SPEC says to a pusher."""
+
+    layout: dict
+    params: list[TensorSpec]  # the model's tree
+    wire: list[TensorSpec]  # the serving tensors, in the order they go
+    shared_memory: bool  # the host offers a shared set on this connection
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """`decode_layout.fill_serving`'s layout arguments."""
+        return {"out_major": bool(self.layout["out_major"]), "shards": int(self.layout["shards"])}
+
+
+def _recv_frame_with_fds(conn: socket.socket) -> tuple[tuple[bytes, bytes], list[int]]:
+    """A frame and the descriptors that came with its first bytes (SCM_RIGHTS)."""
+    head, fds, _, _ = socket.recv_fds(conn, _FRAME.size, 1)
+    if not head:
+        raise ConnectionError("connection closed before the host's GO")
+    if len(head) < _FRAME.size:
+        head += _recv_exact(conn, _FRAME.size - len(head))
+    kind, length = _FRAME.unpack(head)
+    if length > _MAX_HEADER_BYTES:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"frame {kind!r} of {length} bytes exceeds {_MAX_HEADER_BYTES}")
+    return (kind, _recv_exact(conn, length)), list(fds)
+
+
+def _check_offsets(offsets: Any, wire: list[TensorSpec], size: int) -> None:
+    """The host's offsets place every serving tensor inside its set, none overlapping."""
+    if not (isinstance(offsets, list) and len(offsets) == len(wire)):
+        raise InferenceError("the host's shared set does not list one offset per tensor")
+    end = 0
+    for at, tensor in zip(offsets, wire, strict=True):
+        if not isinstance(at, int) or at < end or at % weight_sync.ALIGNMENT:
+            raise InferenceError(f"the host's shared set places {tensor.name!r} at {at!r}")
+        end = at + tensor.nbytes
+    if end > size:
+        raise InferenceError(f"the host's shared set of {size} bytes holds only part")
 
 
 def _fits(array: np.ndarray | None, spec: TensorSpec) -> bool:
