@@ -12,10 +12,13 @@ Measured:
 
 * ``loopback``: a plain socket sending the model's bytes to a sink process on the host's
   cores (the link's own limit);
-* ``push``: `GrpcInferenceClient.update_weights` of the trainer's float32 weights (cast to
-  the host's dtype and laid out in its serving layout on the way), until the host reports
-  the new version; with the host's receive and install seconds and the pusher's layout
-  seconds (spent beside the wire);
+* ``push over TCP``: `GrpcInferenceClient.update_weights` of the trainer's float32 weights
+  (cast to the host's dtype and laid out in its serving layout on the way) through the
+  host's TCP weight port, until the host reports the new version;
+* ``push``: the same as a trainer on the host's machine pushes, through shared memory (the
+  pusher lays its layers out straight into the host's buffers, an idle host lays out its
+  share of the layers itself); with the host's receive and install seconds and each side's
+  layout seconds, and the first push alone (its buffers are fresh memory);
 * ``background``: the same through a `HostPool(background_push=True)`, as the trainer pushes
   to local and remote hosts: the seconds the trainer is held (the staging copy) and the
   seconds until the host serves.
@@ -26,8 +29,10 @@ a mesh of its own); a push is ``update_weights`` (device to device, then the ser
 until the host serves it. On a CPU the devices are virtual
 (``--xla_force_host_platform_device_count``, set here), so this is a copy in one memory.
 
-Figures are the median (min-max) over ``--repeats`` pushes after one warm-up push (the first
-allocates the reusable buffers). Prints a table, then one JSON line with the machine.
+Figures are the median (min-max) over ``--repeats`` pushes after ``--warmup`` pushes (3: they
+allocate the host's reusable sets, serving, staged and receiving; a run pushes at every
+step, so what follows is its steady state). Prints a table, then one JSON line with the
+machine.
 """
 
 from __future__ import annotations
@@ -91,31 +96,39 @@ def loopback_gbps(nbytes: int, cores: list[int], repeats: int) -> list[float]:
         sink.kill()
 
 
-def timed_pushes(client: GrpcInferenceClient, params, first_version: int, repeats: int):
-    """(seconds until serving, host reports) of `repeats` pushes after a warm-up."""
-    out, reports = [], []
-    for i in range(repeats + 1):
+def timed_pushes(
+    client: GrpcInferenceClient, params, first_version: int, repeats: int, warmup: int
+):
+    """(seconds until serving, host reports) of `repeats` pushes after `warmup` pushes, and
+    the seconds of the first push."""
+    out, reports, first = [], [], 0.0
+    for i in range(repeats + warmup):
         version = first_version + i
         t0 = time.perf_counter()
         client.update_weights(params, version)
         client.wait_until_version(version, timeout=600)
-        if i:
+        if i == 0:
+            first = time.perf_counter() - t0
+        if i >= warmup:
             out.append(time.perf_counter() - t0)
             reports.append(dict(client.last_push))
-    return out, reports
+    return out, reports, first
 
 
-def background_pushes(pool: HostPool, client, params, first_version: int, repeats: int):
-    """(seconds the caller was held, seconds until serving) of `repeats` pool pushes."""
+def background_pushes(
+    pool: HostPool, client, params, first_version: int, repeats: int, warmup: int
+):
+    """(seconds the caller was held, seconds until serving) of `repeats` pool pushes after
+    `warmup` pushes."""
     held, serving = [], []
-    for i in range(repeats + 1):
+    for i in range(repeats + warmup):
         version = first_version + i
         t0 = time.perf_counter()
         pool.update_weights(params, version)
         t1 = time.perf_counter()
         pool.wait_pushed()
         client.wait_until_version(version, timeout=600)
-        if i:
+        if i >= warmup:
             held.append(t1 - t0)
             serving.append(time.perf_counter() - t0)
     return held, serving
@@ -155,6 +168,12 @@ def main(argv: list[str] | None = None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="served")
     p.add_argument("--host-cores", type=int, default=1, help="cores of the host process")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed pushes first: the host's three reusable sets are allocated by them",
+    )
     p.add_argument("--placement", default="cores", choices=("cores", "devices"))
     p.add_argument("--host-devices", type=int, default=1, help="devices: the host's (tensor)")
     args = p.parse_args(argv)
@@ -174,9 +193,12 @@ def main(argv: list[str] | None = None):
     ).start()
     try:
         client = GrpcInferenceClient(host.address, host.token)
-        push, reports = timed_pushes(client, params, 1, args.repeats)
+        tcp = GrpcInferenceClient(host.address, host.token, shared_memory=False)
+        over_tcp, tcp_reports, _ = timed_pushes(tcp, params, 1, args.repeats, args.warmup)
+        tcp.close()
+        push, reports, first = timed_pushes(client, params, 50, args.repeats, args.warmup)
         pool = HostPool([GrpcInferenceClient(host.address, host.token)], background_push=True)
-        held, serving = background_pushes(pool, client, params, 100, args.repeats)
+        held, serving = background_pushes(pool, client, params, 100, args.repeats, args.warmup)
         pool.close()
         client.close()
     finally:
@@ -185,17 +207,22 @@ def main(argv: list[str] | None = None):
     gb = wire_bytes / 1e9
     rows = {
         "loopback": loop,
-        "push (call -> serving)": push,
+        "push over TCP (call -> serving)": over_tcp,
+        "  pusher lays out (beside the wire)": [r.get("layout_s", 0.0) for r in tcp_reports],
+        "first push (fresh memory)": [first],
+        "push (call -> serving)": push,  # shared memory where the platform has it
         "  host receive": [r["receive_s"] for r in reports],
         "  host install": [r["install_s"] for r in reports],
-        "  pusher lays out (beside the wire)": [r.get("layout_s", 0.0) for r in reports],
+        "  pusher lays out": [r.get("layout_s", 0.0) for r in reports],
+        "  host lays out its share": [r.get("host_layout_s", 0.0) for r in reports],
         "background: caller held": held,
         "background: call -> serving": serving,
     }
     print(
         f"{args.model}: {model_bytes / 1e9:.3f} GB float32, {gb:.3f} GB on the wire "
         f"({args.dtype}); host on cores {host_cores}, trainer on {trainer_cores}; "
-        f"{machine['cpu']} ({', '.join(machine['isa'])})"
+        f"{machine['cpu']} ({', '.join(machine['isa'])}); transport "
+        f"{reports[-1].get('transport', 'tcp')}"
     )
     print(f"{'':<38}{'seconds':>24}{'GB/s (wire bytes)':>20}")
     for name, values in rows.items():
@@ -203,6 +230,8 @@ def main(argv: list[str] | None = None):
         print(f"{name:<38}{summary(values):>24}{gbps:>20.2f}")
     ratio = statistics.median(loop) / statistics.median(push)
     print(f"push / loopback bandwidth: {ratio:.2f}")
+    speedup = statistics.median(over_tcp) / statistics.median(push)
+    print(f"push over TCP / push: {speedup:.2f}x")
     print(
         json.dumps(
             {
@@ -214,6 +243,8 @@ def main(argv: list[str] | None = None):
                 "push_gbps": gb / statistics.median(push),
                 "loopback_gbps": gb / statistics.median(loop),
                 "push_over_loopback": ratio,
+                "tcp_over_push": speedup,
+                "transport": reports[-1].get("transport", "tcp"),
                 "host_cores": host_cores,
                 "trainer_cores": trainer_cores,
                 "machine": machine,

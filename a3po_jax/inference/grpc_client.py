@@ -68,6 +68,8 @@ class GrpcInferenceClient:
       timeout: seconds to wait for the server at start and for unary calls (stats,
         health): a frozen host makes them fail after this long instead of hanging.
       weight_timeout: seconds a weight push may stall (connect, or no byte moving).
+      shared_memory: push through shared memory where the host is on this machine (its
+        stats report a ``weight_socket``); False = always its TCP weight port.
 
     A stream that breaks (host killed, network gone) reports its missing samples as error
     results of kind ``ErrorKind.TRANSPORT``, which `HostPool` re-issues.
@@ -80,8 +82,10 @@ class GrpcInferenceClient:
         *,
         timeout: float = 60.0,
         weight_timeout: float = 600.0,
+        shared_memory: bool = True,
     ):
         self.address = address
+        self._shared_memory = shared_memory
         self._token = token
         self._metadata = auth_metadata(token)
         self._timeout = timeout
@@ -157,6 +161,7 @@ class GrpcInferenceClient:
         the same address has another weight port)."""
         stats = self.stats()
         port, local = stats.get("weight_port"), str(stats.get("weight_socket", ""))
+        local = local if self._shared_memory else ""
         if port is None:
             raise InferenceError(f"host {self.address} reports no weight_port")
         sender = self._sender

@@ -33,10 +33,15 @@ through a socket: the host answers PUSH with GO and the file descriptor of a sha
 set (a memfd, freed with its last holder, so a killed process leaks nothing), the pusher lays
 the serving tensors out straight into it and sends SENT, and the host serves them from
 there. Only a peer of the host's own user that proved the token receives the descriptor.
-The layout work is then the push's only copy (docs/performance.md has the figures)::
+A host with nothing to generate lays out a share of the layers itself (``layout_share``):
+the pusher first copies those layers' weights as they are into the set's raw region, one
+layer at a time, and the host transposes each while the next is copied, so both cores work
+on the push (docs/performance.md has the figures)::
 
-    host   -> pusher   GO  {"set", "size", "offsets"}  + the set's descriptor
-    pusher -> host     SENT                            (every tensor written in place)
+    host   -> pusher   GO  {"set", "size", "offsets",       + the set's descriptor
+                            "host_layers": [first, L], "raw": [[name, offset], ...]}
+    pusher -> host     RAW                                  (once per layer first..L-1)
+    pusher -> host     SENT                                 (its own layers written in place)
 
 The layout is named (`decode_layout.WIRE_LAYOUT`): a pusher and a host of different layouts
 refuse each other by that name before any tensor byte moves. The host validates the layout,
@@ -171,6 +176,10 @@ class WeightReceiver:
       timeout: seconds a connection may stall before it is dropped.
       shared_memory: also listen on a Unix socket (`local_socket`) for pushes through shared
         memory from this machine; None = where the platform has it (`SHARED_MEMORY`).
+      layout_share: the fraction of the layers whose serving tensors the host lays out
+        itself in a shared-memory push that finds it idle (no sample running or waiting),
+        from the raw weights the pusher copies beside them: the two cores split the
+        transposes (docs/performance.md). 0 = the pusher lays out everything.
     """
 
     def __init__(
@@ -182,9 +191,13 @@ class WeightReceiver:
         port: int = 0,
         timeout=600.0,
         shared_memory: bool | None = None,
+        layout_share: float = 0.6,
     ):
         if not token:
             raise ValueError("token must be a non-empty string")
+        if not 0.0 <= layout_share <= 1.0:
+            raise ValueError(f"layout_share must be within [0, 1], got {layout_share!r}")
+        self._layout_share = float(layout_share)
         if shared_memory and not SHARED_MEMORY:
             raise ValueError("shared-memory weight pushes need Linux (memfd, SCM_RIGHTS)")
         self._host = host
@@ -308,11 +321,24 @@ class WeightReceiver:
         weight_sync.check_specs_match(specs, _specs_from(header, "the PUSH header"))
         with self._install_lock:
             t0 = time.perf_counter()
+            host_layout_s = 0.0
             if transport == SHARED:
-                shared = self._free_shared_set(specs)
-                go = {"set": shared.key, "size": shared.size, "offsets": shared.offsets}
+                shared = self._free_shared_set(specs, params)
+                first = shared.first_raw_layer if self._idle() else shared.num_layers
+                go = {
+                    "set": shared.key,
+                    "size": shared.size,
+                    "offsets": shared.offsets,
+                    "host_layers": [first, shared.num_layers],
+                    "raw": [[name, at] for name, at in shared.raw_offsets.items()],
+                }
                 socket.send_fds(conn, [_frame(b"GO  ", json.dumps(go).encode())], [shared.fd])
-                self._expect_sent(conn)
+                for layer in range(first, shared.num_layers):  # each as its raw weights land
+                    _expect_frame(conn, b"RAW ")
+                    t_raw = time.perf_counter()
+                    shared.lay_out_from_raw(specs, layout, layer)
+                    host_layout_s += time.perf_counter() - t_raw
+                _expect_frame(conn, b"SENT")
                 buffers = shared.arrays
             else:
                 _send_frame(conn, b"GO  ")
@@ -337,14 +363,14 @@ class WeightReceiver:
                 "receive_s": t1 - t0,
                 "install_s": t2 - t1,
                 "transport": transport,
+                "host_layout_s": host_layout_s,
             },
         )
 
-    @staticmethod
-    def _expect_sent(conn: socket.socket) -> None:
-        kind, _ = _recv_frame(conn)
-        if kind != b"SENT":
-            raise ValueError(f"expected a SENT frame, got {kind!r}")
+    def _idle(self) -> bool:
+        """Whether the host has no sample running or waiting (its core is free to help)."""
+        stats = self._host.stats()
+        return stats["slots_busy"] == 0 and stats["queue_depth"] == 0
 
     def _free_buffers(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         """A set of receive buffers for `specs` that no one else holds, else a new one."""
@@ -354,12 +380,12 @@ class WeightReceiver:
             self._sets = [*self._sets[-2:], found]
         return found
 
-    def _free_shared_set(self, specs: list[TensorSpec]) -> _SharedSet:
+    def _free_shared_set(self, specs: list[TensorSpec], params: list[TensorSpec]) -> _SharedSet:
         """`_free_buffers` for shared sets (a set dropped from the list is closed once its
         last array is gone: the memfd lives while anything maps it)."""
         found = _free_set(self._shared_sets, specs, lambda shared: shared.arrays)
         if found is None:
-            found = _SharedSet(specs)
+            found = _SharedSet(specs, params, self._layout_share)
             for old in self._shared_sets[:-2]:
                 old.close()
             self._shared_sets = [*self._shared_sets[-2:], found]
@@ -390,26 +416,86 @@ def _free_set(sets: list, specs: list[TensorSpec], arrays_of) -> Any:
 class _SharedSet:
     """One set of receive buffers in a memfd: every serving tensor at an aligned offset, each
     a numpy array over its own slice of the mapping (so its `base` is its own, as
-    `_free_set` needs)."""
+    `_free_set` needs), then a raw region: the stacked layer params of layers
+    ``first_raw_layer`` and up in the model's own layout, for the host's share of a push."""
 
-    def __init__(self, specs: list[TensorSpec]):
+    def __init__(self, specs: list[TensorSpec], params: list[TensorSpec], share: float):
         self.key = secrets.token_hex(8)
-        self.offsets, at = [], 0
-        for spec in specs:
-            at += -at % weight_sync.ALIGNMENT
-            self.offsets.append(at)
-            at += spec.nbytes
-        self.size = max(at, 1)
+        stacked = [p for p in params if p.name.startswith("layers/") and p.shape]
+        self.num_layers = stacked[0].shape[0] if stacked else 0
+        self.first_raw_layer = self.num_layers - round(share * self.num_layers)
+        raw = [
+            TensorSpec(p.name, p.dtype, (self.num_layers - self.first_raw_layer, *p.shape[1:]))
+            for p in stacked
+        ]
+        offsets = _aligned_offsets([*specs, *raw])
+        self.offsets = offsets[: len(specs)]
+        self.raw_offsets = {p.name: at for p, at in zip(raw, offsets[len(specs) :], strict=True)}
+        last = ([*specs, *raw] or [TensorSpec("", np.dtype(np.uint8), (0,))])[-1]
+        self.size = max((offsets[-1] + last.nbytes) if offsets else 0, 1)
         self.fd = os.memfd_create(f"a3po-weights-{self.key}", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.size)
         self._map = mmap.mmap(self.fd, self.size)
         self.arrays = _views(self._map, specs, self.offsets)
+        self.raw = _views(self._map, raw, list(self.raw_offsets.values()))
+
+    def lay_out_from_raw(self, specs: list[TensorSpec], layout: dict, layer: int) -> None:
+        """Writes the serving tensors of `layer` (``first_raw_layer`` or later) from the raw
+        region (what the pusher copied there), as the pusher writes the other layers."""
+        model = _LayerWindow(self.raw, self.first_raw_layer)
+        options = {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
+        for spec in specs:
+            if _layer_of(spec.name) == layer:
+                decode_layout.fill_serving(self.arrays[spec.name], spec.name, model, **options)
 
     def close(self) -> None:
         """Closes the descriptor; the memory stays while an array (or a peer) maps it."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class _LayerWindow(Mapping):
+    """Stacked layer params of layers ``first`` and up, read by absolute layer index
+    (``window[name][layer]``), as `decode_layout.fill_serving` reads the whole stack."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], first: int):
+        self._arrays, self._first = arrays, first
+
+    def __getitem__(self, name: str) -> _Shifted:
+        return _Shifted(self._arrays[name], self._first)
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+
+class _Shifted:
+    def __init__(self, array: np.ndarray, first: int):
+        self._array, self._first = array, first
+
+    def __getitem__(self, layer: int) -> np.ndarray:
+        if layer < self._first:
+            raise IndexError(f"layer {layer} is not in the window from layer {self._first}")
+        return self._array[layer - self._first]
+
+
+def _layer_of(name: str) -> int:
+    """The layer index of a serving tensor "layers/<i>/...", or -1 for the others."""
+    parts = name.split("/")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() else -1
+
+
+def _aligned_offsets(specs: list[TensorSpec]) -> list[int]:
+    """Offsets of `specs` packed one after another, each at a multiple of `ALIGNMENT`."""
+    offsets, at = [], 0
+    for spec in specs:
+        at += -at % weight_sync.ALIGNMENT
+        offsets.append(at)
+        at += spec.nbytes
+    return offsets
 
 
 def _views(buffer: Any, specs: list[TensorSpec], offsets: list[int]) -> dict[str, np.ndarray]:
@@ -426,6 +512,13 @@ def _peer_uid(conn: socket.socket) -> int:
     """The user id of a Unix socket's peer (SO_PEERCRED: pid, uid, gid)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
+
+
+def _expect_frame(conn: socket.socket, kind: bytes) -> bytes:
+    got, payload = _recv_frame(conn)
+    if got != kind:
+        raise ValueError(f"expected a {kind.decode().strip()} frame, got {got!r}")
+    return payload
 
 
 def _try_send_error(conn: socket.socket, kind: str, message: str) -> None:
@@ -590,14 +683,50 @@ class WeightSender:
         finally:
             for fd in fds:
                 os.close(fd)
-        views = _views(self._maps[key], spec.wire, offsets)
+        mapped = self._maps[key]
         t0 = time.perf_counter()
+        first, last = _host_layers(where.get("host_layers"))
+        if first < last:  # the host lays out these layers itself: their raw weights first
+            self._write_raw(conn, mapped, where.get("raw"), model, first, last, size)
+        views = _views(mapped, spec.wire, offsets)
         for tensor in spec.wire:
-            decode_layout.fill_serving(views[tensor.name], tensor.name, model, **spec.options)
+            if not first <= _layer_of(tensor.name) < last:
+                decode_layout.fill_serving(views[tensor.name], tensor.name, model, **spec.options)
         seconds = time.perf_counter() - t0
         del views
         _send_frame(conn, b"SENT")
         return seconds
+
+    def _write_raw(
+        self,
+        conn: socket.socket,
+        mapped: mmap.mmap,
+        raw: Any,
+        model: Mapping,
+        first: int,
+        last: int,
+        size: int,
+    ) -> None:
+        """Copies layers [first, last) of each stacked layer param where the host's GO
+        placed them (the model's own layout, the host's dtypes), saying RAW after each
+        layer so that the host lays it out while the next is copied."""
+        if not isinstance(raw, list):
+            raise InferenceError("the host's GO shares layers but names no raw region")
+        specs, offsets = [], []
+        by_name = {s.name: s for s in self._specs or []}
+        for item in raw:
+            name, at = item if isinstance(item, list) and len(item) == 2 else (None, None)
+            param = by_name.get(name)
+            if param is None or not param.shape or param.shape[0] < last:
+                raise InferenceError(f"the host's raw region names {name!r}")
+            specs.append(TensorSpec(name, param.dtype, (last - first, *param.shape[1:])))
+            offsets.append(at)
+        _check_offsets(offsets, specs, size, ordered=False)
+        views = _views(mapped, specs, offsets)
+        for layer in range(first, last):
+            for name, view in views.items():
+                np.copyto(view[layer - first], model[name][layer], casting="no")
+            _send_frame(conn, b"RAW ")
 
     def _connect(self) -> socket.socket:
         if self.local_socket:
@@ -690,17 +819,33 @@ def _recv_frame_with_fds(conn: socket.socket) -> tuple[tuple[bytes, bytes], list
     return (kind, _recv_exact(conn, length)), list(fds)
 
 
-def _check_offsets(offsets: Any, wire: list[TensorSpec], size: int) -> None:
-    """The host's offsets place every serving tensor inside its set, none overlapping."""
-    if not (isinstance(offsets, list) and len(offsets) == len(wire)):
+def _check_offsets(
+    offsets: Any, tensors: list[TensorSpec], size: int, *, ordered: bool = True
+) -> None:
+    """The host's offsets place every tensor, aligned, inside its set (one after another
+    when `ordered`)."""
+    if not (isinstance(offsets, list) and len(offsets) == len(tensors)):
         raise InferenceError("the host's shared set does not list one offset per tensor")
     end = 0
-    for at, tensor in zip(offsets, wire, strict=True):
-        if not isinstance(at, int) or at < end or at % weight_sync.ALIGNMENT:
+    for at, tensor in zip(offsets, tensors, strict=True):
+        bad = not isinstance(at, int) or isinstance(at, bool) or at < (end if ordered else 0)
+        if bad or at % weight_sync.ALIGNMENT or at + tensor.nbytes > size:
             raise InferenceError(f"the host's shared set places {tensor.name!r} at {at!r}")
         end = at + tensor.nbytes
-    if end > size:
-        raise InferenceError(f"the host's shared set of {size} bytes holds only part")
+
+
+def _host_layers(value: Any) -> tuple[int, int]:
+    """The GO's ``host_layers`` [first, last) (none when absent)."""
+    if value is None:
+        return 0, 0
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and 0 <= value[0] <= value[1]
+    ):
+        raise InferenceError(f"the host's GO has host_layers {value!r}")
+    return value[0], value[1]
 
 
 def _fits(array: np.ndarray | None, spec: TensorSpec) -> bool:
