@@ -78,6 +78,9 @@ def config() -> TrainConfig:
             max_staleness=2,
             update_policy="in_flight",
             micro_batch_size=16,
+            # 1024-token answers in groups of 4: packing saves little, its 4k-token rows'
+            # attention costs more (docs/training.md, "Packing and one-pass log-probs")
+            packed_prompts=False,
             length_bucket=128,
             rollout_timeout_s=3600.0,
         ),

@@ -29,6 +29,7 @@ from a3po_jax.training.config import (
     AlgoSection,
     ConfigError,
     RolloutSection,
+    SystemSection,
     TrainConfig,
 )
 
@@ -59,6 +60,7 @@ def config(unit, k=2, zero="current", prox_rule="a3po"):
             a3po_staleness_unit=unit,
             a3po_zero_staleness=zero,
         ),
+        system=SystemSection(packed_prompts=False),  # the padded rows build_batch lays out
     )
 
 

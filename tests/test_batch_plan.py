@@ -1,6 +1,7 @@
 """The batch plan: the step's geometry from the config in one place, and make_batch."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from a3po_jax.core import train_step as ts
 from a3po_jax.core.batch_plan import BatchPlan, make_batch
 from a3po_jax.core.batching import build_batch
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import TrainConfig, apply_overrides
+from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides
 
 CFG = model.ModelConfig.tiny()
 
@@ -29,7 +30,9 @@ def groups(n=4, g=4, seed=0):
 
 def test_geometry_golden_values():
     # 8 groups of 4 = 32 sequences; 2 minibatches of 16; micro-batches of 4: 8 in all.
-    plan = plan_of("algo.num_minibatches=2", "system.micro_batch_size=4")
+    plan = plan_of(
+        "algo.num_minibatches=2", "system.micro_batch_size=4", "system.packed_prompts=false"
+    )
     assert (plan.rows, plan.minibatch_rows, plan.micro_batch_rows) == (32, 16, 4)
     assert (plan.micro_batches, plan.leading_rows, plan.leading_rows_per_micro_batch) == (8, 32, 4)
     assert not plan.balance_rows  # with 2 minibatches the order decides the versions
@@ -52,7 +55,7 @@ def test_geometry_golden_values():
 
 def test_the_periodic_fold_plan_is_one_group():
     periodic = ("system.mode=periodic", "system.max_staleness=0")
-    fold = plan_of(*periodic, "system.micro_batch_size=2").fold
+    fold = plan_of(*periodic, "system.micro_batch_size=2", "system.packed_prompts=false").fold
     assert (fold.groups, fold.rows, fold.micro_batches, fold.leading_rows) == (1, 4, 2, 4)
     # A packed group is one row: it is never split, whatever system.micro_batch_size says.
     packed = plan_of(
@@ -106,7 +109,10 @@ def test_make_batch_orders_pairs_for_a_pairwise_objective():
 
 
 def test_the_step_refuses_a_batch_its_plan_does_not_describe():
-    cfg = apply_overrides(TrainConfig(), ["rollout.group_size=4", "rollout.groups_per_step=4"])
+    cfg = apply_overrides(
+        TrainConfig(),
+        ["rollout.group_size=4", "rollout.groups_per_step=4", "system.packed_prompts=false"],
+    )
     algo = step_builder.algorithm(cfg, CFG)
     opt = step_builder.optimizer(cfg)
     state = optim.init_train_state(model.init_params(CFG, jax.random.key(0)), opt)
@@ -114,3 +120,90 @@ def test_the_step_refuses_a_batch_its_plan_does_not_describe():
     step = functools.partial(ts.train_step, algo=algo, optimizer=opt, grad_clip=1.0)
     with pytest.raises(ValueError, match="the batch has 8 sequences, its plan 16"):
         jax.eval_shape(step, state, {k: jnp.asarray(v) for k, v in arrays.items()}, None)
+
+
+# --------------------------------------------------------------------------------------
+# system.packed_prompts: "auto" (the default), true, false
+# --------------------------------------------------------------------------------------
+
+
+def test_the_default_packs_whenever_the_geometry_allows():
+    assert TrainConfig().system.packed_prompts == "auto"
+    assert plan_of().packed  # micro_batch_size=0: whole groups in every micro-batch
+    assert plan_of("system.micro_batch_size=8").packed  # a multiple of group_size=4
+    assert plan_of("system.mode=periodic", "system.max_staleness=0").packed
+    assert plan_of("algo.loss=dpo", "rollout.group_size=2").packed
+    assert BatchPlan.packing_refusal(TrainConfig()) is None
+
+
+def test_the_default_trains_unpacked_where_groups_do_not_fit_a_micro_batch():
+    plan = plan_of("system.micro_batch_size=2")  # group_size=4: no error, padded rows
+    assert not plan.packed and plan.leading_rows == plan.rows == 32
+    why = BatchPlan.packing_refusal(apply_overrides(TrainConfig(), ["system.micro_batch_size=2"]))
+    assert "system.micro_batch_size=2" in why and "rollout.group_size=4" in why
+    # Periodic mode with micro-batches that split a group: the fold takes them unpacked.
+    periodic = ("system.mode=periodic", "system.max_staleness=0")
+    assert not plan_of(*periodic, "system.micro_batch_size=2").packed
+
+
+def test_explicit_true_on_a_geometry_that_cannot_pack_is_refused_naming_the_fields():
+    with pytest.raises(ConfigError) as err:
+        plan_of("system.micro_batch_size=2", "system.packed_prompts=true")
+    for field in ("system.packed_prompts", "system.micro_batch_size=2", "rollout.group_size=4"):
+        assert field in str(err.value)
+
+
+def test_explicit_false_stays_unpacked():
+    assert not plan_of("system.packed_prompts=false").packed
+    assert not plan_of("system.packed_prompts=false", "system.micro_batch_size=8").packed
+    assert plan_of("system.packed_prompts=true").packed
+
+
+def test_groups_per_row_under_the_default_packs_or_is_refused_as_packing():
+    assert plan_of("system.groups_per_row=2").packed
+    # Packing is what groups_per_row asks for: its refusal, not an unpacked fallback.
+    with pytest.raises(ConfigError, match="packed row's 8 sequences"):
+        plan_of("system.groups_per_row=2", "system.micro_batch_size=4")
+    with pytest.raises(ConfigError, match="needs system.packed_prompts=true"):
+        plan_of("system.groups_per_row=2", "system.packed_prompts=false")
+
+
+def test_the_default_trains_unpacked_where_packed_rows_do_not_split_over_the_mesh():
+    cfg = TrainConfig()  # 8 groups: 8 packed rows, 32 unpacked
+    assert BatchPlan.from_config(cfg, batch_shards=8).packed
+    assert not BatchPlan.from_config(cfg, batch_shards=16).packed
+    assert "16" in BatchPlan.packing_refusal(cfg, batch_shards=16)
+    assert not step_builder.algorithm(cfg, CFG, batch_shards=16).plan.packed
+    # Explicit true is kept: the trainer's mesh check refuses it, naming both numbers.
+    packed = apply_overrides(cfg, ["system.packed_prompts=true"])
+    assert BatchPlan.from_config(packed, batch_shards=16).packed
+
+
+def test_the_default_never_refuses_a_geometry_that_trains_unpacked():
+    """Over a grid of geometries: wherever false builds, the default builds too, and it is
+    the packed plan where true builds, else the unpacked one."""
+
+    def build(*overrides):
+        try:
+            return apply_overrides(TrainConfig(), list(overrides)).batch_plan
+        except ConfigError:
+            return None
+
+    checked = 0
+    for g, n, k, mb, mode in itertools.product(
+        (1, 2, 4), (1, 2, 4, 8), (1, 2), (0, 1, 2, 4, 8), ("sync", "periodic")
+    ):
+        geometry = (
+            f"rollout.group_size={g}",
+            f"rollout.groups_per_step={n}",
+            f"algo.num_minibatches={k}",
+            f"system.micro_batch_size={mb}",
+            f"system.mode={mode}",
+            "system.max_staleness=0",
+        )
+        unpacked = build(*geometry, "system.packed_prompts=false")
+        packed = build(*geometry, "system.packed_prompts=true")
+        auto = build(*geometry)
+        assert auto == (packed or unpacked), geometry  # None: all three refused
+        checked += auto is not None
+    assert checked > 100

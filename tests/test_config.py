@@ -46,6 +46,7 @@ def test_overrides_parse_types_and_sections():
         ("nosection.x=1", "unknown config section 'nosection'"),
         ("system.max_staleness=two", "system.max_staleness expects an int"),
         ("algo.kl_in_reward=maybe", "algo.kl_in_reward expects a bool"),
+        ("system.packed_prompts=maybe", "system.packed_prompts expects true, false or auto"),
         ("optim.learning_rate=0", "optim.learning_rate must be > 0"),
         ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
         ("task.options=[1]", "task.options must be a JSON object"),
@@ -149,11 +150,39 @@ def test_experiment_files_and_cli(tmp_path, capsys):
 
 
 def test_periodic_micro_batches_must_divide_the_group():
+    periodic = ["system.mode=periodic", "system.max_staleness=0", "system.micro_batch_size=8"]
     with pytest.raises(ConfigError, match="micro_batch_size=8 must divide rollout.group_size=4"):
-        apply_overrides(
-            TrainConfig(),
-            ["system.mode=periodic", "system.max_staleness=0", "system.micro_batch_size=8"],
-        )
+        apply_overrides(TrainConfig(), [*periodic, "system.packed_prompts=false"])
+    # Packed, a group is one row whatever the micro-batch size: the default packs it.
+    assert apply_overrides(TrainConfig(), periodic).batch_plan.packed
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("auto", "auto"), ("AUTO", "auto"), ("true", True), ("on", True), ("false", False)]
+    + [("0", False), ("False", False)],
+)
+def test_packed_prompts_parses_auto_true_and_false(text, value):
+    cfg = apply_overrides(TrainConfig(), [f"system.packed_prompts={text}"])
+    assert cfg.system.packed_prompts == value and type(cfg.system.packed_prompts) is type(value)
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "Auto", "", None, 1, 0, 1.0])
+def test_packed_prompts_refuses_anything_but_auto_true_and_false(value):
+    with pytest.raises(ConfigError, match="system.packed_prompts must be true, false or 'auto'"):
+        dataclasses.replace(TrainConfig().system, packed_prompts=value)
+
+
+def test_saved_configs_keep_their_packing_setting():
+    """A run saved before the default was "auto" has ``false`` in its config.json: it loads
+    (replay, evaluation) as false, and "auto" round-trips as itself."""
+    saved = TrainConfig().to_dict()
+    assert saved["system"]["packed_prompts"] == "auto"
+    assert config_from_dict(json.loads(json.dumps(saved))) == TrainConfig()
+    old = json.loads(json.dumps(saved))
+    old["system"]["packed_prompts"] = False
+    loaded = config_from_dict(old)
+    assert loaded.system.packed_prompts is False and not loaded.batch_plan.packed
 
 
 def test_bad_task_options_stop_the_cli_before_the_model_loads(capsys):

@@ -111,6 +111,8 @@ def generic_bad_values(key: str) -> list:
         return wrong_type + bad
     if hint is bool:
         return wrong_type + [0, 1, "true", 1.0]
+    if hint == bool | str:  # true, false or "auto"
+        return wrong_type + [0, 1, "true", "Auto", "", 1.0]
     if hint is str:
         return wrong_type + [1, 1.5, True, "a\x00b"]
     if hint == tuple[int, ...]:
@@ -304,7 +306,7 @@ def valid_configs(draw) -> dict[str, object]:
     then the combination rules the config documents (periodic is on-policy, a loss may
     fix the group size (DPO trains pairs) or the prox rules it takes (IcePop: not behav),
     async η >= k - 1, one_pass_old needs recompute with one minibatch, the two weight caps
-    are alternatives)."""
+    are alternatives, an unpacked periodic fold's micro-batches divide the group)."""
     values: dict[str, object] = {k: draw(st.sampled_from(c)) for k, c in CHOICES.items()}
     for key, hint in FIELDS.items():
         if hint is bool:
@@ -346,7 +348,16 @@ def valid_configs(draw) -> dict[str, object]:
         values["algo.num_minibatches"], values["system.max_staleness"] = 1, 0
     if values["algo.prox"] != "recompute" or values["algo.num_minibatches"] != 1:
         values["system.one_pass_old"] = False
-    values["system.packed_prompts"] = False  # its geometry is tested in test_packing.py
+    # The default packs wherever micro-batches hold whole groups, else pads: never refused
+    # where false builds (a periodic fold's micro-batches must divide the group unpacked).
+    values["system.packed_prompts"] = draw(st.sampled_from(["auto", False]))
+    mb = draw(st.sampled_from([0, 1, 2, 4, 8]))  # divides every minibatch drawn here
+    unpacked_periodic = (
+        values["system.mode"] == "periodic" and values["system.packed_prompts"] is False
+    )
+    if unpacked_periodic and mb and values["rollout.group_size"] % mb:
+        mb = 0
+    values["system.micro_batch_size"] = mb
     return values
 
 

@@ -210,7 +210,7 @@ def _step_case(seed, **algo):
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4),
         algo=AlgoSection(prox="a3po", **algo),
-        system=SystemSection(micro_batch_size=4),
+        system=SystemSection(micro_batch_size=4, packed_prompts=False),  # padded rows below
     )
     groups = synthetic_groups(
         4,

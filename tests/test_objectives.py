@@ -22,10 +22,17 @@ from a3po_jax.core.batching import build_batch
 from a3po_jax.core.objectives import registry
 from a3po_jax.core.stats import finalize
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, ConfigError, RolloutSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    ConfigError,
+    RolloutSection,
+    SystemSection,
+    TrainConfig,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = model.ModelConfig.tiny()
+UNPACKED = SystemSection(packed_prompts=False)  # the padded rows build_batch lays out
 
 
 # The recipe's module, as docs/losses.md shows it ("Adding an objective"): plain REINFORCE
@@ -130,7 +137,8 @@ def _batch(group_size: int, dpo: bool = False, seed: int = 0):
 
 def test_decoupled_ppo_loss_is_the_steps_term_finalized():
     cfg = TrainConfig(
-        algo=AlgoSection(prox="a3po", behav_weight_cap=1.2, cap_mode="truncate", dual_clip=3.0)
+        algo=AlgoSection(prox="a3po", behav_weight_cap=1.2, cap_mode="truncate", dual_clip=3.0),
+        system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)
     batch = _batch(4)
@@ -165,6 +173,7 @@ def test_online_dpo_loss_is_the_steps_term_finalized():
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=2, groups_per_step=8),
         algo=AlgoSection(loss="dpo", dpo_kind="ipo"),
+        system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)
     batch = _batch(2, dpo=True, seed=1)

@@ -30,6 +30,7 @@ from a3po_jax.training.config import AlgoSection, ConfigError, SystemSection, Tr
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = model.ModelConfig.tiny()
+UNPACKED = SystemSection(packed_prompts=False)  # the padded rows build_batch lays out
 
 # One sequence of four tokens, used by several golden values: π_θ, π_behav and the
 # token ratios ρ = π_θ/π_behav = [1.1111, 1, 0.8571, 2].
@@ -360,7 +361,9 @@ def _model_batch(seed=0):
 
 @pytest.mark.parametrize("loss_name", ["m2po", "gspo", "icepop"])
 def test_each_objective_is_its_public_loss_through_the_step(loss_name):
-    cfg = TrainConfig(algo=AlgoSection(loss=loss_name, prox="a3po", icepop_low=0.8))
+    cfg = TrainConfig(
+        algo=AlgoSection(loss=loss_name, prox="a3po", icepop_low=0.8), system=UNPACKED
+    )
     algo = step_builder.algorithm(cfg, CFG)
     assert not algo.needs_old_pass and not algo.needs_reference
     batch = _model_batch()
@@ -392,7 +395,10 @@ def test_each_objective_is_its_public_loss_through_the_step(loss_name):
 def test_a3po_reads_the_staleness_unit_as_for_ppo(loss_name, unit):
     # With several minibatches the step puts d in training steps beside d in updates;
     # A-3PO's α reads the one algo.a3po_staleness_unit names, in these terms as in ppo's.
-    cfg = TrainConfig(algo=AlgoSection(loss=loss_name, prox="a3po", a3po_staleness_unit=unit))
+    cfg = TrainConfig(
+        algo=AlgoSection(loss=loss_name, prox="a3po", a3po_staleness_unit=unit),
+        system=UNPACKED,
+    )
     algo = step_builder.algorithm(cfg, CFG)
     batch = _model_batch()
     logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
@@ -528,7 +534,8 @@ def test_each_objective_trains_through_the_cli(tmp_path, loss_name, metric):
     ],
 )
 def test_micro_batched_step_equals_full_batch(loss_name, extra, metric, exercised):
-    algo = step_builder.algorithm(TrainConfig(algo=AlgoSection(loss=loss_name, **extra)), CFG)
+    cfg = TrainConfig(algo=AlgoSection(loss=loss_name, **extra), system=UNPACKED)
+    algo = step_builder.algorithm(cfg, CFG)
     params = model.init_params(CFG, jax.random.key(1))
     batch = _model_batch(seed=2)
 

@@ -309,7 +309,7 @@ def test_groups_per_row_validation():
     with pytest.raises(ConfigError, match="system.groups_per_row"):
         SystemSection(groups_per_row=0)
     with pytest.raises(ConfigError, match="system.packed_prompts"):
-        TrainConfig(system=SystemSection(groups_per_row=2))
+        TrainConfig(system=SystemSection(packed_prompts=False, groups_per_row=2))
     with pytest.raises(ConfigError, match="rollout.groups_per_step=4"):
         step_config(groups_per_row=3)
     with pytest.raises(ConfigError, match="algo.num_minibatches=4"):

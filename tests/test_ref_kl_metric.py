@@ -15,15 +15,23 @@ from a3po_jax.core import optim
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, ConfigError, RolloutSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    ConfigError,
+    RolloutSection,
+    SystemSection,
+    TrainConfig,
+)
 
 CFG = model.ModelConfig.tiny()
+UNPACKED = SystemSection(packed_prompts=False)  # the padded rows build_batch lays out
 
 
 def make_config(group_size=4, **algo) -> TrainConfig:
     return TrainConfig(
         rollout=RolloutSection(group_size=group_size, groups_per_step=4),
         algo=AlgoSection(**algo),
+        system=UNPACKED,
     )
 
 

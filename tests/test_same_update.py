@@ -147,6 +147,7 @@ def case_config(name: str) -> TrainConfig:
             "rollout.temperature=0.9",
             "system.length_bucket=16",
             "optim.learning_rate=1e-2",
+            "system.packed_prompts=false",  # as recorded; the packed cases ask for true
         ],
     )
     return apply_overrides(base, CASES[name])

@@ -47,13 +47,14 @@ def make_groups(num_groups=4, group_size=4, seed=0, versions_from=0, vocab=None)
 
 
 def make_config(group_size=4, groups=4, system=None, **algo):
-    """4 groups of 4 (DPO: pairs) unless told; ``system`` holds SystemSection fields."""
+    """4 groups of 4 (DPO: pairs) unless told; ``system`` holds SystemSection fields. The
+    step takes the padded rows the tests build unless ``system`` asks for packed ones."""
     if algo.get("loss") == "dpo" and group_size == 4:
         group_size, groups = 2, 2 * groups
     return TrainConfig(
         rollout=RolloutSection(group_size=group_size, groups_per_step=groups),
         algo=AlgoSection(**algo),
-        system=SystemSection(**(system or {})),
+        system=SystemSection(**{"packed_prompts": False, **(system or {})}),
     )
 
 

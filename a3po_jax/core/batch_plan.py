@@ -14,6 +14,10 @@ N groups per step, k minibatches and ``groups_per_row`` = R:
     micro_batches    = k · minibatch_rows / micro_batch_rows    the step's split
     leading_rows     = N / R packed rows (shared-prompt packing), else rows
 
+``system.packed_prompts`` is resolved here, once, on the host: ``"auto"`` (the default)
+packs whenever the geometry allows it (:meth:`BatchPlan.packing_refusal` says why not),
+``true`` packs or refuses naming the fields, ``false`` never packs.
+
 :func:`make_batch` builds a step's arrays from whole groups in the plan's layout: padded
 rows (:func:`a3po_jax.core.batching.build_batch`) or shared-prompt packed rows
 (:func:`a3po_jax.core.packing.pack_groups`), in the objective's row order (pairs for DPO).
@@ -31,6 +35,9 @@ from a3po_jax.core import objectives, packing
 from a3po_jax.core.batching import TrainBatch, build_batch
 from a3po_jax.core.objectives.registry import ROWS, BatchLayout
 from a3po_jax.core.types import RolloutGroup
+
+# system.packed_prompts' default: packed rows wherever the batch geometry allows them
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +115,47 @@ class BatchPlan:
             )
 
     @classmethod
-    def from_config(cls, cfg: Any) -> BatchPlan:
+    def from_config(cls, cfg: Any, *, batch_shards: int = 1) -> BatchPlan:
         """The plan of a run configuration (``a3po_jax.training.config.TrainConfig``: its
-        ``rollout``, ``algo`` and ``system`` sections; the objective gives the layout)."""
-        return cls(
+        ``rollout``, ``algo`` and ``system`` sections; the objective gives the layout).
+
+        ``system.packed_prompts="auto"`` is packed unless :meth:`packing_refusal` gives a
+        reason, with ``batch_shards`` the ways the trainer's mesh splits the batch (its
+        data x fsdp axes); ``system.groups_per_row`` > 1 always packs, since that is what it
+        asks for, so its geometry is refused as packing's."""
+        packed = cfg.system.packed_prompts
+        if packed == AUTO:
+            packed = (
+                cfg.system.groups_per_row != 1
+                or cls.packing_refusal(cfg, batch_shards=batch_shards) is None
+            )
+        return cls(packed=packed, **cls._geometry(cfg))
+
+    @classmethod
+    def packing_refusal(cls, cfg: Any, *, batch_shards: int = 1) -> str | None:
+        """Why this config's batch cannot train in packed rows (None: it can): the packed
+        plan's refusal naming the fields (micro-batches must hold whole groups), or each
+        micro-batch's packed rows not splitting over ``batch_shards`` mesh parts."""
+        try:
+            plan = cls(packed=True, **cls._geometry(cfg))
+        except ValueError as err:
+            return str(err)
+        rows = plan.leading_rows_per_micro_batch
+        if rows % batch_shards:
+            return (
+                f"a micro-batch's {rows} packed rows do not split over the mesh's "
+                f"{batch_shards} batch parts (system.mesh_data x system.mesh_fsdp)"
+            )
+        return None
+
+    @staticmethod
+    def _geometry(cfg: Any) -> dict[str, Any]:
+        """Every field of the plan but ``packed``, from the config."""
+        return dict(
             group_size=cfg.rollout.group_size,
             groups=cfg.rollout.groups_per_step,
             num_minibatches=cfg.algo.num_minibatches,
             micro_batch_size=cfg.system.micro_batch_size,
-            packed=cfg.system.packed_prompts,
             groups_per_row=cfg.system.groups_per_row,
             periodic=cfg.system.mode == "periodic",
             layout=objectives.get(cfg.algo.loss).layout,

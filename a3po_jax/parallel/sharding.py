@@ -192,6 +192,11 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: Rules = TRAIN_RULE
     logical_to_spec(("batch",), rules, mesh=mesh, shape=(batch_size,), name="batch")
 
 
+def batch_shards(mesh: Mesh, rules: Rules = TRAIN_RULES) -> int:
+    """How many parts ``rules`` split the batch axis into on ``mesh``."""
+    return math.prod(mesh.shape[axis] for axis in _mesh_axes_tuple(_rule_table(rules)["batch"]))
+
+
 def batch_sharding(
     mesh: Mesh, rules: Rules = TRAIN_RULES, batch_size: int | None = None
 ) -> NamedSharding:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from a3po_jax.core import advantages, importance, losses, objectives, prox
-from a3po_jax.core.batch_plan import BatchPlan
+from a3po_jax.core.batch_plan import AUTO, BatchPlan
 from a3po_jax.core.checks import check_choice, check_finite
 from a3po_jax.rollout.queue import CONSUME_ORDERS
 
@@ -126,8 +126,9 @@ def _hints(cls: type) -> dict[str, Any]:
 def _check_types(section: str, obj: Any) -> None:
     """Every field of the dataclass ``obj`` against its annotation, before any range check:
     bools are bools, ints are ints (not bools) inside int32, floats are finite numbers,
-    strings are strings, ``tuple[int, ...]`` holds such ints. A field added to a section is
-    checked without a line of its own (an experiment file can hand any Python value in)."""
+    strings are strings, ``tuple[int, ...]`` holds such ints, ``bool | str`` is true, false
+    or "auto". A field added to a section is checked without a line of its own (an
+    experiment file can hand any Python value in)."""
     for field in dataclasses.fields(obj):
         hint, value = _hints(type(obj))[field.name], getattr(obj, field.name)
         where = _name(section, field.name)
@@ -136,6 +137,9 @@ def _check_types(section: str, obj: Any) -> None:
                 raise ConfigError(f"{where} must be a tuple of ints, got {value!r}")
             for item in value:
                 _check_value(where, int, item)
+        elif hint == bool | str:  # a switch with an automatic setting
+            if not (isinstance(value, bool) or (isinstance(value, str) and value == AUTO)):
+                raise ConfigError(f"{where} must be true, false or {AUTO!r}, got {value!r}")
         elif hint in (bool, int, float, str):
             _check_value(where, hint, value)
             if hint in (int, float) and value < 0:
@@ -413,10 +417,13 @@ class SystemSection:
     host_health_interval_s: float = 2.0  # remote hosts: seconds between health checks
     max_reissues: int = 2  # re-issues of a request after host failures before it is lost
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row
-    packed_prompts: bool = False  # shared-prompt packing: one row per group (Periodic Async.)
+    # Shared-prompt packing, one row [prompt | r_1 | … | r_G] per group (Periodic Async.),
+    # exact and faster; "auto" packs wherever micro-batches hold whole groups (and split over
+    # the mesh), else pads; true packs or is refused; false pads (docs/training.md)
+    packed_prompts: bool | str = AUTO  # "auto", true or false
     # Groups packed into one row (shared-prompt packing): fewer padded slots, longer
     # attention rows; periodic mode folds one group at a time and always uses 1
-    groups_per_row: int = 1  # with packed_prompts: groups per packed row (>= 1)
+    groups_per_row: int = 1  # groups per packed row (>= 1; > 1 packs, as packed_prompts=true)
     one_pass_old: bool = False  # prox=recompute with 1 minibatch: old = sg(current), no pass
     mesh_data: int = 1  # trainer mesh: data-parallel axis size
     mesh_fsdp: int = -1  # trainer mesh: FSDP axis size (-1 = all remaining devices)
@@ -593,7 +600,9 @@ class TrainConfig:
     def batch_plan(self) -> BatchPlan:
         """The step's batch geometry (:class:`a3po_jax.core.batch_plan.BatchPlan`): rows,
         minibatches, micro-batches and packing, computed from this config in one place;
-        raises :class:`ConfigError` naming the fields when the batch does not split."""
+        raises :class:`ConfigError` naming the fields when the batch does not split. On a
+        mesh that splits the batch the trainer resolves ``system.packed_prompts="auto"``
+        with its mesh (:meth:`BatchPlan.from_config`'s ``batch_shards``)."""
         try:
             return BatchPlan.from_config(self)
         except ValueError as err:
@@ -610,6 +619,13 @@ class TrainConfig:
 
 def _parse_value(text: str, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
+    if annotation == bool | str:  # a switch: true, false or "auto"
+        if text.lower() == AUTO:
+            return AUTO
+        try:
+            return _parse_value(text, bool, where)
+        except ConfigError:
+            raise ConfigError(f"{where} expects true, false or {AUTO}, got {text!r}") from None
     if annotation is bool:
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):

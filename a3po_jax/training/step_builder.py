@@ -14,14 +14,22 @@ import optax
 
 from a3po_jax.core import optim
 from a3po_jax.core.algorithm import Algorithm, build_algorithm
+from a3po_jax.core.batch_plan import BatchPlan
 from a3po_jax.model import ModelConfig
 from a3po_jax.training.config import TrainConfig
 
 
-def algorithm(cfg: TrainConfig, model_config: ModelConfig) -> Algorithm:
+def algorithm(cfg: TrainConfig, model_config: ModelConfig, *, batch_shards: int = 1) -> Algorithm:
     """The step's algorithm for ``cfg`` and the policy's architecture, with the config's
-    batch plan (computed here once; the trainer reads it back as ``algo.plan``)."""
-    return build_algorithm(cfg, model_config, cfg.batch_plan)
+    batch plan (computed here once; the trainer reads it back as ``algo.plan``), its
+    ``system.packed_prompts="auto"`` resolved for a mesh that splits the batch into
+    ``batch_shards`` parts."""
+    plan = (
+        cfg.batch_plan
+        if batch_shards == 1
+        else BatchPlan.from_config(cfg, batch_shards=batch_shards)
+    )
+    return build_algorithm(cfg, model_config, plan)
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -46,14 +46,14 @@ import numpy as np
 
 from a3po_jax.core import optim, placement
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batch_plan import BatchPlan, make_batch
+from a3po_jax.core.batch_plan import AUTO, BatchPlan, make_batch
 from a3po_jax.core.batching import TrainBatch
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
-from a3po_jax.parallel import distributed
+from a3po_jax.parallel import distributed, sharding
 from a3po_jax.rollout import filters
 from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.queue import RolloutQueue, RolloutTimeout, WaitInterrupted
@@ -274,8 +274,16 @@ class Trainer:
         the jitted step."""
         cfg = self.cfg
         self.mesh, self._host_mesh = host_placement.meshes(cfg.system)
-        # The algorithm is resolved from its tables here, once, with the batch plan.
-        self.algo = step_builder.algorithm(cfg, policy.config)
+        # The algorithm is resolved from its tables here, once, with the batch plan (its
+        # packing for this mesh).
+        shards = sharding.batch_shards(self.mesh)
+        self.algo = step_builder.algorithm(cfg, policy.config, batch_shards=shards)
+        if cfg.system.packed_prompts == AUTO and self.leader:
+            why = BatchPlan.packing_refusal(cfg, batch_shards=shards)
+            log.info(
+                "system.packed_prompts=auto: %s",
+                "packed rows" if self.plan.packed else f"padded rows, since {why}",
+            )
         self.optimizer = step_builder.optimizer(cfg)
         self.state = placement.place_train_state(policy.params, self.optimizer, self.mesh)
         # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
