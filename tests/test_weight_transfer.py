@@ -260,16 +260,18 @@ def test_shared_memory_pushes_need_the_local_socket_and_a_broken_one_changes_not
         header = {"version": 3, "layout": layout, "tensors": specs, "transport": "shared_memory"}
         weight_transfer._send_json(conn, b"PUSH", header)
         (kind, payload), fds = weight_transfer._recv_frame_with_fds(conn)
-        assert kind == b"GO  " and len(fds) == 1
+        assert kind == b"GO  " and len(fds) == 2  # the set, and the raw region (an idle host)
         size = weight_transfer._parse_json(payload, "GO")["size"]
         os.pwrite(fds[0], b"\x7f" * min(size, 4096), 0)
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
     # ... or dies after copying the raw layers the host lays out, before SENT.
     with raw_push(receiver.local_socket) as (conn, specs, layout):
         header = {"version": 3, "layout": layout, "tensors": specs, "transport": "shared_memory"}
         weight_transfer._send_json(conn, b"PUSH", header)
         (kind, payload), fds = weight_transfer._recv_frame_with_fds(conn)
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
         assert weight_transfer._parse_json(payload, "GO")["host_layers"][0] < CFG.n_layers
         weight_transfer._send_frame(conn, b"RAW ")
     assert host.version == 0

@@ -39,7 +39,8 @@ layer at a time, and the host transposes each while the next is copied, so both 
 on the push (docs/performance.md has the figures)::
 
     host   -> pusher   GO  {"set", "size", "offsets",       + the set's descriptor
-                            "host_layers": [first, L], "raw": [[name, offset], ...]}
+                            "host_layers": [first, L],        + the raw region's (if any)
+                            "raw_set", "raw_size", "raw": [[name, offset], ...]}
     pusher -> host     RAW                                  (once per layer first..L-1)
     pusher -> host     SENT                                 (its own layers written in place)
 
@@ -212,6 +213,7 @@ class WeightReceiver:
         # as the receive itself (docs/performance.md). Shared sets are kept apart.
         self._sets: list[dict[str, np.ndarray]] = []
         self._shared_sets: list[_SharedSet] = []
+        self._raw: _RawRegion | None = None
         self._closed = threading.Event()
         self._counts = {"pushes": 0, "bytes": 0, "receive_s": 0.0, "install_s": 0.0}
         self._listeners = [self._sock]
@@ -246,8 +248,9 @@ class WeightReceiver:
                 pass
         for thread in self._threads:
             thread.join(timeout=5)
-        for shared in self._shared_sets:
-            shared.close()
+        for shared in [*self._shared_sets, self._raw]:
+            if shared is not None:
+                shared.close()
 
     def _accept(self, listener: socket.socket) -> None:
         while not self._closed.is_set():
@@ -323,20 +326,24 @@ class WeightReceiver:
             t0 = time.perf_counter()
             host_layout_s = 0.0
             if transport == SHARED:
-                shared = self._free_shared_set(specs, params)
-                first = shared.first_raw_layer if self._idle() else shared.num_layers
-                go = {
-                    "set": shared.key,
-                    "size": shared.size,
-                    "offsets": shared.offsets,
-                    "host_layers": [first, shared.num_layers],
-                    "raw": [[name, at] for name, at in shared.raw_offsets.items()],
-                }
-                socket.send_fds(conn, [_frame(b"GO  ", json.dumps(go).encode())], [shared.fd])
-                for layer in range(first, shared.num_layers):  # each as its raw weights land
+                shared = self._free_shared_set(specs)
+                raw = self._raw_region(params)
+                first = raw.first_layer if self._idle() else raw.num_layers
+                go = {"set": shared.key, "size": shared.size, "offsets": shared.offsets}
+                fds = [shared.fd]
+                if first < raw.num_layers:
+                    go.update(
+                        host_layers=[first, raw.num_layers],
+                        raw_set=raw.key,
+                        raw_size=raw.size,
+                        raw=[[name, at] for name, at in raw.offsets.items()],
+                    )
+                    fds.append(raw.fd)
+                socket.send_fds(conn, [_frame(b"GO  ", json.dumps(go).encode())], fds)
+                for layer in range(first, raw.num_layers):  # each as its raw weights land
                     _expect_frame(conn, b"RAW ")
                     t_raw = time.perf_counter()
-                    shared.lay_out_from_raw(specs, layout, layer)
+                    raw.lay_out(shared.arrays, specs, layout, layer)
                     host_layout_s += time.perf_counter() - t_raw
                 _expect_frame(conn, b"SENT")
                 buffers = shared.arrays
@@ -380,12 +387,20 @@ class WeightReceiver:
             self._sets = [*self._sets[-2:], found]
         return found
 
-    def _free_shared_set(self, specs: list[TensorSpec], params: list[TensorSpec]) -> _SharedSet:
+    def _raw_region(self, params: list[TensorSpec]) -> _RawRegion:
+        """The receiver's raw region, made anew when the params differ from its own."""
+        if self._raw is None or self._raw.params != params:
+            if self._raw is not None:
+                self._raw.close()
+            self._raw = _RawRegion(params, self._layout_share)
+        return self._raw
+
+    def _free_shared_set(self, specs: list[TensorSpec]) -> _SharedSet:
         """`_free_buffers` for shared sets (a set dropped from the list is closed once its
         last array is gone: the memfd lives while anything maps it)."""
         found = _free_set(self._shared_sets, specs, lambda shared: shared.arrays)
         if found is None:
-            found = _SharedSet(specs, params, self._layout_share)
+            found = _SharedSet(specs)
             for old in self._shared_sets[:-2]:
                 old.close()
             self._shared_sets = [*self._shared_sets[-2:], found]
@@ -413,46 +428,67 @@ def _free_set(sets: list, specs: list[TensorSpec], arrays_of) -> Any:
     return None
 
 
-class _SharedSet:
-    """One set of receive buffers in a memfd: every serving tensor at an aligned offset, each
-    a numpy array over its own slice of the mapping (so its `base` is its own, as
-    `_free_set` needs), then a raw region: the stacked layer params of layers
-    ``first_raw_layer`` and up in the model's own layout, for the host's share of a push."""
+class _Memfd:
+    """A memfd of `size` bytes mapped here, with a random key a pusher caches its mapping by."""
 
-    def __init__(self, specs: list[TensorSpec], params: list[TensorSpec], share: float):
+    def __init__(self, size: int):
         self.key = secrets.token_hex(8)
-        stacked = [p for p in params if p.name.startswith("layers/") and p.shape]
-        self.num_layers = stacked[0].shape[0] if stacked else 0
-        self.first_raw_layer = self.num_layers - round(share * self.num_layers)
-        raw = [
-            TensorSpec(p.name, p.dtype, (self.num_layers - self.first_raw_layer, *p.shape[1:]))
-            for p in stacked
-        ]
-        offsets = _aligned_offsets([*specs, *raw])
-        self.offsets = offsets[: len(specs)]
-        self.raw_offsets = {p.name: at for p, at in zip(raw, offsets[len(specs) :], strict=True)}
-        last = ([*specs, *raw] or [TensorSpec("", np.dtype(np.uint8), (0,))])[-1]
-        self.size = max((offsets[-1] + last.nbytes) if offsets else 0, 1)
+        self.size = max(size, 1)
         self.fd = os.memfd_create(f"a3po-weights-{self.key}", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.size)
         self._map = mmap.mmap(self.fd, self.size)
-        self.arrays = _views(self._map, specs, self.offsets)
-        self.raw = _views(self._map, raw, list(self.raw_offsets.values()))
-
-    def lay_out_from_raw(self, specs: list[TensorSpec], layout: dict, layer: int) -> None:
-        """Writes the serving tensors of `layer` (``first_raw_layer`` or later) from the raw
-        region (what the pusher copied there), as the pusher writes the other layers."""
-        model = _LayerWindow(self.raw, self.first_raw_layer)
-        options = {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
-        for spec in specs:
-            if _layer_of(spec.name) == layer:
-                decode_layout.fill_serving(self.arrays[spec.name], spec.name, model, **options)
 
     def close(self) -> None:
         """Closes the descriptor; the memory stays while an array (or a peer) maps it."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class _SharedSet(_Memfd):
+    """One set of receive buffers in a memfd: every serving tensor at an aligned offset, each
+    a numpy array over its own slice of the mapping (so its `base` is its own, as
+    `_free_set` needs)."""
+
+    def __init__(self, specs: list[TensorSpec]):
+        self.offsets = _aligned_offsets(specs)
+        super().__init__(_end(specs, self.offsets))
+        self.arrays = _views(self._map, specs, self.offsets)
+
+
+class _RawRegion(_Memfd):
+    """Where a pusher copies the weights of the layers the host lays out itself (layers
+    ``first_layer`` and up of every stacked layer param, in the model's own layout). One
+    per receiver: pushes install one at a time."""
+
+    def __init__(self, params: list[TensorSpec], share: float):
+        stacked = [p for p in params if p.name.startswith("layers/") and p.shape]
+        self.params = params
+        self.num_layers = stacked[0].shape[0] if stacked else 0
+        self.first_layer = self.num_layers - round(share * self.num_layers)
+        raw = [
+            TensorSpec(p.name, p.dtype, (self.num_layers - self.first_layer, *p.shape[1:]))
+            for p in stacked
+        ]
+        offsets = _aligned_offsets(raw)
+        super().__init__(_end(raw, offsets))
+        self.offsets = {p.name: at for p, at in zip(raw, offsets, strict=True)}
+        self.arrays = _views(self._map, raw, offsets)
+
+    def lay_out(
+        self, out: dict[str, np.ndarray], specs: list[TensorSpec], layout: dict, layer: int
+    ) -> None:
+        """Writes the serving tensors of `layer` (``first_layer`` or later) into `out` from
+        what the pusher copied here, as the pusher writes the other layers."""
+        model = _LayerWindow(self.arrays, self.first_layer)
+        options = {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
+        for spec in specs:
+            if _layer_of(spec.name) == layer:
+                decode_layout.fill_serving(out[spec.name], spec.name, model, **options)
+
+
+def _end(specs: list[TensorSpec], offsets: list[int]) -> int:
+    return offsets[-1] + specs[-1].nbytes if specs else 0
 
 
 class _LayerWindow(Mapping):
@@ -665,29 +701,27 @@ class WeightSender:
 
     def _write_shared(self, conn: socket.socket, spec: _Spec, model: Mapping) -> float:
         """Waits for the host's GO and shared set, lays every serving tensor out straight
-        into it, and says SENT; returns the seconds spent laying out."""
-        go, fds = _recv_frame_with_fds(conn)
-        kind, payload = go
+        into it (first copying the raw weights of the layers the host lays out itself, if
+        it said so), and says SENT; returns the seconds spent."""
+        (kind, payload), fds = _recv_frame_with_fds(conn)
         try:
             if kind != b"GO  ":
                 self._raise_for(kind, payload, b"GO  ")
             where = _parse_json(payload, "GO")
-            key, size, offsets = where.get("set"), where.get("size"), where.get("offsets")
-            if not (isinstance(key, str) and isinstance(size, int) and len(fds) == 1):
-                raise InferenceError(f"host {self.address} sent no shared set with its GO")
-            _check_offsets(offsets, spec.wire, size)
-            if key not in self._maps:
-                for old in list(self._maps)[:-3]:  # the host keeps three sets
-                    del self._maps[old]  # unmapped once its last view is gone
-                self._maps[key] = mmap.mmap(fds[0], size)
+            first, last = _host_layers(where.get("host_layers"))
+            if len(fds) != (2 if first < last else 1):
+                raise InferenceError(f"host {self.address} sent {len(fds)} descriptors")
+            offsets = where.get("offsets")
+            _check_offsets(offsets, spec.wire, where.get("size"))
+            mapped = self._map(where.get("set"), where.get("size"), fds[0])
+            if first < last:
+                raw = self._map(where.get("raw_set"), where.get("raw_size"), fds[1])
         finally:
             for fd in fds:
                 os.close(fd)
-        mapped = self._maps[key]
         t0 = time.perf_counter()
-        first, last = _host_layers(where.get("host_layers"))
         if first < last:  # the host lays out these layers itself: their raw weights first
-            self._write_raw(conn, mapped, where.get("raw"), model, first, last, size)
+            self._write_raw(conn, raw, where.get("raw"), model, first, last)
         views = _views(mapped, spec.wire, offsets)
         for tensor in spec.wire:
             if not first <= _layer_of(tensor.name) < last:
@@ -697,6 +731,16 @@ class WeightSender:
         _send_frame(conn, b"SENT")
         return seconds
 
+    def _map(self, key: Any, size: Any, fd: int) -> mmap.mmap:
+        """The host's memfd `key` mapped here: mapped once, reused while the host uses it."""
+        if not (isinstance(key, str) and isinstance(size, int) and size > 0):
+            raise InferenceError(f"host {self.address} named no shared set ({key!r}, {size!r})")
+        if key not in self._maps:
+            for old in list(self._maps)[:-4]:  # the host keeps three sets and a raw region
+                del self._maps[old]  # unmapped once its last view is gone
+            self._maps[key] = mmap.mmap(fd, size)
+        return self._maps[key]
+
     def _write_raw(
         self,
         conn: socket.socket,
@@ -705,7 +749,6 @@ class WeightSender:
         model: Mapping,
         first: int,
         last: int,
-        size: int,
     ) -> None:
         """Copies layers [first, last) of each stacked layer param where the host's GO
         placed them (the model's own layout, the host's dtypes), saying RAW after each
@@ -721,7 +764,7 @@ class WeightSender:
                 raise InferenceError(f"the host's raw region names {name!r}")
             specs.append(TensorSpec(name, param.dtype, (last - first, *param.shape[1:])))
             offsets.append(at)
-        _check_offsets(offsets, specs, size, ordered=False)
+        _check_offsets(offsets, specs, len(mapped), ordered=False)
         views = _views(mapped, specs, offsets)
         for layer in range(first, last):
             for name, view in views.items():
@@ -806,24 +849,29 @@ class _Spec:
 
 def _recv_frame_with_fds(conn: socket.socket) -> tuple[tuple[bytes, bytes], list[int]]:
     """A frame and the descriptors that came with its first bytes (SCM_RIGHTS)."""
-    head, fds, _, _ = socket.recv_fds(conn, _FRAME.size, 1)
-    if not head:
-        raise ConnectionError("connection closed before the host's GO")
-    if len(head) < _FRAME.size:
-        head += _recv_exact(conn, _FRAME.size - len(head))
-    kind, length = _FRAME.unpack(head)
-    if length > _MAX_HEADER_BYTES:
+    head, fds, _, _ = socket.recv_fds(conn, _FRAME.size, 2)
+    try:
+        if not head:
+            raise ConnectionError("connection closed before the host's GO")
+        if len(head) < _FRAME.size:
+            head += _recv_exact(conn, _FRAME.size - len(head))
+        kind, length = _FRAME.unpack(head)
+        if length > _MAX_HEADER_BYTES:
+            raise ValueError(f"frame {kind!r} of {length} bytes exceeds {_MAX_HEADER_BYTES}")
+        return (kind, _recv_exact(conn, length)), list(fds)
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"frame {kind!r} of {length} bytes exceeds {_MAX_HEADER_BYTES}")
-    return (kind, _recv_exact(conn, length)), list(fds)
+        raise
 
 
 def _check_offsets(
-    offsets: Any, tensors: list[TensorSpec], size: int, *, ordered: bool = True
+    offsets: Any, tensors: list[TensorSpec], size: Any, *, ordered: bool = True
 ) -> None:
     """The host's offsets place every tensor, aligned, inside its set (one after another
     when `ordered`)."""
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise InferenceError(f"the host's shared set has size {size!r}")
     if not (isinstance(offsets, list) and len(offsets) == len(tensors)):
         raise InferenceError("the host's shared set does not list one offset per tensor")
     end = 0
