@@ -507,10 +507,15 @@ def test_kill_9_three_times_then_audit(tmp_path, mode):
     assert result.resumes == 3
     assert result.trained == 10 * 4  # steps x groups_per_step, each position once
     # Completions really came out of order: some step trained a group newer than one a
-    # later step trained.
+    # later step trained; in one_step_off, whose checkpoints (every step here) wait for the
+    # next batch before another is admitted, a step took its groups out of admission order.
     steps = sorted(result.steps)
-    assert any(
-        max(result.steps[a]) > min(result.steps[b]) for a in steps for b in steps if b > a
-    ), result.steps
+    if "system.mode=one_step_off" in mode:
+        assert any(result.steps[s] != sorted(result.steps[s]) for s in steps), result.steps
+        assert result.restored_held > 0 and result.reissued == 0
+    else:
+        assert any(
+            max(result.steps[a]) > min(result.steps[b]) for a in steps for b in steps if b > a
+        ), result.steps
     # The metrics hold one record per version.
     assert [r["version"] for r in read_metrics(run_dir)] == list(range(1, 11))
