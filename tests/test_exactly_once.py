@@ -25,6 +25,7 @@ from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.inference.types import ErrorKind, SampleResult, SamplingParams, error_result
 from a3po_jax.model.char_tokenizer import char_tokenizer
 from a3po_jax.rollout.ledger import Ledger, audit
+from a3po_jax.rollout.queue import RolloutTimeout
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training.metrics import read_metrics
@@ -306,6 +307,25 @@ def test_restore_puts_the_held_groups_back_and_reissues_the_rest(tmp_path):
     result = audit(tmp_path)
     assert result.ok, result.summary()
     assert (result.restored_held, result.reissued) == (3, 1)
+
+
+def test_settle_waits_for_older_groups_only_and_stops_when_asked():
+    task = make_task("letters", train_size=64)
+    host = OutOfOrderHost(slow_polls=10_000)  # odd groups never finish
+    workers = make_workers(task, char_tokenizer(), host, None, max_staleness=1)
+    workers.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(host.submitted) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert workers.settle(older_than=0, timeout=0.1)  # none admitted before version 0
+        with pytest.raises(RolloutTimeout, match=r"groups \[1, 3\] not complete"):
+            workers.settle(older_than=1, timeout=0.3)
+        t0 = time.monotonic()
+        assert not workers.settle(older_than=1, timeout=30, interrupted=lambda: True)
+        assert time.monotonic() - t0 < 1.0  # a stop request does not wait
+    finally:
+        workers.close()
 
 
 def test_audit_catches_a_restored_group_the_checkpoint_did_not_hold(tmp_path):
