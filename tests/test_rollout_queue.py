@@ -420,6 +420,43 @@ def test_close_wakes_blocked_consumer_and_producer():
     assert queue.closed
 
 
+def test_restore_puts_held_groups_back_as_they_were():
+    """Complete groups saved with a checkpoint come back ready, in their order, with their
+    tokens and versions, still counted as produced; the pending one is re-issued."""
+    queue = RolloutQueue(group_size=2, capacity_groups=4, max_staleness=1)
+    put_group(queue, 0, 2)
+    put_group(queue, 2, 2, versions=(1, 1))
+    put_group(queue, 1, 2, versions=(0, 1))
+    put_group(queue, 3, 1)  # in flight at the checkpoint: re-issued
+    state, ready = queue.snapshot()
+    assert [g.group_id for g in ready] == [0, 2, 1]
+    held = ready[1:]  # the trainer holds 2 and 1 (say 0 was not pending any more)
+    resumed = RolloutQueue(group_size=2, capacity_groups=4, max_staleness=1)
+    resumed.restore(state, regenerated=True, held=held)
+    resumed.check_invariant()
+    c = resumed.counters()
+    assert (c["produced_groups"], c["ready_groups"], c["pending_groups"]) == (2, 2, 0)
+    assert c["produced_samples"] == c["consumed_samples"] + 4
+    assert c["held_tokens"] == c["generated_tokens"] - c["consumed_tokens"] == 8
+    assert resumed.ready_ids() == {1, 2}
+    batch = resumed.get_batch(2, trainer_version=1, timeout=0)
+    assert [g.group_id for g in batch] == [2, 1]  # completion order kept
+    np.testing.assert_array_equal(batch[1].rollouts[1].versions, [0, 1])
+    with pytest.raises(ValueError, match="regenerated=True"):
+        RolloutQueue(group_size=2, capacity_groups=4, max_staleness=1).restore(state, held=held)
+
+
+def test_wait_complete_waits_for_the_listed_groups_only():
+    queue = RolloutQueue(group_size=2, capacity_groups=4, max_staleness=None)
+    put_group(queue, 0, 2)
+    put_group(queue, 1, 1)
+    queue.wait_complete(lambda: [0], timeout=0)
+    with pytest.raises(RolloutTimeout, match=r"groups \[1\] not complete"):
+        queue.wait_complete(lambda: [0, 1], timeout=0.1)
+    threading.Timer(0.1, lambda: queue.put(make_rollout(1, 1))).start()
+    queue.wait_complete(lambda: [0, 1], timeout=JOIN_S)
+
+
 def test_state_restore_counts_lost_groups_as_restart():
     queue = RolloutQueue(group_size=2, capacity_groups=4, max_staleness=0)
     put_group(queue, 0, 2)

@@ -18,12 +18,16 @@ Rollout layer (host-side shell; plain Python, nothing pickled, nothing enters ji
   (``refilled``). A filtered group is finished like a dropped one: never trained, never
   re-issued, its position not drawn again (unless a resume voids the event);
 * ``checkpoint``: the moment the rollout workers' state was taken for the checkpoint of a
-  step, with the ids of the groups admitted and not yet trained (the pending set);
+  step, with the ids of the groups admitted and not yet trained (the pending set) and, where
+  the checkpoint saves complete ones beside it (``one_step_off``, lockstep ``async``), the
+  ids of those (``held``);
 * ``resume``: the run restarted from the checkpoint of a step; every event after that
   checkpoint's ``checkpoint`` event is void (those steps are redone, those prompts drawn
   again);
 * ``reissue``: a pending group of the checkpoint regenerated after the resume (same group
-  id, same position).
+  id, same position);
+* ``restore_held``: a pending group of the checkpoint put back after the resume as it was
+  saved beside it (complete, with its admitted version): not regenerated.
 
 Check a run: ``python -m a3po_jax.cli.ledger RUN_DIR`` (exit status 1 if the audit
 fails).
@@ -122,8 +126,11 @@ class Ledger:
     def filter(self, group_id: int, reason: str, *, refilled: bool) -> None:
         self.write("filter", group=int(group_id), reason=str(reason), refilled=bool(refilled))
 
-    def checkpoint(self, step: int, pending: Iterable[int]) -> None:
-        self.write("checkpoint", step=int(step), pending=sorted(int(g) for g in pending))
+    def checkpoint(
+        self, step: int, pending: Iterable[int], *, held: Iterable[int] | None = None
+    ) -> None:
+        fields = {} if held is None else {"held": sorted(int(g) for g in held)}
+        self.write("checkpoint", step=int(step), pending=sorted(int(g) for g in pending), **fields)
 
     def resume(self, step: int, *, version: int | None = None) -> None:
         self.write("resume", step=int(step), version=version)
@@ -131,6 +138,15 @@ class Ledger:
     def reissue(self, group_id: int, prompt_id: str, position: Any, version: int) -> None:
         self.write(
             "reissue",
+            group=int(group_id),
+            prompt=str(prompt_id),
+            pos=_position(position),
+            version=int(version),
+        )
+
+    def restore_held(self, group_id: int, prompt_id: str, position: Any, version: int) -> None:
+        self.write(
+            "restore_held",
             group=int(group_id),
             prompt=str(prompt_id),
             pos=_position(position),
@@ -183,6 +199,7 @@ class Audit:
     anomalies: list[str] = dataclasses.field(default_factory=list)
     resumes: int = 0
     reissued: int = 0
+    restored_held: int = 0  # pending groups put back as saved beside their checkpoint
     voided_events: int = 0
     # Training steps with their trained groups (effective), for checks on order.
     steps: dict[int, list[int]] = dataclasses.field(default_factory=dict)
@@ -209,14 +226,14 @@ class Audit:
             f"{sum(self.dropped.values())} ({dropped}), filtered "
             f"{sum(self.filtered.values())} ({filtered}), in flight at the end "
             f"{len(self.in_flight_at_end)}",
-            f"  resumes {self.resumes}, groups re-issued {self.reissued}, events voided by "
-            f"resumes {self.voided_events}",
+            f"  resumes {self.resumes}, groups re-issued {self.reissued}, restored as saved "
+            f"{self.restored_held}, events voided by resumes {self.voided_events}",
         ]
         problems = {
             "trained more than once (position: groups)": self.trained_twice,
             "drawn more than once (position: groups)": self.drawn_twice,
             "trained and dropped (or filtered)": self.trained_and_dropped,
-            "lost at a resume (pending, never re-issued)": self.lost,
+            "lost at a resume (pending, never re-issued or restored)": self.lost,
             "positions skipped": self.skipped_positions,
             "anomalies": self.anomalies,
         }
@@ -268,8 +285,9 @@ def audit(path: str | Path) -> Audit:
     are drawn again), drops after it. What remains must satisfy: each position drawn once;
     each drawn position trained exactly once, dropped with a reason, or in flight when the
     ledger ends; every group pending at a checkpoint that a resume rolled back to is
-    re-issued; no position skipped in the prompt order. A ``filter`` event finishes its
-    group as a ``drop`` does (counted apart, by reason, in ``Audit.filtered``).
+    re-issued or restored as saved (``restore_held``, only groups the checkpoint says it
+    holds); no position skipped in the prompt order. A ``filter`` event finishes its group as
+    a ``drop`` does (counted apart, by reason, in ``Audit.filtered``).
     """
     path = Path(path)
     if path.is_dir():
@@ -284,6 +302,8 @@ def audit(path: str | Path) -> Audit:
     by_position: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     awaiting_reissue: set[int] = set()
     last_checkpoint_pending: set[int] | None = None
+    last_checkpoint_held: set[int] = set()
+    held_at_resume: set[int] = set()
 
     def live(group: int) -> bool:
         return group in position and not trained_at.get(group) and group not in dropped
@@ -323,19 +343,35 @@ def audit(path: str | Path) -> Audit:
                     f"ledger has {sorted(expected)} admitted and not finished"
                 )
             last_checkpoint_pending = pending
+            held = {int(g) for g in event.get("held", ())}
+            if held - pending:
+                result.anomalies.append(
+                    f"checkpoint of step {event['step']}: holds {sorted(held - pending)}, "
+                    "which are not pending"
+                )
+            last_checkpoint_held = held
         elif kind == "resume":
             result.lost.extend(position[g] for g in sorted(awaiting_reissue) if g in position)
             awaiting_reissue = set(last_checkpoint_pending or ())
-        elif kind == "reissue":
+            held_at_resume = set(last_checkpoint_held)
+        elif kind in ("reissue", "restore_held"):
+            what = "re-issued" if kind == "reissue" else "restored as saved"
             if group not in awaiting_reissue:
-                result.anomalies.append(f"group {group} re-issued but was not pending")
+                result.anomalies.append(f"group {group} {what} but was not pending")
             elif position.get(group) != tuple(event["pos"]):
                 result.anomalies.append(
-                    f"group {group} re-issued at position {event['pos']}, admitted at "
+                    f"group {group} {what} at position {event['pos']}, admitted at "
                     f"{position.get(group)}"
                 )
+            elif kind == "restore_held" and group not in held_at_resume:
+                result.anomalies.append(
+                    f"group {group} restored as saved but its checkpoint did not hold it"
+                )
             awaiting_reissue.discard(group)
-            result.reissued += 1
+            if kind == "reissue":
+                result.reissued += 1
+            else:
+                result.restored_held += 1
     result.lost.extend(position[g] for g in sorted(awaiting_reissue) if g in position)
 
     for pos, groups in by_position.items():

@@ -639,18 +639,76 @@ class RolloutQueue:
 
     def state(self) -> dict:
         """JSON-able cumulative counters for a checkpoint (the groups themselves are not
-        saved: on resume the rollout workers re-issue them, see :meth:`restore`)."""
+        in it: on resume the rollout workers re-issue them or restore those saved beside
+        the checkpoint, see :meth:`restore`)."""
+        return self.snapshot()[0]
+
+    def snapshot(self) -> tuple[dict, list[RolloutGroup]]:
+        """:meth:`state` and the complete groups not yet consumed (in hand-out order, empty
+        slots left out), taken together: the counters count exactly those groups."""
         with self._cond:
             state = self._counters_locked()
+            ready = [g for g in self._ready.values() if g is not EMPTY_SLOT]
         state["group_size"] = self.group_size
-        return state
+        return state, ready
 
-    def restore(self, state: dict, *, regenerated: bool = False) -> None:
+    def ready_ids(self) -> set[int]:
+        """Ids of the complete groups not yet consumed (empty slots left out)."""
+        with self._cond:
+            return {gid for gid, g in self._ready.items() if g is not EMPTY_SLOT}
+
+    def wait_complete(
+        self,
+        group_ids: Callable[[], Iterable[int]],
+        *,
+        timeout: float | None,
+        interrupted: Callable[[], bool] | None = None,
+    ) -> None:
+        """Waits until every id ``group_ids()`` lists is a complete group here; the callable
+        is asked again while waiting (at least every `INTERRUPT_POLL_S`), so a group that
+        leaves it (dropped elsewhere) stops counting. `RolloutTimeout` after ``timeout``
+        seconds, `WaitInterrupted` when ``interrupted()`` says so."""
+
+        def complete() -> bool | None:
+            self._raise_if_closed()
+            return True if all(gid in self._ready for gid in group_ids()) else None
+
+        with self._cond:
+            wait_until(
+                self._cond,
+                complete,
+                timeout=timeout,
+                timeout_message=lambda: (
+                    f"groups {sorted(set(group_ids()) - set(self._ready))} not complete "
+                    f"within {timeout}s: {self._counters_text()}"
+                ),
+                # Polled: a drop callback forgets its group after the queue's notify.
+                interrupted=interrupted or (lambda: False),
+            )
+
+    def restore(
+        self, state: dict, *, regenerated: bool = False, held: Iterable[RolloutGroup] = ()
+    ) -> None:
         """Restores :meth:`state` into an empty queue. Groups that were held at save time
         are counted as dropped with reason ``"restart"``, so the invariant still holds;
         with ``regenerated=True`` (the workers re-issue every pending group of the
         checkpoint) they are instead taken out of the produced counts, to be produced
-        again."""
+        again, all but ``held``: complete groups of the checkpoint saved with it, which are
+        put back as they were (ready, in the given order, still counted as produced)."""
+        held = list(held)
+        if held and not regenerated:
+            raise ValueError("held groups are restored with regenerated=True")
+        if len(held) > int(state["ready_groups"]):
+            raise ValueError(
+                f"{len(held)} held groups but the checkpoint's queue had "
+                f"{state['ready_groups']} complete ones"
+            )
+        for group in held:
+            if group.size != self.group_size:
+                raise ValueError(
+                    f"held group {group.group_id} has {group.size} samples, the queue's "
+                    f"group_size is {self.group_size}"
+                )
         if int(state["group_size"]) != self.group_size:
             raise ValueError(
                 f"checkpointed group_size {state['group_size']} != queue group_size "
@@ -671,10 +729,11 @@ class RolloutQueue:
             lost = int(state["pending_groups"]) + int(state["ready_groups"])
             regenerated_tokens = 0
             if regenerated:
-                held = int(state["pending_samples"]) + int(state["ready_groups"]) * self.group_size
+                samples = int(state["pending_samples"])
+                samples += int(state["ready_groups"]) * self.group_size
                 self._produced_groups -= lost
                 self._completed_groups -= int(state["ready_groups"])
-                self._produced_samples -= held
+                self._produced_samples -= samples
                 regenerated_tokens = int(state.get("held_tokens", 0))
                 lost = 0
             if lost:
@@ -699,6 +758,15 @@ class RolloutQueue:
                 {k: int(v) for k, v in state.get("dropped_tokens", {}).items()}
             )
             if lost and "held_tokens" in state:  # the held samples are lost with the groups
-                held = int(state["pending_samples"]) + int(state["ready_groups"]) * self.group_size
-                self._dropped_samples["restart"] += held
+                held_samples = int(state["pending_samples"])
+                held_samples += int(state["ready_groups"]) * self.group_size
+                self._dropped_samples["restart"] += held_samples
                 self._dropped_tokens["restart"] += int(state["held_tokens"])
+            for group in held:  # produced once, before the save: counted back as such
+                tokens = sum(r.num_tokens for r in group.rollouts)
+                self._ready[group.group_id] = group
+                self._produced_groups += 1
+                self._completed_groups += 1
+                self._produced_samples += group.size
+                self._generated_tokens += tokens
+                self._held_tokens += tokens

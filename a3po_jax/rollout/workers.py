@@ -26,7 +26,13 @@ from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, SamplingParams
 from a3po_jax.rollout.admission import StalenessController
-from a3po_jax.rollout.queue import ZERO_VARIANCE, QueueClosed, RolloutQueue, RolloutTimeout
+from a3po_jax.rollout.queue import (
+    ZERO_VARIANCE,
+    QueueClosed,
+    RolloutQueue,
+    RolloutTimeout,
+    WaitInterrupted,
+)
 from a3po_jax.tasks import PromptIterator, RewardConfig, render_prompt, shaped_reward
 
 log = logging.getLogger(__name__)
@@ -168,8 +174,8 @@ class RolloutWorkers:
         self._pump()
         return stepped
 
-    def _pump(self) -> None:
-        while self._submit_next(timeout=0):
+    def _pump(self, *, admit: bool = True) -> None:
+        while self._submit_next(timeout=0, admit=admit):
             pass
         for res in self.host.poll(timeout=0):
             self._file(res)
@@ -255,7 +261,16 @@ class RolloutWorkers:
         so every prompt drawn is either pending here or consumed/dropped before. With a
         ledger, the snapshot is logged as the ``checkpoint`` of the last consumed step.
         """
+        return self.snapshot(hold=False)[0]
+
+    def snapshot(self, *, hold: bool) -> tuple[dict, list[RolloutGroup]]:
+        """:meth:`state`, and with ``hold`` the pending groups that are complete in the
+        queue (in hand-out order), to be saved beside the checkpoint: the state then lists
+        their ids as ``held_groups`` and :meth:`restore` puts them back as they are instead
+        of re-issuing them."""
         with self._inflight_lock:
+            queue_state, ready = self.queue.snapshot()  # with the pending set: one moment
+            held = [g for g in ready if g.group_id in self._inflight] if hold else []
             pending = [
                 {
                     "group_id": int(group_id),
@@ -270,19 +285,82 @@ class RolloutWorkers:
                 "pending_groups": pending,
                 "discarded_groups": self._discarded_groups,
                 "controller": self.controller.state(),
-                "queue": self.queue.state(),
+                "queue": queue_state,
             }
+            held_ids = [int(g.group_id) for g in held]
+            if hold:
+                state["held_groups"] = held_ids
             if self.ledger is not None and self._ledger_step is not None:
-                self.ledger.checkpoint(self._ledger_step, [p["group_id"] for p in pending])
-        return state
+                self.ledger.checkpoint(
+                    self._ledger_step,
+                    [p["group_id"] for p in pending],
+                    held=held_ids if hold else None,
+                )
+        return state, held
 
-    def restore(self, state: dict, *, version: int) -> None:
+    def settle(
+        self,
+        *,
+        older_than: int | None,
+        timeout: float | None,
+        interrupted: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Before a checkpoint: lets the pending groups that a resume could not regenerate
+        exactly become complete, so they are saved (:meth:`snapshot`) instead.
+
+        Threads (``older_than`` = the trainer's version): waits, up to ``timeout`` seconds
+        (`RolloutTimeout`), until every pending group admitted at an older version is
+        complete in the queue (the resumed weights would generate them one version fresher).
+        Lockstep (``older_than`` None): drives the host, admitting nothing, until every
+        pending group is complete (their tokens may mix versions). False, with the rest left
+        pending, when ``interrupted()`` says stop first.
+        """
+
+        def waiting() -> list[int]:
+            inflight = self._inflight.copy()  # (atomic: no lock needed)
+            return [
+                gid
+                for gid, (_, version, _) in inflight.items()
+                if older_than is None or version < older_than
+            ]
+
+        if not self.lockstep:
+            try:
+                self.queue.wait_complete(waiting, timeout=timeout, interrupted=interrupted)
+            except WaitInterrupted:
+                return False
+            except QueueClosed:
+                self.raise_if_failed()  # a worker thread's failure, if that closed it
+                raise
+            return True
+        while True:
+            ready = self.queue.ready_ids()
+            if all(gid in ready for gid in waiting()):
+                return True
+            if interrupted is not None and interrupted():
+                return False
+            self._pump(admit=False)
+            stepped = self.host.serve_once()
+            self._pump(admit=False)
+            if not stepped:
+                ready = self.queue.ready_ids()
+                left = [gid for gid in waiting() if gid not in ready]
+                if left:
+                    raise RuntimeError(
+                        f"lockstep: the host has nothing left to generate and groups {left} "
+                        "are not complete (groups lost?)"
+                    )
+
+    def restore(self, state: dict, *, version: int, held: list[RolloutGroup] | None = None) -> None:
         """Restores :meth:`state` before :meth:`start`; the trainer is at ``version``.
 
-        The checkpoint's pending groups are re-issued first (same group ids, hence the same
-        request seeds; stamped admitted at ``version``, since the resumed weights generate
-        them; still counted against the admission budget), then the prompt order continues
-        after the newest admitted prompt: no prompt is drawn twice or skipped.
+        The checkpoint's ``held_groups`` come back as ``held`` (the groups saved beside it,
+        read by the caller): they are put into the queue as they were, complete, with their
+        admitted versions. The other pending groups are re-issued first (same group ids,
+        hence the same request seeds; stamped admitted at ``version``, since the resumed
+        weights generate them; still counted against the admission budget), then the prompt
+        order continues after the newest admitted prompt: no prompt is drawn twice or
+        skipped.
 
         A checkpoint from before ``pending_groups`` existed resumes the old way (from the
         oldest pending prompt, which may train some prompts a second time), with a warning.
@@ -301,6 +379,17 @@ class RolloutWorkers:
             self.controller.notify_version(version)
             return
         pending = state["pending_groups"]
+        held = list(held or ())
+        held_ids = [int(g) for g in state.get("held_groups", [])]
+        if sorted(int(g.group_id) for g in held) != sorted(held_ids):
+            raise ValueError(
+                f"the checkpoint holds groups {sorted(held_ids)} saved beside it, but "
+                f"{sorted(int(g.group_id) for g in held)} were given back"
+            )
+        admitted_at = {int(e["group_id"]): int(e["admitted_at_version"]) for e in pending}
+        unknown = sorted(set(held_ids) - set(admitted_at))
+        if unknown:
+            raise ValueError(f"held groups {unknown} are not pending in the checkpoint")
         to_submit = []
         for entry in pending:
             self.prompts.restore({**entry["position"], "seed": state["prompt_iterator"]["seed"]})
@@ -313,7 +402,7 @@ class RolloutWorkers:
                 )
             to_submit.append((int(entry["group_id"]), prompt, int(version), entry["position"]))
         self.prompts.restore(state["prompt_iterator"])
-        self.queue.restore(state["queue"], regenerated=True)
+        self.queue.restore(state["queue"], regenerated=True, held=held)
         discarded = int(state.get("discarded_groups", 0))
         self._discarded_groups = discarded
         # Batch slots left empty (dynamic sampling) were consumed like groups.
@@ -327,16 +416,21 @@ class RolloutWorkers:
         self.controller.notify_version(version)
         with self._inflight_lock:
             for group_id, prompt, admitted, position in to_submit:
+                if group_id in held_ids:  # complete, as generated before the save
+                    admitted = admitted_at[group_id]
+                    self._inflight[group_id] = (prompt, admitted, {**position})
+                    if self.ledger is not None:
+                        self.ledger.restore_held(group_id, prompt.prompt_id, position, admitted)
+                    continue
                 self._inflight[group_id] = (prompt, admitted, {**position})
                 self._to_submit.append((group_id, prompt, admitted))
                 if self.ledger is not None:
                     self.ledger.reissue(group_id, prompt.prompt_id, position, admitted)
-        if to_submit:
-            log.info(
-                "re-issuing %d groups pending at the checkpoint: %s",
-                len(to_submit),
-                [g for g, *_ in to_submit],
-            )
+        reissued = [g for g, *_ in to_submit if g not in held_ids]
+        if held_ids:
+            log.info("restored %d complete groups saved with the checkpoint", len(held_ids))
+        if reissued:
+            log.info("re-issuing %d groups pending at the checkpoint: %s", len(reissued), reissued)
 
     def side_channel(self) -> SideChannel:
         """Requests of the trainer's own on the rollout host, beside the groups (the held-out
@@ -359,12 +453,14 @@ class RolloutWorkers:
         while not self._stop.is_set():
             self._submit_next(timeout=0.5)
 
-    def _submit_next(self, timeout: float) -> bool:
-        """Submits one group: a re-issued one first, else one newly admitted under the
-        staleness budget (waiting up to ``timeout`` seconds for room). False if there was
-        none; raises `QueueClosed` once the controller is closed."""
+    def _submit_next(self, timeout: float, *, admit: bool = True) -> bool:
+        """Submits one group: a re-issued one first, else (``admit``) one newly admitted
+        under the staleness budget (waiting up to ``timeout`` seconds for room). False if
+        there was none; raises `QueueClosed` once the controller is closed."""
         with self._inflight_lock:
             reissue = self._to_submit.pop(0) if self._to_submit else None
+        if reissue is None and not admit:
+            return False
         if reissue is not None:  # pending at the resumed checkpoint: already counted
             group_id, prompt, version = reissue
             # A wire id of its own: a host that outlived the old process may still hold

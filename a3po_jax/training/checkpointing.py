@@ -14,6 +14,14 @@ A checkpoint step holds three items::
     <directory>/<step>/extra      # a JSON dict: version, data iterator state, PRNG key
                                   # data as a list, queue and controller counters, ...
 
+In ``one_step_off`` and lockstep ``async`` runs a step also has the complete groups that
+were generated for the next steps and not trained yet (a resume could not regenerate them
+exactly), in the rollout recording's format (:func:`a3po_jax.training.recording.write_step`)::
+
+    <directory>/held/step_<step>.npz  # written (temp file + rename) before the step's save
+                                      # starts, so a committed step always has it; removed
+                                      # with the step (:func:`prune_held_groups`)
+
 Saves are atomic: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when
 complete, after writing its commit marker ``commit_success.txt`` into it. Leftovers of an
 interrupted save are ignored with a logged warning: tmp dirs (orbax deletes them), and step
@@ -47,6 +55,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 # Re-exported: the stop flag was defined here before it got a module of its own.
+from a3po_jax.training import recording
 from a3po_jax.training.stopping import TerminationFlag, install_sigterm_handler  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -56,6 +65,8 @@ log = logging.getLogger(__name__)
 COMMIT_MARKER = "commit_success.txt"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+# Beside the step dirs (orbax lists only step-named dirs): the groups saved with each step.
+HELD_DIR = "held"
 
 
 class CheckpointManager:
@@ -335,6 +346,49 @@ def restore_train_state(manager: CheckpointManager, template: Any) -> tuple[Any,
     )
     state = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, template))
     return state, extra, step
+
+
+def held_groups_path(manager: CheckpointManager, step: int) -> Path:
+    """The file of the complete, untrained groups saved with checkpoint ``step``."""
+    return recording.step_path(manager.directory / HELD_DIR, step)
+
+
+def write_held_groups(
+    manager: CheckpointManager, step: int, groups: list, *, trainer_version: int
+) -> Path:
+    """Writes the groups held at checkpoint ``step`` (atomically); call it before the step's
+    :meth:`CheckpointManager.save`, so no committed step lacks its file."""
+    return recording.write_step(
+        manager.directory / HELD_DIR, step, groups, trainer_version=trainer_version
+    )
+
+
+def read_held_groups(manager: CheckpointManager, step: int, group_ids: list[int]) -> list:
+    """The groups :func:`write_held_groups` saved with ``step`` (in their saved order);
+    ``group_ids`` are the ids the step's ``extra`` says it holds."""
+    path = held_groups_path(manager, step)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"checkpoint step {step} holds groups {sorted(group_ids)} saved in {path}, which "
+            "is missing (moved or deleted?): the resume cannot continue that run exactly"
+        )
+    groups, meta = recording.read_step(path)
+    if int(meta["step"]) != step or sorted(g.group_id for g in groups) != sorted(group_ids):
+        raise ValueError(
+            f"{path} holds groups {sorted(g.group_id for g in groups)} of step {meta['step']}, "
+            f"but checkpoint step {step} names {sorted(group_ids)}"
+        )
+    return groups
+
+
+def prune_held_groups(manager: CheckpointManager, keep: int) -> None:
+    """Removes the held-group files of steps orbax no longer has, but ``keep`` (a step being
+    saved, not listed until it is committed)."""
+    directory = manager.directory / HELD_DIR
+    steps = set(manager.all_steps()) | {keep}
+    for step in recording.list_steps(directory):
+        if step not in steps:
+            recording.step_path(directory, step).unlink(missing_ok=True)
 
 
 def is_committed_step(step_dir: Path) -> bool:

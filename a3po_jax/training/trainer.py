@@ -63,8 +63,11 @@ from a3po_jax.training import heap, host_placement, recording, step_builder
 from a3po_jax.training.checkpointing import (
     CheckpointManager,
     async_save_pays,
+    prune_held_groups,
+    read_held_groups,
     restore_train_state,
     save_train_state,
+    write_held_groups,
 )
 from a3po_jax.training.config import TrainConfig
 from a3po_jax.training.follower import follow_leader
@@ -535,13 +538,59 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @property
+    def _holds_groups(self) -> bool:
+        """Whether checkpoints save the complete untrained groups beside them: the modes
+        whose groups in flight at a save a resume could not regenerate exactly (generated
+        by older weights in one_step_off; by several versions in lockstep async)."""
+        return (
+            self.leader
+            and isinstance(self.workers, RolloutWorkers)
+            and (self.mode == "one_step_off" or self.lockstep)
+        )
+
     def _checkpoint(self, step: int, *, force: bool = False) -> None:
         if self.checkpoints is None:
             return
-        extra = {**self.workers.state(), "skipped_steps": self.skipped_steps}
+        hold = self._holds_groups and (force or self.checkpoints.should_save(step))
+        if hold:
+            self._settle_in_flight(step)
+            state, held = self.workers.snapshot(hold=True)
+            # Before the save starts: a committed step always has its groups.
+            write_held_groups(self.checkpoints, step, held, trainer_version=int(self.state.step))
+        else:
+            state = self.workers.state()
+        extra = {**state, "skipped_steps": self.skipped_steps}
         saved = save_train_state(self.checkpoints, step, self.state, extra=extra, force=force)
+        if hold:
+            prune_held_groups(self.checkpoints, keep=step)  # (orbax dropped old steps)
         if saved and not self.checkpoints.async_save and self._trimmer is not None:
             heap.trim()  # the write's buffers, before the next step's temporaries
+
+    def _settle_in_flight(self, step: int) -> None:
+        """Lets the groups in flight that a resume could not regenerate exactly complete
+        (`RolloutWorkers.settle`); the uninterrupted run does the same at the same step, so
+        both go on alike. A stop request ends the wait: those groups are then re-issued on
+        resume, with the saved weights."""
+        timeout = self.cfg.system.rollout_timeout_s
+        try:
+            settled = self.workers.settle(
+                older_than=None if self.lockstep else int(self.state.step),
+                timeout=timeout,
+                interrupted=self._stop_while_waiting(),
+            )
+        except RolloutTimeout as err:
+            raise RolloutTimeout(
+                f"checkpoint of step {step}: the groups in flight from older weights did not "
+                f"complete within system.rollout_timeout_s={timeout}s: {err}"
+            ) from err
+        if not settled:
+            log.warning(
+                "%s: saving step %d without waiting for the groups in flight (a resume "
+                "regenerates them with the saved weights)",
+                signal_name(self._sigterm.signum),
+                step,
+            )
 
     def _resume(self) -> int:
         """Restore the newest complete checkpoint; returns the step to continue from."""
@@ -551,7 +600,12 @@ class Trainer:
         self.state, extra, step = restore_train_state(self.checkpoints, self.state)
         if self.ledger is not None:  # voids the ledger's events after this checkpoint
             self.ledger.resume(step, version=int(extra["version"]))
-        self.workers.restore(extra, version=int(extra["version"]))
+        held_ids = extra.get("held_groups")
+        if held_ids:  # complete groups saved with the checkpoint: back as they were
+            held = read_held_groups(self.checkpoints, step, held_ids)
+            self.workers.restore(extra, version=int(extra["version"]), held=held)
+        else:
+            self.workers.restore(extra, version=int(extra["version"]))
         counters = self.queue.counters()  # the per-step rollout/* count from here on
         self._filter_counts_seen = {k: int(counters.get(k, 0)) for k in self._filter_counts_seen}
         self.skipped_steps = int(extra.get("skipped_steps", 0))
