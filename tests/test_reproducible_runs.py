@@ -4,7 +4,8 @@ weight updates reach the host at batch boundaries (sync, periodic, one_step_off)
 learning metric of every step and the final parameters are bitwise equal across two runs,
 and a run resumed from a checkpoint equals the uninterrupted one bit for bit
 (`tests/test_trainer_kill_resume.py` does it after kill -9). So do two lockstep async runs
-(``system.lockstep_decode_steps``), resumed or not. In one_step_off and lockstep async the
+(``system.lockstep_decode_steps``), resumed or not, and a recorded one replays (``--replay``,
+no host) to its own losses and parameters bit for bit. In one_step_off and lockstep async the
 checkpoint lets the groups in flight that the saved weights could not regenerate complete
 and saves them beside it; the resume puts them back instead of regenerating them.
 
@@ -18,14 +19,18 @@ the last bits of the loss after a few steps.
 """
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from a3po_jax.cli.train import main as train_main
 from a3po_jax.inference import InferenceHost
 from a3po_jax.rollout.ledger import audit, ledger_path, read_events
 from a3po_jax.tasks.toy import LetterTask
+from a3po_jax.training import recording
+from a3po_jax.training.checkpointing import CheckpointManager
 from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
@@ -191,3 +196,28 @@ def test_a_resumed_lockstep_async_run_is_the_uninterrupted_run_bit_for_bit(tmp_p
     assert result.reissued == 0
     maxima = [r["staleness/max"] for r in full if "staleness/max" in r]
     assert 1 <= max(maxima) <= 2, maxima
+
+
+def test_a_recorded_lockstep_async_run_replays_to_the_same_parameters_bit_for_bit(tmp_path):
+    """`--replay` re-trains the recorded groups without a host: from a deterministic run it
+    gives the run's own losses and parameters exactly, not only to a tolerance."""
+    cfg = lockstep_cfg(tmp_path, "rec", lockstep_decode_steps=3)
+    cfg = dataclasses.replace(
+        cfg,
+        evaluate=False,
+        checkpoint_every=100,  # one checkpoint, forced at the last step
+        system=dataclasses.replace(cfg.system, record_rollouts=True),
+    )
+    recorded, params = run(cfg)
+    assert train_main(["--replay", cfg.run_dir]) == 0
+    replay_dir = Path(cfg.run_dir) / "replay"
+    replayed = read_metrics(replay_dir)
+    assert [r["version"] for r in replayed] == [r["version"] for r in recorded] == [1, 2, 3, 4]
+    for a, b in zip(recorded, replayed, strict=True):
+        different = sorted(k for k in recording.COMPARED_KEYS if a[k] != b[k])
+        assert not different, f"step {a['version']}: {different}"
+    manager = CheckpointManager(replay_dir / "checkpoints", save_interval_steps=100)
+    got = jax.tree.map(np.asarray, manager.restore_params(params_template=params))
+    manager.close()
+    assert_bitwise_equal(params, got, "replayed vs recorded parameters")
+    assert max(r["staleness/max"] for r in recorded) >= 1  # it was asynchronous
