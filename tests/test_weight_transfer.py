@@ -294,6 +294,29 @@ def test_shared_memory_pushes_need_the_local_socket_and_a_broken_one_changes_not
     )
 
 
+@SHARED_ONLY
+def test_a_host_where_memfd_is_refused_takes_pushes_over_tcp(monkeypatch):
+    # A sandbox (seccomp) may refuse memfd_create: the receiver then offers no local socket
+    # and a sender that has the platform's support pushes over TCP instead of failing.
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    host = InferenceHost(CFG, scaled_params(0), num_slots=2, prefill_buckets=(8,)).start()
+    receiver = WeightReceiver(host, TOKEN)
+    try:
+        assert receiver.local_socket == ""
+        sender = WeightSender("127.0.0.1", receiver.port, TOKEN, local_socket=receiver.local_socket)
+        assert sender.push(scaled_params(1), 1)["transport"] == "tcp"
+        assert host.wait_serving(1, timeout=30)
+        np.testing.assert_array_equal(
+            greedy(host, "after").tokens, recompute_greedy(scaled_params(1), PROMPT, 6)
+        )
+    finally:
+        receiver.close()
+        host.close()
+
+
 class raw_push:
     """A connection that has proved the token and read the host's spec: (connection, serving
     tensors as JSON lists, layout)."""

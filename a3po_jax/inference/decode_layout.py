@@ -539,7 +539,7 @@ def serving_source(
         return model["final_norm/scale"]
     if name == "lm_head":
         return model["lm_head/kernel"]
-    layer, key = _layer_key(name)
+    layer, key = layer_key(name)
     if key.startswith(("attn/qkv/", "mlp/gate_up/")) or (
         out_major and key in ("attn/o_proj/kernel_t", "mlp/down_proj/kernel_t")
     ):
@@ -557,7 +557,7 @@ def fill_serving(
     if src is not None:
         np.copyto(out, src, casting="no")
         return
-    layer, key = _layer_key(name)
+    layer, key = layer_key(name)
 
     def kernel(proj: str) -> np.ndarray:  # layer's [I, O] kernel of `proj`
         k = model[f"layers/{proj}/kernel"][layer]
@@ -614,7 +614,7 @@ def _copy_transposed(out: np.ndarray, src: np.ndarray) -> None:
             np.copyto(out[j : j + t, i : i + t], src[i : i + t, j : j + t].T, casting="no")
 
 
-def _layer_key(name: str) -> tuple[int, str]:
+def layer_key(name: str) -> tuple[int, str]:
     """ "layers/<i>/<key>" -> (i, key); ValueError for any other name."""
     parts = name.split("/")
     if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():

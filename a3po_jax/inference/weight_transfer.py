@@ -97,6 +97,19 @@ SHARED_MEMORY = (
 SHARED = "shared_memory"  # the PUSH header's "transport" for a push through a shared set
 
 
+def _memfd_works() -> bool:
+    """`SHARED_MEMORY`, and a memfd can be made here: a sandbox that refuses memfd_create
+    (seccomp) leaves the host on TCP instead of failing every local push."""
+    if not SHARED_MEMORY:
+        return False
+    try:
+        os.close(os.memfd_create("a3po-weights-probe", os.MFD_CLOEXEC))
+    except OSError as error:
+        log.warning("memfd_create refused (%s): weight pushes go over TCP only", error)
+        return False
+    return True
+
+
 class WeightAuthError(InferenceError):
     """The host refused the token."""
 
@@ -176,7 +189,7 @@ class WeightReceiver:
       port: 0 picks a free one (`port` says which).
       timeout: seconds a connection may stall before it is dropped.
       shared_memory: also listen on a Unix socket (`local_socket`) for pushes through shared
-        memory from this machine; None = where the platform has it (`SHARED_MEMORY`).
+        memory from this machine; None = where the platform has it and a memfd can be made.
       layout_share: the fraction of the layers whose serving tensors the host lays out
         itself in a shared-memory push that finds it idle (no sample running or waiting),
         from the raw weights the pusher copies beside them: the two cores split the
@@ -218,7 +231,7 @@ class WeightReceiver:
         self._counts = {"pushes": 0, "bytes": 0, "receive_s": 0.0, "install_s": 0.0}
         self._listeners = [self._sock]
         self.local_socket = ""  # the abstract Unix socket's name ("" = none)
-        if SHARED_MEMORY if shared_memory is None else shared_memory:
+        if _memfd_works() if shared_memory is None else shared_memory:
             self.local_socket = f"a3po-weights-{secrets.token_hex(12)}"
             unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             unix.bind("\0" + self.local_socket)  # abstract: no file to leave behind
@@ -481,10 +494,15 @@ class _RawRegion(_Memfd):
         """Writes the serving tensors of `layer` (``first_layer`` or later) into `out` from
         what the pusher copied here, as the pusher writes the other layers."""
         model = _LayerWindow(self.arrays, self.first_layer)
-        options = {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
+        options = _fill_options(layout)
         for spec in specs:
             if _layer_of(spec.name) == layer:
                 decode_layout.fill_serving(out[spec.name], spec.name, model, **options)
+
+
+def _fill_options(layout: Mapping[str, Any]) -> dict[str, Any]:
+    """`decode_layout.fill_serving`'s layout arguments from a SPEC's layout."""
+    return {"out_major": bool(layout["out_major"]), "shards": int(layout["shards"])}
 
 
 def _end(specs: list[TensorSpec], offsets: list[int]) -> int:
@@ -520,8 +538,10 @@ class _Shifted:
 
 def _layer_of(name: str) -> int:
     """The layer index of a serving tensor "layers/<i>/...", or -1 for the others."""
-    parts = name.split("/")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() else -1
+    try:
+        return decode_layout.layer_key(name)[0]
+    except ValueError:
+        return -1
 
 
 def _aligned_offsets(specs: list[TensorSpec]) -> list[int]:
@@ -844,7 +864,7 @@ class _Spec:
     @property
     def options(self) -> dict[str, Any]:
         """`decode_layout.fill_serving`'s layout arguments."""
-        return {"out_major": bool(self.layout["out_major"]), "shards": int(self.layout["shards"])}
+        return _fill_options(self.layout)
 
 
 def _recv_frame_with_fds(conn: socket.socket) -> tuple[tuple[bytes, bytes], list[int]]:

@@ -104,13 +104,7 @@ class Ledger:
         self.write("start", **fields)
 
     def admit(self, group_id: int, prompt_id: str, position: Any, version: int) -> None:
-        self.write(
-            "admit",
-            group=int(group_id),
-            prompt=str(prompt_id),
-            pos=_position(position),
-            version=int(version),
-        )
+        self._group_event("admit", group_id, prompt_id, position, version)
 
     def train(self, group_id: int, *, step: int, version: int | None = None) -> None:
         self.write(
@@ -136,17 +130,17 @@ class Ledger:
         self.write("resume", step=int(step), version=version)
 
     def reissue(self, group_id: int, prompt_id: str, position: Any, version: int) -> None:
-        self.write(
-            "reissue",
-            group=int(group_id),
-            prompt=str(prompt_id),
-            pos=_position(position),
-            version=int(version),
-        )
+        self._group_event("reissue", group_id, prompt_id, position, version)
 
     def restore_held(self, group_id: int, prompt_id: str, position: Any, version: int) -> None:
+        self._group_event("restore_held", group_id, prompt_id, position, version)
+
+    def _group_event(
+        self, kind: str, group_id: int, prompt_id: str, position: Any, version: int
+    ) -> None:
+        # admit, reissue and restore_held each put one prompt's group in flight at a version.
         self.write(
-            "restore_held",
+            kind,
             group=int(group_id),
             prompt=str(prompt_id),
             pos=_position(position),
