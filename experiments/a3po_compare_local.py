@@ -10,7 +10,7 @@ Command:  python scripts/run_sweep.py experiments/a3po_compare_local.py
             a3po-train experiments/a3po_compare_local.py system.mode=sync algo.prox=behav \\
                 run_dir=runs/a3po_compare_local/sync_grpo                    # sync GRPO
           then  python -m a3po_jax.cli.results runs/a3po_compare_local --out runs/a3po_compare_local
-Hardware: a 2-core CPU, no accelerator, embedded inference host. The quickstart (same
+Hardware: a 2-core CPU, no accelerator, embedded inference host. The chain_sum workload (same
           model, task and batch) takes about 15 minutes for 30 steps there, so the
           4-run sweep is about an hour. Not run for the results committed in results/
           (those are the toy-scale files); on a GPU add rollout.groups_per_step=32.
@@ -19,7 +19,7 @@ What it shows: the A-3PO paper's comparison (arXiv 2512.06547) at the smallest r
           A-3PO (interpolated proximal policy) and naive async PPO (clip vs behaviour),
           plus synchronous GRPO. SmolLM2 is right ~11 % of the time at temperature 1 on
           2-term 1-digit sums, so reward has room to rise.
-Parent:   experiments/quickstart_a3po.py (model, task, batch, learning rate); changes η
+Parent:   experiments/smollm2_chain_sum.py (model, task, batch, learning rate); changes η
           from 1 to 2, drops checkpoints, and adds SWEEP.
 """
 
@@ -37,7 +37,7 @@ SWEEP = [
 
 
 def config() -> TrainConfig:
-    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    parent = load_experiment(Path(__file__).with_name("smollm2_chain_sum.py"))
     return dataclasses.replace(
         parent,
         # Without the quickstart's held-out evaluation, as the committed results were run.

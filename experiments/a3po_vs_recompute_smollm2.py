@@ -13,7 +13,7 @@ What it shows: the A-3PO paper's comparison (Li, Wu and Shen, arXiv 2512.06547) 
           and the train-phase time (time/train_s) of each, so that a3po / recompute is
           measured inside the same runs (the benchmark measures it side by side:
           scripts/bench_train_step.py). Same seed: same prompts and sampling seeds.
-Parent:   experiments/quickstart_a3po.py (model, task, batch, lengths, optimizer, 24 steps);
+Parent:   experiments/smollm2_chain_sum.py (model, task, batch, lengths, optimizer, 24 steps);
           changes system.mode, algo.prox, system.max_staleness and seed, per SWEEP, and
           drops checkpoints.
 """
@@ -42,7 +42,7 @@ SWEEP = [
 
 
 def config() -> TrainConfig:
-    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    parent = load_experiment(Path(__file__).with_name("smollm2_chain_sum.py"))
     # Without the quickstart's held-out evaluation, as the committed results were run.
     return dataclasses.replace(
         parent, run_dir="runs/a3po_vs_recompute_smollm2", checkpoint_every=0, evaluate=False

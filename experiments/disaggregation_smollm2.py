@@ -13,7 +13,7 @@ What it shows: A-3PO (arXiv 2512.06547), Periodic Asynchrony (arXiv 2511.18871) 
           with training on separate hardware. Per mode: steps per hour, reward against
           wall-clock time and the time to a fixed reward, with the seeds' spread; and the
           shared placement's figures on the same machine (docs/results.md).
-Parent:   experiments/quickstart_a3po.py (model, task, batch, lengths, optimizer, 24 steps);
+Parent:   experiments/smollm2_chain_sum.py (model, task, batch, lengths, optimizer, 24 steps);
           per SWEEP: system.mode, algo.prox, system.max_staleness, the placement and seed.
           sync and periodic train on-policy GRPO (prox=behav, η = 0); one_step_off has η = 1
           by construction; async runs η = 1 as the quickstart does.
@@ -39,7 +39,7 @@ SWEEP = [
 
 
 def config() -> TrainConfig:
-    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    parent = load_experiment(Path(__file__).with_name("smollm2_chain_sum.py"))
     # Without the quickstart's held-out evaluation, as the committed results were run.
     return dataclasses.replace(
         parent, run_dir="runs/disaggregation_smollm2", checkpoint_every=0, evaluate=False

@@ -24,7 +24,7 @@ Differences from the paper (say so when citing): SmolLM2-135M-Instruct on 2-term
           sums with a verifiable reward instead of Pythia on TL;DR with a reward model;
           UPDATES optimizer steps of 16 sequences; N ∈ {1, 4} (the paper goes to 64); the
           quickstart's learning rate for all three losses (not tuned per loss).
-Parent:   experiments/quickstart_a3po.py (model, task, lengths, temperature, learning rate,
+Parent:   experiments/smollm2_chain_sum.py (model, task, lengths, temperature, learning rate,
           shared-prompt packing); changes: 2 samples per prompt, 8·N prompts per step,
           synchronous generation, prox=recompute, UPDATES / N + 1 steps, track_ref_kl,
           no checkpoints, and per SWEEP the loss, N and seed.
@@ -45,7 +45,7 @@ SWEEP = TOY.offpolicy_sweep(
 
 
 def config() -> TrainConfig:
-    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    parent = load_experiment(Path(__file__).with_name("smollm2_chain_sum.py"))
     return dataclasses.replace(
         parent,
         # Without the quickstart's held-out evaluation, as the committed results were run.

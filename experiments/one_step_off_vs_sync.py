@@ -12,7 +12,7 @@ What it shows: the claim of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.
           the same two cores (docs/performance.md), so the wall-clock gain cannot be the paper's.
           With one minibatch and d <= 1, A-3PO's proximal policy is the behaviour policy,
           so both modes train plain clipped PPO on group-normalised advantages.
-Parent:   experiments/quickstart_a3po.py (model, task, batch, lengths, optimizer, 24 steps);
+Parent:   experiments/smollm2_chain_sum.py (model, task, batch, lengths, optimizer, 24 steps);
           changes only system.mode and seed, per SWEEP.
 """
 
@@ -27,7 +27,7 @@ SWEEP = [{"system.mode": mode, "seed": seed} for seed in SEEDS for mode in MODES
 
 
 def config() -> TrainConfig:
-    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    parent = load_experiment(Path(__file__).with_name("smollm2_chain_sum.py"))
     # Without the quickstart's held-out evaluation, as the committed results were run.
     return dataclasses.replace(
         parent, run_dir="runs/one_step_off_vs_sync", checkpoint_every=0, evaluate=False

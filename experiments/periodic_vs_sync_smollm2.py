@@ -16,7 +16,7 @@ What it shows: Periodic Asynchrony (arXiv 2511.18871): weights synced only at th
           (docs/performance.md), so the paper's ~2x throughput cannot show; compare time/step_s
           and time/wait_rollouts_s anyway. The paper-scale file is
           experiments/periodic_vs_sync.py (Qwen2.5-1.5B, GSM8K, two devices).
-Parent:   experiments/quickstart_a3po.py (model, task, batch, lengths, optimizer, 24 steps);
+Parent:   experiments/smollm2_chain_sum.py (model, task, batch, lengths, optimizer, 24 steps);
           on-policy GRPO (algo.prox=behav, η = 0), system.mode=periodic, seed per SWEEP;
           periodic folds one group per packed row (groups_per_row is 1 there).
 """
@@ -31,7 +31,7 @@ SWEEP = [{"system.mode": "periodic", "seed": seed} for seed in SEEDS]
 
 
 def config() -> TrainConfig:
-    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    parent = load_experiment(Path(__file__).with_name("smollm2_chain_sum.py"))
     return dataclasses.replace(
         parent,
         # Without the quickstart's held-out evaluation, as the committed results were run.

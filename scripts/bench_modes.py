@@ -2,7 +2,7 @@
 on one workload, with generation beside training (shared) or on cores of its own (split).
 
     python scripts/bench_modes.py                                  # tiny model, both placements
-    python scripts/bench_modes.py --experiment experiments/quickstart_a3po.py --steps 12 \\
+    python scripts/bench_modes.py --experiment experiments/smollm2_chain_sum.py --steps 12 \\
         --placement split                                          # SmolLM2, split cores
 
 Each mode runs as its own ``a3po-train EXPERIMENT`` process (same model, task, batch and

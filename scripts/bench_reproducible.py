@@ -6,7 +6,7 @@
 * ``lockstep``: ``system.lockstep_decode_steps=N`` (``--lockstep-steps``), the trainer
   driving its host: bitwise reproducible in every mode but periodic, async included.
 
-    python scripts/bench_reproducible.py                                 # the quickstart
+    python scripts/bench_reproducible.py                                 # the SmolLM2 workload
     python scripts/bench_reproducible.py --experiment experiments/smoke_tiny.py --steps 12
 
 Each run is its own ``a3po-train EXPERIMENT`` process (`bench_modes.run_mode`: checkpoints
@@ -43,7 +43,7 @@ def settings(lockstep_steps: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--experiment", default="experiments/quickstart_a3po.py")
+    p.add_argument("--experiment", default="experiments/smollm2_chain_sum.py")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps left out (compilation)")
     p.add_argument("--rounds", type=int, default=2, help="times each setting runs, in turn")

@@ -91,7 +91,10 @@ COMMANDS: dict[str, object] = {
     "a3po-train experiments/quickstart_a3po.py system.lockstep_decode_steps=64 "
     "run_dir=runs/async_a": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py": PRINT_CONFIG,
-    "a3po-train experiments/quickstart_a3po.py steps=8 checkpoint_every=0 evaluate=false": (
+    "a3po-train experiments/quickstart_a3po.py seed=1 run_dir=runs/quickstart_seed1": (
+        PRINT_CONFIG
+    ),
+    "a3po-train experiments/smollm2_chain_sum.py steps=8 checkpoint_every=0 evaluate=false": (
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
@@ -101,9 +104,9 @@ COMMANDS: dict[str, object] = {
     "run_dir=runs/admission": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.inference_hosts=127.0.0.1:50051 "
     "system.host_token_file=$HOME/.a3po_host_token": PRINT_CONFIG,
-    "nice -n 5 .venv/bin/python -m a3po_jax.cli.train experiments/quickstart_a3po.py "
+    "nice -n 5 .venv/bin/python -m a3po_jax.cli.train experiments/smollm2_chain_sum.py "
     "run_dir=/tmp/lb_completion steps=12": PRINT_CONFIG,
-    "nice -n 5 .venv/bin/python -m a3po_jax.cli.train experiments/quickstart_a3po.py "
+    "nice -n 5 .venv/bin/python -m a3po_jax.cli.train experiments/smollm2_chain_sum.py "
     "run_dir=/tmp/lb_admission steps=12 system.consume_order=admission": PRINT_CONFIG,
     MULTIPROCESS: Replace(
         "pids=(); for i in 0 1; do JAX_COORDINATOR_ADDRESS=127.0.0.1:8476 "
@@ -155,6 +158,9 @@ COMMANDS: dict[str, object] = {
         PARSE_ONLY
     ),
     "python -m a3po_jax.cli.evaluate --model smollm2 --k 4 --temperature 1.0": PARSE_ONLY,
+    "python -m a3po_jax.cli.evaluate --model smollm2 --task basic_arithmetic --num-prompts 64 "
+    '--task-options \'{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, '
+    '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}\'': (PARSE_ONLY),
     "python -m a3po_jax.cli.serve --model smollm2 --port 50051 --token-file "
     "~/.a3po_host_token --update-policy in_flight": PARSE_ONLY,
     "python -m a3po_jax.cli.assets prepare-smollm2": PARSE_ONLY,
@@ -229,7 +235,7 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_logprobs.py --batch 10 --seq 128 --vocab-chunk-sizes auto,0": (
         PARSE_ONLY
     ),
-    "python scripts/bench_modes.py --experiment experiments/quickstart_a3po.py --steps 10 "
+    "python scripts/bench_modes.py --experiment experiments/smollm2_chain_sum.py --steps 10 "
     "--warmup 2": PARSE_ONLY,
     "python scripts/bench_weight_push.py": PARSE_ONLY,
     "python scripts/bench_reproducible.py": PARSE_ONLY,

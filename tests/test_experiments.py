@@ -202,14 +202,14 @@ def test_a3po_vs_recompute_smollm2_crosses_methods_etas_and_seeds(tmp_path):
     assert len(cells) == len(set(cells)) and set(cells) == expected
     # Seed-major: an interrupted sweep holds whole seeds of every method.
     assert [c.seed for c in configs] == sorted(c.seed for c in configs)
-    quickstart = load_experiment(ROOT / "experiments" / "quickstart_a3po.py")
+    workload = load_experiment(ROOT / "experiments" / "smollm2_chain_sum.py")
     for c in configs:
         assert (c.model, c.task, c.rollout, c.optim, c.steps) == (
-            quickstart.model,
-            quickstart.task,
-            quickstart.rollout,
-            quickstart.optim,
-            quickstart.steps,
+            workload.model,
+            workload.task,
+            workload.rollout,
+            workload.optim,
+            workload.steps,
         )
 
 
@@ -228,14 +228,14 @@ def test_disaggregation_crosses_modes_with_seeds_on_split_cores_and_once_shared(
     }
     expected = {(*m, 1, s) for m in modes for s in (0, 1, 2)} | {(*m, 0, 0) for m in modes}
     assert len(cells) == len(set(cells)) and set(cells) == expected
-    quickstart = load_experiment(ROOT / "experiments" / "quickstart_a3po.py")
-    for c in configs:  # the quickstart's workload, whatever the mode and placement
+    workload = load_experiment(ROOT / "experiments" / "smollm2_chain_sum.py")
+    for c in configs:  # the chain_sum workload, whatever the mode and placement
         assert (c.model, c.task, c.rollout, c.optim, c.steps) == (
-            quickstart.model,
-            quickstart.task,
-            quickstart.rollout,
-            quickstart.optim,
-            quickstart.steps,
+            workload.model,
+            workload.task,
+            workload.rollout,
+            workload.optim,
+            workload.steps,
         )
 
 
@@ -518,3 +518,22 @@ def test_run_sweep_stops_when_a_run_is_stopped(tmp_path, capsys, monkeypatch):
     assert run_sweep.main(argv) == 1
     assert len(calls) == 1
     assert "stopped after" in capsys.readouterr().out
+
+
+def test_committed_smollm2_results_ran_on_their_experiments_task():
+    """The SmolLM2 reproductions derive from smollm2_chain_sum.py, and each committed run's
+    task is its experiment file's: a change of the quickstart's task cannot quietly leave
+    their results on another workload."""
+    derived = [
+        path.stem for path in EXPERIMENTS if 'with_name("smollm2_chain_sum.py")' in path.read_text()
+    ]
+    assert len(derived) == 6
+    checked = 0
+    for name in derived:
+        task = dataclasses.asdict(load_experiment(ROOT / "experiments" / f"{name}.py").task)
+        assert task["name"] == "chain_sum"
+        for config_json in sorted((ROOT / "results" / name).rglob("config.json")):
+            ran = json.loads(config_json.read_text())["task"]
+            assert {k: ran.get(k) for k in task} == task, config_json
+            checked += 1
+    assert checked >= 30
