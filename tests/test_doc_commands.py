@@ -98,6 +98,10 @@ COMMANDS: dict[str, object] = {
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
+    "a3po-train experiments/offpolicy_lab_smollm2.py algo.prox=behav "
+    "run_dir=runs/offpolicy_lab_smollm2/naive": PRINT_CONFIG,
+    "a3po-train experiments/offpolicy_lab_smollm2.py algo.prox=recompute "
+    "run_dir=runs/offpolicy_lab_smollm2/recompute": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=completion "
     "run_dir=runs/completion": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=admission "

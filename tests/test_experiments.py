@@ -537,3 +537,23 @@ def test_committed_smollm2_results_ran_on_their_experiments_task():
             assert {k: ran.get(k) for k in task} == task, config_json
             checked += 1
     assert checked >= 30
+
+
+def test_offpolicy_lab_smollm2_runs_the_toy_labs_methods_on_the_quickstarts_task(tmp_path):
+    toy = configs_of("offpolicy_lab_toy", tmp_path / "toy")
+    lab = configs_of("offpolicy_lab_smollm2", tmp_path / "lab")
+    quickstart = load_experiment(ROOT / "experiments" / "quickstart_a3po.py")
+    assert len(lab) == len(toy) == 27
+    for small, big in zip(toy, lab, strict=True):
+        # The same method and seed per cell: loss, prox rule, mode, bound, minibatches.
+        assert (big.algo, big.system.mode, big.staleness_bound, big.seed, big.steps) == (
+            small.algo,
+            small.system.mode,
+            small.staleness_bound,
+            small.seed,
+            small.steps,
+        )
+        assert (big.model, big.task) == (quickstart.model, quickstart.task)
+        assert (big.rollout.group_size, big.rollout.groups_per_step) == (2, 32)
+        assert big.optim.learning_rate == 1e-4 and big.evaluate
+    assert len({c.run_dir for c in lab}) == 27

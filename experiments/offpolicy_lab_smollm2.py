@@ -1,0 +1,56 @@
+"""The off-policy lab on SmolLM2-135M: the toy lab's stress regime on the quickstart's task.
+
+Command:  nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_smollm2.py --prune
+          python -m a3po_jax.cli.results runs/offpolicy_lab_smollm2 --out runs/offpolicy_lab_smollm2
+          (one run: a3po-train experiments/offpolicy_lab_smollm2.py algo.prox=behav \\
+              run_dir=runs/offpolicy_lab_smollm2/naive)
+Hardware: a 2-core CPU, embedded inference host; 9-12 minutes per run (13 steps of 64
+          samples, held-out evaluation at the start and the end), so the 27-run sweep is
+          4-5 hours there; on a GPU raise PROMPTS_PER_MINIBATCH.
+What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate at LLM
+          scale: each generated batch of 8·N prompts × 2 samples trains in N = 4
+          minibatches, the producer runs up to η = 15 optimizer updates ahead, and the
+          learning rate is 3.3x the quickstart's, so the policy moves between the batch
+          that generated the data and the minibatch that trains on it. Same METHODS and
+          SEEDS as the toy lab; held-out greedy pass@1 (eval/accuracy) at the end and
+          kl/ref_k3 compare them. One seed of naive and recompute so far
+          (docs/results.md): at this rate both lose held-out accuracy, at 3e-5 naive learns.
+Parent:   experiments/quickstart_a3po.py (model, task, lengths, temperature, packing,
+          held-out evaluation); changes: 2 samples × 8·N prompts per step, N = 4
+          minibatches, η = 15, LEARNING_RATE, UPDATES / N + 1 steps, no checkpoints,
+          track_ref_kl, per SWEEP the method (offpolicy_lab_toy.METHODS) and the seed.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from a3po_jax.training.config import TrainConfig, import_experiment, load_experiment
+
+TOY = import_experiment(Path(__file__).with_name("offpolicy_lab_toy.py"))
+MINIBATCHES = TOY.MINIBATCHES
+PROMPTS_PER_MINIBATCH = TOY.PROMPTS_PER_MINIBATCH
+UPDATES = TOY.UPDATES
+LEARNING_RATE = 1e-4
+METHODS = TOY.METHODS
+SEEDS = TOY.SEEDS
+
+SWEEP = [{**overrides, "seed": seed} for seed in SEEDS for overrides in METHODS.values()]
+
+
+def config() -> TrainConfig:
+    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    toy = TOY.config()
+    return dataclasses.replace(
+        parent,
+        rollout=dataclasses.replace(
+            parent.rollout, group_size=2, groups_per_step=PROMPTS_PER_MINIBATCH * MINIBATCHES
+        ),
+        algo=toy.algo,
+        optim=dataclasses.replace(parent.optim, learning_rate=LEARNING_RATE),
+        system=dataclasses.replace(
+            parent.system, max_staleness=toy.system.max_staleness, update_policy="in_flight"
+        ),
+        steps=toy.steps,
+        checkpoint_every=0,
+        run_dir="runs/offpolicy_lab_smollm2",
+    )
