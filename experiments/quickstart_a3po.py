@@ -36,7 +36,7 @@ ADDITIONS = (
 def config() -> TrainConfig:
     return TrainConfig(
         # Recompute each layer's activations in the backward pass: about 40 % less step memory
-        # at the same speed on a CPU, which keeps the run under 4 GB (docs/performance.md).
+        # at the same speed on a CPU, which keeps the run at about 3.7 GiB (docs/performance.md).
         model=ModelSection(name="smollm2", remat=True),
         # Sums of two numbers from 0 to 10: the untrained model can add them but often rambles
         # past the token budget instead of answering; the run teaches it to answer.
@@ -60,7 +60,7 @@ def config() -> TrainConfig:
             length_bucket=64,
             packed_prompts=True,
             groups_per_row=2,
-            # Freed heap handed back four times as often as the default: reliably under 4 GB
+            # Freed heap handed back four times as often as the default: a lower, steadier peak
             # for a few per cent more seconds per step (docs/performance.md, docs/log.md).
             trim_heap_every_s=0.25,
         ),
