@@ -13,8 +13,8 @@ What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate 
           learning rate is 3.3x the quickstart's, so the policy moves between the batch
           that generated the data and the minibatch that trains on it. Same METHODS and
           SEEDS as the toy lab; held-out greedy pass@1 (eval/accuracy) at the end and
-          kl/ref_k3 compare them. One seed of naive and recompute so far
-          (docs/results.md): at this rate both lose held-out accuracy, at 3e-5 naive learns.
+          kl/ref_k3 compare them. One seed so far (docs/results.md): at this rate naive
+          and recompute both lose held-out accuracy; at 3e-5 the four methods tried learn.
 Parent:   experiments/quickstart_a3po.py (model, task, lengths, temperature, packing,
           held-out evaluation); changes: 2 samples × 8·N prompts per step, N = 4
           minibatches, η = 15, LEARNING_RATE, UPDATES / N + 1 steps, no checkpoints,
