@@ -511,6 +511,30 @@ def test_tiny_model_trains_no_uniform_group(tmp_path, caplog, mode):
     assert result.filtered.get("zero_variance", 0) >= filtered
 
 
+@pytest.mark.slow
+def test_step_records_count_filtered_groups_from_one_snapshot(tmp_path):
+    """The collector files groups while the trainer writes a record: a queue that filters
+    one more group between any two reads of its counters still gives records whose
+    per-step ``rollout/filtered_groups`` add up to the last ``queue/filtered_groups``."""
+    from a3po_jax.training.trainer import Trainer, load_policy
+
+    cfg = tiny_cfg(tmp_path, "system.mode=async", "system.max_staleness=2")
+    trainer = Trainer(cfg, load_policy(cfg.model), console=False)
+    real = trainer.queue.counters
+    reads = []
+
+    def counters():  # one more filtered group at every read, as a busy collector may file
+        reads.append(1)
+        c = real()
+        return {**c, "filtered_groups": c["filtered_groups"] + len(reads)}
+
+    trainer.queue.counters = counters
+    trainer.run()
+    records = read_metrics(cfg.run_dir)
+    filtered = sum(r["rollout/filtered_groups"] for r in records)
+    assert filtered == records[-1]["queue/filtered_groups"]
+
+
 # ---------------------------------------------------------------------------------------
 # kill -9, --resume: every prompt trained at most once with dynamic sampling on.
 

@@ -203,6 +203,32 @@ def test_wait_admit_blocks_until_next_version_and_close_wakes_it():
     assert not thread.is_alive() and "trainer finished" in errors[0]
 
 
+def test_wait_submitted_waits_for_a_spent_budget_and_every_submission():
+    controller = StalenessController(batch_groups=2, max_staleness=0)
+    with pytest.raises(RolloutTimeout, match="0 groups counted, budget 2"):
+        controller.wait_submitted(timeout=0.05)  # nothing admitted yet
+    controller.wait_admit(timeout=1.0)
+    controller.wait_admit(timeout=1.0)
+    with pytest.raises(RolloutTimeout, match="2 admitted but not submitted"):
+        controller.wait_submitted(timeout=0.05)  # taken, not yet at the host
+    controller.submitted()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (controller.wait_submitted(), done.set()))
+    thread.start()
+    time.sleep(0.1)
+    assert not done.is_set()  # one admission still unsubmitted
+    controller.submitted()
+    thread.join(JOIN_S)
+    assert done.is_set()
+    with pytest.raises(ValueError, match="without an admission"):
+        controller.submitted()
+    controller.notify_version(1)  # a new budget: unspent until the producer admits
+    with pytest.raises(RolloutTimeout):
+        controller.wait_submitted(timeout=0.05)
+    controller.close("trainer finished")
+    controller.wait_submitted(timeout=0.05)  # a closed controller waits for nothing
+
+
 # --- RolloutQueue ----------------------------------------------------------------------------
 
 

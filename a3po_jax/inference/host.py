@@ -42,7 +42,8 @@ then staged; the serving thread swaps them in at a decode-step boundary:
   samples of later requests wait. The swap happens once none of the earlier ones is left, so
   no sample spans two versions and a request's samples share one version. This is what makes
   ``one_step_off`` exactly one step stale: a group submitted while batch t trains is generated
-  by version t, even if it only reaches a slot after version t+1 was pushed.
+  by version t, even if it only reaches a slot after version t+1 was pushed (the trainer
+  pushes t+1 once t serves and every such group was submitted: `Trainer._keep_one_step_off`).
 
 A decode step always runs with one params object, so versions never mix inside a step.
 """

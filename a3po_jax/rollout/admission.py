@@ -69,6 +69,7 @@ class StalenessController:
         self._admitted = 0  # total admissions ever; also the next group id
         self._released = 0  # admissions given back (dropped or lost groups)
         self._trainer_version = 0  # last version passed to notify_version
+        self._unsubmitted = 0  # taken by wait_admit, not yet reported by submitted()
         self._closed_reason: str | None = None
         self._cond = threading.Condition()
 
@@ -165,6 +166,7 @@ class StalenessController:
             self._raise_if_closed()
             version = self._trainer_version
             if self._counted() < self.budget(version):
+                self._unsubmitted += 1
                 return self._admit_locked(), version
             return None
 
@@ -177,6 +179,44 @@ class StalenessController:
                     f"no admission capacity within {timeout}s at trainer version "
                     f"{self._trainer_version}: {self._counted()} groups counted, budget "
                     f"{self.budget(self._trainer_version)}"
+                ),
+            )
+
+    def submitted(self) -> None:
+        """The producer is done with one admission of ``wait_admit``: its request reached
+        the host (or failed to); :meth:`wait_submitted` counts it as settled."""
+        with self._cond:
+            if self._unsubmitted <= 0:
+                raise ValueError("submitted() without an admission from wait_admit")
+            self._unsubmitted -= 1
+            self._cond.notify_all()
+
+    def wait_submitted(self, timeout: float | None = None) -> None:
+        """Blocks until the budget of the last notified version is spent and every
+        admission taken from it was reported by :meth:`submitted`, or the controller
+        closes (returns then too). ``one_step_off`` asks this before it pushes the next
+        weights, so that each group reaches the host before the weights it must not see.
+
+        Raises:
+          RolloutTimeout after ``timeout`` seconds.
+        """
+
+        def settled() -> bool | None:
+            if self._closed_reason is not None:
+                return True
+            full = self._counted() >= self.budget(self._trainer_version)
+            return True if full and self._unsubmitted == 0 else None
+
+        with self._cond:
+            wait_until(
+                self._cond,
+                settled,
+                timeout=timeout,
+                timeout_message=lambda: (
+                    f"the producer did not submit the admissions of trainer version "
+                    f"{self._trainer_version} within {timeout}s: {self._counted()} groups "
+                    f"counted, budget {self.budget(self._trainer_version)}, "
+                    f"{self._unsubmitted} admitted but not submitted"
                 ),
             )
 

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -244,6 +245,25 @@ class RolloutWorkers:
         with self._inflight_lock:
             self._discarded_groups += num_groups
 
+    def wait_submitted(self, timeout: float | None) -> None:
+        """Blocks until every group the staleness budget admits at the notified version,
+        and every re-issued group, has been submitted to the host (`RolloutTimeout` after
+        ``timeout`` seconds; a failed worker is raised). Threads only: ``drive`` submits
+        in the caller's thread."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.raise_if_failed()
+            with self._inflight_lock:
+                reissues = len(self._to_submit)
+            if not reissues or self._stop.is_set():
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RolloutTimeout(f"{reissues} re-issued groups not submitted in {timeout}s")
+            time.sleep(0.005)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.controller.wait_submitted(timeout=left)
+        self.raise_if_failed()
+
     def notify_version(self, version: int) -> None:
         self.queue.new_refill_window()  # the step is done: fresh refills (dynamic sampling)
         self.controller.notify_version(version)
@@ -458,19 +478,23 @@ class RolloutWorkers:
         under the staleness budget (waiting up to ``timeout`` seconds for room). False if
         there was none; raises `QueueClosed` once the controller is closed."""
         with self._inflight_lock:
-            reissue = self._to_submit.pop(0) if self._to_submit else None
+            # Left in the list until submitted, so that `wait_submitted` sees it.
+            reissue = self._to_submit[0] if self._to_submit else None
         if reissue is None and not admit:
             return False
         if reissue is not None:  # pending at the resumed checkpoint: already counted
             group_id, prompt, version = reissue
             # A wire id of its own: a host that outlived the old process may still hold
             # (or deliver) the old "g<id>" request, which must not mix into this one.
-            request_id = f"g{group_id}.re{version}"
-        else:
-            try:
-                group_id, version = self.controller.wait_admit(timeout=timeout)
-            except RolloutTimeout:
-                return False
+            self._submit(group_id, prompt, f"g{group_id}.re{version}")
+            with self._inflight_lock:
+                self._to_submit.pop(0)
+            return True
+        try:
+            group_id, version = self.controller.wait_admit(timeout=timeout)
+        except RolloutTimeout:
+            return False
+        try:
             # Drawn and recorded under the lock state() takes: a checkpoint sees every
             # drawn prompt as pending, or the iterator from before it was drawn.
             with self._inflight_lock:
@@ -479,7 +503,13 @@ class RolloutWorkers:
                 self._inflight[group_id] = (prompt, version, before)
                 if self.ledger is not None:
                     self.ledger.admit(group_id, prompt.prompt_id, before, version)
-            request_id = f"g{group_id}"
+            self._submit(group_id, prompt, f"g{group_id}")
+        finally:
+            self.controller.submitted()
+        return True
+
+    def _submit(self, group_id: int, prompt: Any, request_id: str) -> None:
+        """One group's request to the host, under its wire id."""
         with self._inflight_lock:
             self._request_ids[group_id] = request_id
             self._group_of[request_id] = group_id
@@ -493,7 +523,6 @@ class RolloutWorkers:
                 seed=request_seed(self.seed, group_id),
             )
         )
-        return True
 
     def _collector(self) -> None:
         while not self._stop.is_set():
