@@ -555,5 +555,5 @@ def test_offpolicy_lab_smollm2_runs_the_toy_labs_methods_on_the_quickstarts_task
         )
         assert (big.model, big.task) == (quickstart.model, quickstart.task)
         assert (big.rollout.group_size, big.rollout.groups_per_step) == (2, 32)
-        assert big.optim.learning_rate == 1e-4 and big.evaluate
+        assert big.optim.learning_rate == quickstart.optim.learning_rate and big.evaluate
     assert len({c.run_dir for c in lab}) == 27

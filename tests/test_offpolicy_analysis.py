@@ -202,6 +202,21 @@ def test_lab_table_per_method_over_seeds(tmp_path):
     assert naive["clip frac"] == "0.300 ± 0.141"
     assert rec["reward final"] == "0.700" and rec["ESS"] == "0.900"
     assert "masked frac" not in table  # no run logged it
+    assert "held-out end" not in table  # no run evaluated
+    # Held-out pass@1 logged at step 0 and at the end: the table takes the last.
+    for name, end in (("naive0", 0.25), ("naive1", 0.75)):
+        path = tmp_path / name / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        records[0]["eval/accuracy"], records[-1]["eval/accuracy"] = 0.5, end
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg_path = tmp_path / "rec0" / "config.json"  # a learning rate of its own
+    cfg = json.loads(cfg_path.read_text())
+    cfg["optim"]["learning_rate"] = 3e-5
+    cfg_path.write_text(json.dumps(cfg))
+    table = results.lab_table(results.load_runs([tmp_path]), last_k=2).set_index("prox")
+    assert table.loc["behav", "held-out end"] == "0.500 ± 0.354"
+    assert table.loc["recompute", "held-out end"] == "n/a"  # this run did not evaluate
+    assert table.loc["recompute", "learning_rate"] == "3e-05"  # a config value, not 0.000
     (tmp_path / "naive1" / "metrics.jsonl").write_text(
         "".join(
             json.dumps({k: v for k, v in json.loads(line).items() if k != "mismatch/ess"}) + "\n"

@@ -22,6 +22,7 @@ from a3po_jax.analysis.plots import new_figure
 from a3po_jax.analysis.runs import (
     REWARD,
     Run,
+    final_value,
     last_k_mean,
     mean_over_steps,
     seed_groups,
@@ -29,6 +30,7 @@ from a3po_jax.analysis.runs import (
 )
 from a3po_jax.analysis.tables import mean_std
 
+EVAL_ACCURACY = "eval/accuracy"  # held-out greedy pass@1 (logged at step 0 and the end)
 KL_REF = "kl/ref_k3"  # k3 KL(π_θ ‖ π_init) on the trained tokens (algo.track_ref_kl)
 OFFPOLICY_N = "algo.num_minibatches"
 
@@ -205,6 +207,7 @@ def is_offpolicy_sweep(runs: Sequence[Run]) -> bool:
 _LAB_COLUMNS = (
     (REWARD, "last", "reward final"),
     (REWARD, "area", "reward area"),
+    (EVAL_ACCURACY, "end", "held-out end"),
     (KL_REF, "last", "KL to init"),
     ("loss/clipfrac", "area", "clip frac"),
     ("mismatch/masked_frac", "area", "masked frac"),
@@ -223,10 +226,15 @@ def is_lab_sweep(runs: Sequence[Run]) -> bool:
     )
 
 
+def _config_cell(value):
+    return f"{value:g}" if isinstance(value, float) else value
+
+
 def lab_table(runs: Sequence[Run], *, last_k: int = 5) -> pd.DataFrame:
     """One row per configuration (runs that differ only by seed share one): its differing
     config values, the seeds, and ``mean ± std`` over them of the final reward (mean of
-    the last ``last_k`` steps), the reward area (mean over every step), the KL to the
+    the last ``last_k`` steps), the reward area (mean over every step), the held-out
+    pass@1 at the end (of runs that evaluate), the KL to the
     initial policy over the last ``last_k`` steps, and the means over steps of the clip
     fraction, the masked fraction, the ESS of the importance weights and the staleness.
     A metric no run logged is left out."""
@@ -234,8 +242,12 @@ def lab_table(runs: Sequence[Run], *, last_k: int = 5) -> pd.DataFrame:
     score = {
         "last": lambda r, key: last_k_mean(r, key, last_k),
         "area": lambda r, key: mean_over_steps(r, key),
+        "end": final_value,
     }
-    table = pd.DataFrame([{short_key(k): g[0].config.get(k) for k in keys} for g in groups])
+    # A float config value as written (3e-05), not with the metrics' 3 decimals.
+    table = pd.DataFrame(
+        [{short_key(k): _config_cell(g[0].config.get(k)) for k in keys} for g in groups]
+    )
     table["seeds"] = [len(g) for g in groups]
     for key, how, name in _LAB_COLUMNS:
         if all(r.series(key).empty for r in runs):
