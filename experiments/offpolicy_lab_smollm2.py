@@ -1,6 +1,7 @@
 """The off-policy lab on SmolLM2-135M: the toy lab's stress regime on the quickstart's task.
 
-Command:  nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_smollm2.py --prune
+Command:  nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_smollm2.py --subprocess \\
+              --prune --out runs/offpolicy_lab_smollm2
           python -m a3po_jax.cli.results runs/offpolicy_lab_smollm2 --out runs/offpolicy_lab_smollm2
           (one run: a3po-train experiments/offpolicy_lab_smollm2.py algo.prox=behav \\
               run_dir=runs/offpolicy_lab_smollm2/naive)

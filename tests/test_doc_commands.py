@@ -98,10 +98,6 @@ COMMANDS: dict[str, object] = {
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
-    "a3po-train experiments/offpolicy_lab_smollm2.py algo.prox=behav "
-    "run_dir=runs/offpolicy_lab_smollm2/naive": PRINT_CONFIG,
-    "a3po-train experiments/offpolicy_lab_smollm2.py algo.prox=recompute "
-    "run_dir=runs/offpolicy_lab_smollm2/recompute": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=completion "
     "run_dir=runs/completion": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=admission "
@@ -186,6 +182,8 @@ COMMANDS: dict[str, object] = {
     "python scripts/run_sweep.py experiments/offpolicy_robustness_smollm2.py --subprocess "
     "--prune": DRY_RUN,
     "nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_toy.py --prune": DRY_RUN,
+    "nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_smollm2.py --subprocess "
+    "--prune --out runs/offpolicy_lab_smollm2": DRY_RUN,
     "python scripts/run_sweep.py experiments/one_step_off_vs_sync.py --subprocess --prune": (
         DRY_RUN
     ),
@@ -216,6 +214,8 @@ COMMANDS: dict[str, object] = {
     "python -m a3po_jax.cli.results results/offpolicy_lab_toy --out results/offpolicy_lab_toy": (
         PARSE_ONLY
     ),
+    "python -m a3po_jax.cli.results results/offpolicy_lab_smollm2 --out "
+    "results/offpolicy_lab_smollm2": PARSE_ONLY,
     "python -m a3po_jax.cli.results results/one_step_off_vs_sync --out "
     "results/one_step_off_vs_sync": PARSE_ONLY,
     "python -m a3po_jax.cli.results results/a3po_vs_recompute_smollm2 --out "
