@@ -249,6 +249,62 @@ def test_restore_reissues_the_same_groups_first(tmp_path):
         assert resumed._inflight[pending[0]][1] == 1  # admitted at the resumed version
 
 
+class GatedHost(OutOfOrderHost):
+    """Holds every re-issued request's ``submit`` until ``gate`` is set."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = threading.Event()
+
+    def submit(self, request):
+        if ".re" in request.request_id:
+            self.gate.wait(timeout=30)
+        super().submit(request)
+
+
+def test_wait_submitted_waits_for_the_reissued_groups_and_wakes_when_they_go():
+    """`wait_submitted` (one_step_off, before each push) returns only once every group
+    pending at the checkpoint is at the host again, and promptly after the last one."""
+    task = make_task("letters", train_size=64)
+    tokenizer = char_tokenizer()
+    host = OutOfOrderHost(slow_polls=10_000)  # odd groups never finish
+    workers = make_workers(task, tokenizer, host, None, max_staleness=1)
+    workers.start()
+    groups = workers.get_batch(2, trainer_version=0, timeout=30)
+    workers.consumed(groups, step=1, version=0)
+    workers.notify_version(1)
+    time.sleep(0.2)
+    state = workers.state()
+    workers.close()
+    pending = [e["group_id"] for e in state["pending_groups"]]
+    assert len(pending) >= 2
+
+    host2 = GatedHost(slow_polls=10_000)
+    resumed = make_workers(task, tokenizer, host2, None, max_staleness=1)
+    resumed.restore(state, version=1)
+    resumed.start()
+    try:
+        with pytest.raises(RolloutTimeout, match=f"{len(pending)} re-issued groups not submitted"):
+            resumed.wait_submitted(timeout=0.2)
+        waited: list[float] = []
+
+        def wait():
+            resumed.wait_submitted(timeout=30)
+            waited.append(time.monotonic())
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.1)
+        assert not waited  # still held at the gate
+        opened = time.monotonic()
+        host2.gate.set()
+        thread.join(10)
+        assert waited and waited[0] - opened < 1.0  # generous: woken, not timed out
+        assert host2.submitted == [f"g{g}.re1" for g in pending]
+    finally:
+        resumed.close()
+
+
 def test_restore_puts_the_held_groups_back_and_reissues_the_rest(tmp_path):
     """The one_step_off checkpoint: wait for the groups admitted at older versions
     (`settle`), save the complete pending ones (`snapshot(hold=True)`); the resume puts them

@@ -135,6 +135,9 @@ def test_one_step_off_is_one_version_stale_whatever_the_threads_timing(tmp_path,
         different = sorted(k for k in a if a[k] != b[k])
         assert not different, f"step {a['version']}: {different}"
     assert_bitwise_equal(params_1, params_2, "delayed vs undelayed parameters")
+    # The wait is a phase of its own, not part of the push.
+    timed = read_metrics(tmp_path / "delayed")
+    assert all(r["time/one_step_off_wait_s"] >= 0 and "time/weight_push_s" in r for r in timed)
 
 
 def assert_resumed_is_uninterrupted(full, resumed, full_params, resumed_params, after):

@@ -130,6 +130,8 @@ class RolloutWorkers:
         # Group id -> (prompt, admitted version, prompt iterator state before it was drawn).
         self._inflight: dict[int, tuple[Any, int, dict]] = {}
         self._inflight_lock = threading.Lock()
+        # Notified whenever a re-issued group leaves `_to_submit` (`wait_submitted`).
+        self._reissued = threading.Condition(self._inflight_lock)
         self.ledger = ledger
         # Pending groups of a restored checkpoint, submitted again before any new admission:
         # (group id, prompt, admitted version).
@@ -251,15 +253,18 @@ class RolloutWorkers:
         ``timeout`` seconds; a failed worker is raised). Threads only: ``drive`` submits
         in the caller's thread."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self.raise_if_failed()
-            with self._inflight_lock:
-                reissues = len(self._to_submit)
-            if not reissues or self._stop.is_set():
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RolloutTimeout(f"{reissues} re-issued groups not submitted in {timeout}s")
-            time.sleep(0.005)
+        with self._reissued:
+            while self._to_submit and not self._stop.is_set():
+                if self._error is not None:
+                    break  # raised below, outside the lock
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RolloutTimeout(
+                        f"{len(self._to_submit)} re-issued groups not submitted in {timeout}s"
+                    )
+                # Bounded wait: a failing worker or `close` does not notify.
+                self._reissued.wait(timeout=0.1 if left is None else min(left, 0.1))
+        self.raise_if_failed()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         self.controller.wait_submitted(timeout=left)
         self.raise_if_failed()
@@ -487,8 +492,9 @@ class RolloutWorkers:
             # A wire id of its own: a host that outlived the old process may still hold
             # (or deliver) the old "g<id>" request, which must not mix into this one.
             self._submit(group_id, prompt, f"g{group_id}.re{version}")
-            with self._inflight_lock:
+            with self._reissued:
                 self._to_submit.pop(0)
+                self._reissued.notify_all()
             return True
         try:
             group_id, version = self.controller.wait_admit(timeout=timeout)

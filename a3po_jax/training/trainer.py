@@ -819,9 +819,11 @@ class Trainer:
             self._on_nonfinite(batch, metrics)
         else:
             self._nonfinite_in_a_row = 0
-            t0 = time.perf_counter()
             if self.mode == "one_step_off":
+                t0 = time.perf_counter()
                 self._keep_one_step_off(version)
+                timings["time/one_step_off_wait_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             self._push_weights()
             timings["time/weight_push_s"] = time.perf_counter() - t0
         timings["time/step_s"] = time.perf_counter() - t_step
