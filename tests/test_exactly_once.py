@@ -206,12 +206,9 @@ def test_restarts_with_out_of_order_completions_train_every_prompt_once(tmp_path
     assert len(trained_positions) == result.trained
 
 
-def test_restore_reissues_the_same_groups_first(tmp_path):
-    """The pending groups come back with their group ids (so their request seeds), at the
-    resumed version, before any new admission; the next new prompt is the one after the
-    newest admitted."""
-    task = make_task("letters", train_size=64)
-    tokenizer = char_tokenizer()
+def checkpoint_after_one_step(task, tokenizer):
+    """Train one step with max_staleness 1 on a host whose odd groups never finish, then
+    save: (host, the trained groups, the saved state with the odd groups pending)."""
     host = OutOfOrderHost(slow_polls=10_000)  # odd groups never finish
     workers = make_workers(task, tokenizer, host, None, max_staleness=1)
     workers.start()
@@ -221,6 +218,16 @@ def test_restore_reissues_the_same_groups_first(tmp_path):
     time.sleep(0.2)
     state = workers.state()
     workers.close()
+    return host, groups, state
+
+
+def test_restore_reissues_the_same_groups_first(tmp_path):
+    """The pending groups come back with their group ids (so their request seeds), at the
+    resumed version, before any new admission; the next new prompt is the one after the
+    newest admitted."""
+    task = make_task("letters", train_size=64)
+    tokenizer = char_tokenizer()
+    host, groups, state = checkpoint_after_one_step(task, tokenizer)
     pending = [e["group_id"] for e in state["pending_groups"]]
     assert sorted(g.group_id for g in groups) == [0, 2]
     assert 1 in pending and 3 in pending
@@ -267,15 +274,7 @@ def test_wait_submitted_waits_for_the_reissued_groups_and_wakes_when_they_go():
     pending at the checkpoint is at the host again, and promptly after the last one."""
     task = make_task("letters", train_size=64)
     tokenizer = char_tokenizer()
-    host = OutOfOrderHost(slow_polls=10_000)  # odd groups never finish
-    workers = make_workers(task, tokenizer, host, None, max_staleness=1)
-    workers.start()
-    groups = workers.get_batch(2, trainer_version=0, timeout=30)
-    workers.consumed(groups, step=1, version=0)
-    workers.notify_version(1)
-    time.sleep(0.2)
-    state = workers.state()
-    workers.close()
+    _, _, state = checkpoint_after_one_step(task, tokenizer)
     pending = [e["group_id"] for e in state["pending_groups"]]
     assert len(pending) >= 2
 
