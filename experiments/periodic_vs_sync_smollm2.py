@@ -4,7 +4,7 @@ Command:  python scripts/run_sweep.py experiments/periodic_vs_sync_smollm2.py --
           python -m a3po_jax.cli.results results/periodic_vs_sync_smollm2 \\
               results/a3po_vs_recompute_smollm2/mode-sync_* --out results/periodic_vs_sync_smollm2
           The synchronous baseline is the sync runs of experiments/a3po_vs_recompute_smollm2.py
-          (the same config but system.mode and run_dir, tests/test_experiments.py checks it),
+          (the same config but system.mode and run_dir, tests/cli/test_experiments.py checks it),
           so this sweep runs only the 3 periodic runs; run that sweep first, or add
           {"system.mode": "sync", "seed": s} entries to SWEEP.
 Hardware: a 2-core CPU, embedded inference host; about 3 minutes per run, 3 runs.

@@ -2,7 +2,7 @@
 
 Speed does not depend on weight values, so benchmarks use randomly initialised models with
 the real architectures' shapes and random token rollouts (`synthetic_groups`, from
-`tests/factories.py`).
+`tests/helpers/factories.py`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# The synthetic-group factory is shared with the tests (tests/factories.py); benchmarks, like
-# tests, run from a checkout of the repository.
+# The synthetic-group factory is shared with the tests (tests/helpers/factories.py);
+# benchmarks, like tests, run from a checkout of the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import jax  # noqa: E402
-from factories import synthetic_groups  # noqa: E402
+from helpers.factories import synthetic_groups  # noqa: E402
 
 from a3po_jax import model  # noqa: E402
 from a3po_jax.model.assets import smollm2_config  # noqa: E402

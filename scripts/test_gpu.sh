@@ -6,9 +6,10 @@
 #   bash scripts/test_gpu.sh [OUT_DIR] [PART ...]     # default runs/test_gpu, all parts
 #
 # Parts:
-#   fast     the tests not marked slow
-#   slow     the slow end-to-end tests
-#   replay   tests/test_replay.py twice: as is, and with XLA_FLAGS=--xla_gpu_deterministic_ops=true
+#   fast     the quick tier (docs/development.md)
+#   slow     the whole runs, soaks, benchmarks and multi-device tests
+#   replay   tests/training/test_replay.py twice: as is, and with
+#            XLA_FLAGS=--xla_gpu_deterministic_ops=true
 #            (XLA:GPU's atomic scatter-adds can make a replay miss its recording)
 #
 # Needs a python3 (or $PYTHON) whose jax sees the GPU (pip install -e '.[cuda,test]'), and
@@ -48,12 +49,12 @@ part() {  # NAME SECONDS PYTEST_ARGS...
 
 for p in $parts; do
   case $p in
-    fast) part fast 480 -m "not slow" ;;
-    slow) part slow 600 -m slow ;;
+    fast) part fast 480 -m "not (e2e or multidevice or soak or bench or docs)" ;;
+    slow) part slow 600 -m "e2e or multidevice or soak or bench" ;;
     replay)
-      part replay 300 -m "slow or not slow" tests/test_replay.py
+      part replay 300 tests/training/test_replay.py
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true" \
-        part replay_deterministic 300 -m "slow or not slow" tests/test_replay.py
+        part replay_deterministic 300 tests/training/test_replay.py
       ;;
     *) echo "unknown part $p (fast, slow, replay)" >&2; exit 2 ;;
   esac

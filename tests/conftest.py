@@ -1,30 +1,45 @@
-"""Shared test set-up: CPU only, float32, quiet TensorFlow, compiled programs freed in time."""
+"""Shared test set-up: CPU only, float32, quiet TensorFlow, one on-disk compilation cache,
+tiers by folder and marker, a time budget for unit tests, compiled programs freed in time.
+
+The tiers and budgets are described in docs/development.md."""
 
 import gc
 import os
 import sys
+from pathlib import Path
 
 import pytest
+from helpers.mappings import MAX_MAPPINGS, mappings
+
+# Tiers by folder and marker, and the unit-test time budget.
+pytest_plugins = ["helpers.tiers"]
+
+TESTS = Path(__file__).resolve().parent
 
 # Tests run on the CPU whatever the machine has: results must not depend on an accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Every XLA:CPU executable keeps about three memory mappings (code, constants, data) for as
-# long as a jit cache holds it. The whole suite in one process compiles thousands, and past
-# the kernel's limit on mappings per process (`vm.max_map_count`, 65530 by default) the next
-# compile crashes the interpreter inside XLA. One test file adds up to ~15 000.
-MAX_MAPPINGS = 20_000
+# Cheaper CPU code generation: most of the suite's time is XLA compiling small programs that
+# then run for milliseconds, and LLVM's expensive passes are a third of that. The programs
+# compute the same; only their speed, which no test measures, differs. A value already in
+# XLA_FLAGS wins.
+CHEAP_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_CODEGEN}".strip()
 
-
-def _mappings() -> int | None:
-    """This process's memory mappings, or None where /proc does not say (not Linux)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
-    except OSError:
-        return None
+# JAX's persistent compilation cache, keyed as JAX keys it (program, flags, devices, jax
+# version): tests, xdist workers and the runs they start in subprocesses compile the same
+# programs again and again, and a hit loads the executable instead. Environment variables,
+# so every child process inherits them. A3PO_TEST_COMPILE_CACHE=off turns it off.
+if os.environ.get("A3PO_TEST_COMPILE_CACHE", "") != "off":
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR",
+        os.environ.get("A3PO_TEST_COMPILE_CACHE") or str(TESTS.parent / ".cache" / "jax-tests"),
+    )
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,7 +50,7 @@ def _free_compiled_programs():
     yield
     if "jax" not in sys.modules:  # never the first to import jax (XLA_FLAGS may not be set)
         return
-    count = _mappings()
+    count = mappings()
     if count is None or count > MAX_MAPPINGS:
         sys.modules["jax"].clear_caches()
         gc.collect()

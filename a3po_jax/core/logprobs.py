@@ -10,7 +10,7 @@ are cut into chunks of C; each chunk's [C, V] logits live only inside one iterat
 saving them, so neither pass holds more than one chunk of the vocabulary (plus the [D, V]
 head gradient it accumulates). On a CPU a chunk's logits are further made a block of Vb
 columns at a time (``VOCAB_BLOCK_BYTES``), so no pass holds more than [C, Vb]. The values
-and gradients equal the plain path's to float rounding (tests/test_logprobs.py).
+and gradients equal the plain path's to float rounding (tests/core/test_logprobs.py).
 
 :func:`forward_logprobs` is the policy's pass over a padded batch (``build_batch``'s rows):
 the layer stack, then this head; ``packing.packed_token_logprobs`` is the packed layout's.
@@ -256,7 +256,7 @@ def _chunk_forward(h, w, tgt, temperature, vocab_block, table):
     accumulated block by block with the maximum updated online (``_online_block``).
     `jax.nn.logsumexp` and then `losses.entropy`'s -Σ p log p took two passes of exp over
     the [C, V] logits, a third of the head's forward on XLA:CPU (docs/log.md). Equal to
-    those to float rounding (tests/test_logprobs.py). A target outside [0, V) matches no
+    those to float rounding (tests/core/test_logprobs.py). A target outside [0, V) matches no
     column: logp = -lse.
     """
     c = h.shape[0]

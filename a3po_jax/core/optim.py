@@ -211,7 +211,7 @@ def apply_grads(
     else:
         # Several devices: with the update's collectives inside a lax.cond branch, XLA:CPU
         # deadlocks (two devices of one process wait in different all-reduces) or aborts
-        # (gloo across processes: "collective mismatch"); tests/test_trainer_multiprocess.py
+        # (gloo across processes: "collective mismatch"); tests/e2e/test_trainer_multiprocess.py
         # shows both. Sharded jobs take the select, on every backend (not measured off CPU).
         new, update_norm = update(state)
         new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)

@@ -128,7 +128,7 @@ def config_from_hf(
 # What transformers' LlamaConfig / Qwen2Config / Qwen3Config (4.46 to 5.x) fill in for a
 # field `config_from_hf` reads when config.json leaves it out (a missing Llama
 # num_key_value_heads or head_dim falls back in `config_from_hf`, as in LlamaConfig).
-# `tests/test_checkpoint_io.py` checks the table against the classes themselves.
+# `tests/model/test_checkpoint_io.py` checks the table against the classes themselves.
 _HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
     "Qwen2ForCausalLM": dict(

@@ -1,0 +1,207 @@
+"""The held-out evaluation of a run (step 0, the end, resumes), its 95 % interval, and the
+end-of-run report: rows, report.md and its PNGs, from the trainer's CLI and the results CLI."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from a3po_jax.analysis.evaluation import Z_95, accuracy_interval, accuracy_with_stderr
+from a3po_jax.analysis.run_report import FIGURES, REPORT_FILE, report_rows, write_run_report
+from a3po_jax.training.config import ConfigError, TaskSection, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = str(ROOT / "experiments" / "smoke_tiny.py")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# --- the 95 % interval -----------------------------------------------------------------------
+
+
+def test_wilson_interval_of_none_correct_is_not_a_point():
+    # 0 of 4 correct: Wilson's interval is [0, z²/(n + z²)] = [0, 3.8415/7.8415] = [0, 0.4899].
+    # The normal interval p ± z·sqrt(p(1-p)/n) would be [0, 0]: "certainly never right"
+    # after 4 tries, which is what separates the two.
+    low, high = accuracy_interval(np.zeros((4, 1)))
+    assert low == 0.0
+    assert high == pytest.approx(Z_95**2 / (4 + Z_95**2), abs=1e-12)
+    assert high == pytest.approx(0.48990, abs=1e-5)
+
+
+def test_wilson_interval_of_half_correct_by_hand():
+    # 32 of 64: centre (0.5 + z²/128) / (1 + z²/64) = 0.5 by symmetry; half-width
+    # z·sqrt(0.25/64 + z²/16384) / (1 + z²/64) = 1.95996·0.064348 / 1.060023 = 0.118979
+    # (the normal interval's 1.95996·0.0625 = 0.122498 is wider here).
+    scores = np.array([[1.0]] * 32 + [[0.0]] * 32)
+    low, high = accuracy_interval(scores)
+    assert (low, high) == pytest.approx((0.5 - 0.118979, 0.5 + 0.118979), abs=1e-6)
+    # jit-free numpy either way: the same numbers from the closed form.
+    z2, n = Z_95**2, 64
+    half = Z_95 * math.sqrt(0.25 / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    assert high - 0.5 == pytest.approx(half, abs=1e-12)
+
+
+def test_partial_scores_and_mean_at_k_use_the_normal_interval_over_prompts_clipped():
+    # mean@2 over 4 prompts: per-prompt means 1, 0.5, 0.5, 0 -> accuracy 0.5, stderr
+    # sqrt(mean((0.5, 0, 0, 0.5)²) / 4) = sqrt(0.125 / 4) = 0.176777; ± 1.95996 · that.
+    scores = np.array([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    accuracy, stderr = accuracy_with_stderr(scores)
+    assert (accuracy, stderr) == pytest.approx((0.5, 0.176777), abs=1e-6)
+    assert accuracy_interval(scores) == pytest.approx(
+        (0.5 - Z_95 * 0.176777, 0.5 + Z_95 * 0.176777), abs=1e-5
+    )
+    # Partial credit near 1 is clipped to [0, 1].
+    assert accuracy_interval(np.array([[1.0], [0.5]]))[1] == 1.0
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+def test_evaluation_is_on_with_evaluate_or_eval_every_and_never_on_the_training_split():
+    assert not TrainConfig().evaluates
+    assert TrainConfig(evaluate=True).evaluates and TrainConfig(eval_every=5).evaluates
+    with pytest.raises(ConfigError, match="task.split='test' trains on the held-out split"):
+        TrainConfig(evaluate=True, task=TaskSection(split="test"))
+    with pytest.raises(ConfigError, match="eval_samples must be > 0"):
+        TrainConfig(eval_samples=0)
+
+
+# --- the report's rows from records ----------------------------------------------------------
+
+
+def records_of_a_run():
+    """Step 0: evaluation only; steps 1-6 with rewards 0.1 .. 0.6; the end evaluation."""
+    records = [
+        {"step": 0, "wall_time": 1000.0, "eval/accuracy": 0.25, "eval/ci95_low": 0.1,
+         "eval/ci95_high": 0.5, "eval/num_prompts": 8.0, "time/eval_s": 4.0},
+    ]  # fmt: skip
+    for step in range(1, 7):
+        records.append(
+            {
+                "step": step,
+                "wall_time": 1000.0 + 10 * step,
+                "time/step_s": 10.0,
+                "reward/mean": step / 10,
+                "policy/entropy": 2.0 - step / 10,
+                "staleness/counts": [30, 10],
+                "staleness/mean": 0.25,
+                "staleness/max": 1.0,
+                "mem/peak_rss_gb": 1.0 + step / 10,
+                "queue/dropped_total": 2,
+                "queue/dropped_groups/stale": 2,
+            }
+        )
+    records[-1].update({"eval/accuracy": 0.75, "eval/ci95_low": 0.4, "eval/ci95_high": 0.9,
+                        "eval/num_prompts": 8.0, "time/eval_s": 6.0})  # fmt: skip
+    return records
+
+
+CONFIG = {
+    "steps": 6,
+    "model": {"name": "tiny"},
+    "task": {"name": "letters"},
+    "system": {"mode": "async", "max_staleness": 1},
+    "algo": {"loss": "ppo", "prox": "a3po", "num_minibatches": 1},
+}
+
+
+def test_report_rows_by_hand():
+    rows = dict(report_rows(records_of_a_run(), CONFIG, ledger={"ok": True, "reissued": 1}))
+    assert rows["held-out pass@1 [95% CI]"] == (
+        "0.250 [0.100, 0.500] at step 0 -> 0.750 [0.400, 0.900] at step 6 (+0.500, 8 test prompts)"
+    )
+    # 6 steps: the first and last 2 (a third of the run): (0.1 + 0.2) / 2 and (0.5 + 0.6) / 2.
+    assert rows["training reward/mean"] == "0.150 (steps 1-2) -> 0.550 (steps 5-6)"
+    assert rows["steps"] == "6 of 6"
+    # From the start of the step-0 evaluation (1000 - 4) to the last record (1060): 64 s.
+    assert rows["wall time"] == "1:04 (held-out evaluation 0:10)"
+    assert rows["peak memory"] == "1.60 GiB resident (process)"
+    # Six steps of [30, 10] tokens at d = 0, 1: mean 10/40.
+    assert rows["staleness of trained tokens"] == (
+        "max 1 (bound η = 1), mean 0.25; at d = 0..1: 75% 25%"
+    )
+    assert rows["groups dropped / re-issued"] == (
+        "2 dropped (stale 2); 1 re-issued after a resume; exactly-once ledger audit OK"
+    )
+
+
+def test_a_run_without_evaluation_says_how_to_turn_it_on():
+    records = [r for r in records_of_a_run() if r["step"] > 0]
+    for r in records:
+        r.pop("eval/accuracy", None)
+    rows = dict(report_rows(records, CONFIG))
+    assert rows["held-out accuracy"].startswith("not evaluated (evaluate=true")
+
+
+def test_report_md_and_pngs_from_the_results_cli_on_a_run_dir(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the report's plots need matplotlib")
+    from a3po_jax.cli import results as results_cli
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(CONFIG))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records_of_a_run())
+    )
+    assert results_cli.main([str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "held-out pass@1 [95% CI]" in out and f"tensorboard --logdir {run_dir}" in out
+    text = (run_dir / REPORT_FILE).read_text()
+    assert "| held-out pass@1 [95% CI] | 0.250 [0.100, 0.500] at step 0 -> 0.750" in text
+    for file in FIGURES:
+        assert f"]({file})" in text
+        assert (run_dir / file).read_bytes()[:8] == PNG_MAGIC
+    # Without matplotlib's plots: the same table, and one line saying why there are none.
+    report = write_run_report(run_dir, plots=False)
+    assert report.figures == () and "no plots" in report.terminal()
+    # Several runs (or a folder of runs) still need --out.
+    with pytest.raises(SystemExit):
+        results_cli.main([str(tmp_path)])
+
+
+# --- a tiny run end to end ---------------------------------------------------------------------
+
+
+def eval_lines(run_dir: Path) -> list[dict]:
+    """Every record of metrics.jsonl with eval/* as written (resumes not resolved)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [r for r in records if "eval/accuracy" in r]
+
+
+@pytest.mark.e2e
+def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(tmp_path, capsys):
+    """The CLI on the tiny model with evaluate=true: eval/* at step 0 (before training) and
+    after the last step in metrics.jsonl, the report on stdout and report.md with its PNGs;
+    --resume to more steps does not redo step 0 and evaluates the new end once; resuming a
+    finished run evaluates nothing again; the results CLI makes the same report."""
+    from a3po_jax.cli import results as results_cli
+    from a3po_jax.cli.train import main
+
+    run_dir = tmp_path / "run"
+    common = [SMOKE, f"run_dir={run_dir}", "checkpoint_every=1", "system.mode=sync",
+              "evaluate=true", "eval_prompts=4"]  # fmt: skip
+    assert main([*common, "steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert [r["step"] for r in eval_lines(run_dir)] == [0, 2]
+    start, end = eval_lines(run_dir)
+    assert start["eval/version"] == 0 and end["eval/version"] == 2
+    assert start["eval/num_prompts"] == 4 and start["time/eval_s"] > 0
+    assert 0 <= start["eval/ci95_low"] <= start["eval/accuracy"] <= start["eval/ci95_high"] <= 1
+    assert "held-out pass@1 [95% CI]" in out and "at step 0 ->" in out and "2 of 2" in out
+    assert '"final"' not in out  # the report replaced the raw JSON line
+    for file in (REPORT_FILE, *FIGURES):
+        assert (run_dir / file).is_file(), file
+
+    assert main([*common, "steps=2", "--resume"]) == 0  # nothing left to train
+    assert [r["step"] for r in eval_lines(run_dir)] == [0, 2]
+    assert main([*common, "steps=3", "--resume"]) == 0
+    assert [r["step"] for r in eval_lines(run_dir)] == [0, 2, 3]
+    capsys.readouterr()
+
+    report = (run_dir / REPORT_FILE).read_text()
+    assert results_cli.main([str(run_dir)]) == 0
+    assert "3 of 3" in capsys.readouterr().out
+    assert (run_dir / REPORT_FILE).read_text() == report

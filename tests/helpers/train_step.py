@@ -1,0 +1,68 @@
+"""The tiny model's train step as the core tests build it: synthetic groups that mix
+staleness d and d + 1, a config with padded rows unless asked, and the jitted step."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from a3po_jax import model
+from a3po_jax.core import optim
+from a3po_jax.core import train_step as ts
+from a3po_jax.core.algorithm import Algorithm
+from a3po_jax.training import step_builder
+from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
+from helpers.factories import synthetic_groups
+
+CFG = model.ModelConfig.tiny()
+
+
+def make_groups(num_groups=4, group_size=4, seed=0, versions_from=0, vocab=None):
+    """Synthetic complete groups with varied lengths and rewards; odd samples are one
+    version older than `versions_from` (so a batch mixes staleness d and d + 1)."""
+    return synthetic_groups(
+        num_groups,
+        group_size,
+        prompt_len=(3, 8),
+        response_len=(2, 11),
+        vocab=vocab or CFG.vocab_size,
+        versions=lambda g, i: max(0, versions_from - (i % 2)),
+        behav_range=(3.0, 6.0),
+        admitted_at_version=versions_from,
+        seed=seed,
+    )
+
+
+def make_config(group_size=4, groups=4, system=None, **algo):
+    """4 groups of 4 (DPO: pairs) unless told; ``system`` holds SystemSection fields. The
+    step takes the padded rows the tests build unless ``system`` asks for packed ones."""
+    if algo.get("loss") == "dpo" and group_size == 4:
+        group_size, groups = 2, 2 * groups
+    return TrainConfig(
+        rollout=RolloutSection(group_size=group_size, groups_per_step=groups),
+        algo=AlgoSection(**algo),
+        system=SystemSection(**{"packed_prompts": False, **(system or {})}),
+    )
+
+
+def setup(cfg: TrainConfig, seed=0):
+    params = model.init_params(CFG, jax.random.key(seed))
+    opt = step_builder.optimizer(cfg)
+    return optim.init_train_state(params, opt), opt
+
+
+def algorithm(cfg: TrainConfig) -> Algorithm:
+    return step_builder.algorithm(cfg, CFG)
+
+
+def step_fn(cfg: TrainConfig):
+    opt = step_builder.optimizer(cfg)
+    return jax.jit(
+        functools.partial(
+            ts.train_step, algo=algorithm(cfg), optimizer=opt, grad_clip=cfg.optim.grad_clip
+        )
+    )
+
+
+def as_jnp(batch):
+    return {k: jnp.asarray(v) for k, v in batch.arrays().items()}

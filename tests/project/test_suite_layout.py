@@ -1,0 +1,80 @@
+"""The suite's own shape (docs/development.md): tests live in their layer's folder, no test
+file imports another, every marker is registered, and the unit-test budget fails a slow
+unmarked test but not a marked one."""
+
+import ast
+import tomllib
+
+from helpers.paths import REPO, TESTS
+from helpers.tiers import FOLDER_MARKERS, LONG_MARKERS, QUICK_DESELECT
+
+pytest_plugins = ["pytester"]
+
+LAYERS = {"core", "model", "parallel", "inference", "rollout", "tasks", "training"}
+LAYERS |= {"analysis", "cli"}
+OTHER_FOLDERS = {"e2e", "docs", "bench", "project", "helpers", "data", "__pycache__"}
+
+
+def test_test_files_live_in_folders_that_mirror_the_package():
+    assert not list(TESTS.glob("test_*.py")), "test files go in their layer's folder"
+    packages = {p.name for p in (REPO / "a3po_jax").iterdir() if (p / "__init__.py").exists()}
+    assert LAYERS == packages, "tests/ mirrors a3po_jax/: a layer folder per package"
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir()}
+    assert folders <= LAYERS | OTHER_FOLDERS, folders - LAYERS - OTHER_FOLDERS
+    for layer in LAYERS:
+        assert list((TESTS / layer).glob("test_*.py")), f"tests/{layer}/ has no tests"
+
+
+def test_no_test_file_imports_another():
+    test_modules = {p.stem for p in TESTS.rglob("test_*.py")} | {"conftest"}
+    offenders = []
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[-1] in test_modules:
+                    offenders.append(f"{path.relative_to(TESTS)} imports {name}")
+    assert not offenders, "shared code goes in tests/helpers/: " + "; ".join(offenders)
+
+
+def test_markers_are_strict_and_every_tier_marker_is_registered():
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "--strict-markers" in ini["addopts"].split()
+    registered = {m.split(":")[0] for m in ini["markers"]}
+    assert registered == LONG_MARKERS | set(FOLDER_MARKERS.values())
+    for marker in registered:
+        assert marker in QUICK_DESELECT
+    # The quick tier's command deselects exactly these.
+    assert f'-m "{QUICK_DESELECT}"' in (REPO / "scripts" / "run_tests.sh").read_text()
+
+
+BODY = """
+import time
+import pytest
+
+def test_unmarked_slow():
+    time.sleep(0.6)
+
+@pytest.mark.e2e
+def test_marked_slow():
+    time.sleep(0.6)
+
+def test_unmarked_fast():
+    pass
+"""
+
+
+def test_the_budget_fails_a_slow_unit_test_and_spares_a_marked_one(pytester, monkeypatch):
+    pytester.makepyfile(test_budget=BODY)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: whole runs\n")
+    monkeypatch.setenv("A3PO_TEST_BUDGET_S", "0.3")
+    result = pytester.runpytest_inprocess("-p", "helpers.tiers", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*test_unmarked_slow took *over the unit-test budget of 0.3 s*"])
+    monkeypatch.setenv("A3PO_TEST_BUDGET_S", "0")
+    result = pytester.runpytest_inprocess("-p", "helpers.tiers", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
