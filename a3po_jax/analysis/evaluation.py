@@ -129,6 +129,14 @@ class EvalResult:
         return accuracy_interval(np.array([r.scores for r in self.records], dtype=np.float64))
 
     @property
+    def finished_accuracy(self) -> float:
+        """Mean score of the samples that ended with EOS (NaN when none did): what a rise in
+        `accuracy` owes to answering right, apart from answering at all."""
+        scores = np.array([r.scores for r in self.records], dtype=np.float64)
+        finished = np.array([r.finished for r in self.records], dtype=bool)
+        return float(scores[finished].mean()) if finished.any() else float("nan")
+
+    @property
     def metric(self) -> str:
         """The name of `accuracy`: "pass@1" for one sample per prompt, else "mean@k"."""
         return "pass@1" if self.k == 1 else f"mean@{self.k}"
@@ -138,8 +146,9 @@ class EvalResult:
         extra = f", pass@{self.k} = {self.pass_at_k:.3f}" if self.k > 1 else ""
         return (
             f"{self.task}/{self.split} {self.metric} = {self.accuracy:.3f} ± {self.stderr:.3f} "
-            f"(n={self.n}, T={self.temperature}{extra}, finished {self.finished_fraction:.0%}, "
-            f"mean length {self.mean_completion_tokens:.1f} tokens)"
+            f"(n={self.n}, T={self.temperature}{extra}, finished {self.finished_fraction:.0%} "
+            f"scoring {self.finished_accuracy:.3f}, mean length "
+            f"{self.mean_completion_tokens:.1f} tokens)"
         )
 
     def to_json(self) -> dict[str, Any]:

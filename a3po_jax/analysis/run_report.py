@@ -215,6 +215,8 @@ def _eval_rows(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         return [(label, f"{_eval_cell(last)} ({where})")]
     change = last["eval/accuracy"] - first["eval/accuracy"]
     rows = [(label, f"{_eval_cell(first)} -> {_eval_cell(last)} ({change:+.3f}, {where})")]
+    if all("eval/finished_frac" in r for r in (first, last)):
+        rows.append(("held-out answers finished", f"{_finished(first)} -> {_finished(last)}"))
     if "eval/mean_at_k" in first and "eval/mean_at_k" in last:
         k = int(last["eval/k"])
         rows.append(
@@ -224,6 +226,14 @@ def _eval_rows(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
             )
         )
     return rows
+
+
+def _finished(record: dict[str, Any]) -> str:
+    """``53% (0.833 of them right)``: how much of pass@1 is answering at all."""
+    cell = f"{record['eval/finished_frac']:.0%}"
+    if isinstance(record.get("eval/finished_accuracy"), int | float):
+        cell += f" ({record['eval/finished_accuracy']:.3f} of them right)"
+    return cell
 
 
 def _steps(steps: np.ndarray) -> str:

@@ -1079,6 +1079,7 @@ def evaluation_metrics(
         "eval/ci95_high": high,
         "eval/num_prompts": float(greedy.n),
         "eval/finished_frac": greedy.finished_fraction,
+        "eval/finished_accuracy": greedy.finished_accuracy,
         "eval/completion_tokens": greedy.mean_completion_tokens,
     }
     if samples > 1:

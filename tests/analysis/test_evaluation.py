@@ -142,6 +142,11 @@ def test_mean_at_k_stderr_is_over_prompts_of_per_prompt_means():
     # Sample j = 1 of each prompt did not finish: 2/3 of the samples finished.
     assert result.finished_fraction == pytest.approx(2 / 3)
     assert result.records[0].finished == (True, False, True)
+    # Accuracy among the finished samples (j = 0 and 2): right iff a is even, so half the
+    # prompts' pairs; the unfinished j = 1 samples do not count.
+    finished_right = [sample_is_right(a, j) for a in _first_operands(20) for j in (0, 2)]
+    assert result.finished_accuracy == pytest.approx(np.mean(finished_right), abs=1e-12)
+    assert f"scoring {result.finished_accuracy:.3f}" in result.summary()
 
 
 def test_generate_fn_receives_rendered_prompts():

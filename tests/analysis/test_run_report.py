@@ -95,6 +95,8 @@ def records_of_a_run():
         )
     records[-1].update({"eval/accuracy": 0.75, "eval/ci95_low": 0.4, "eval/ci95_high": 0.9,
                         "eval/num_prompts": 8.0, "time/eval_s": 6.0})  # fmt: skip
+    records[0].update({"eval/finished_frac": 0.5, "eval/finished_accuracy": 0.5})
+    records[-1].update({"eval/finished_frac": 1.0, "eval/finished_accuracy": 0.75})
     return records
 
 
@@ -113,6 +115,10 @@ def test_report_rows_by_hand():
         "0.250 [0.100, 0.500] at step 0 -> 0.750 [0.400, 0.900] at step 6 (+0.500, 8 test prompts)"
     )
     # 6 steps: the first and last 2 (a third of the run): (0.1 + 0.2) / 2 and (0.5 + 0.6) / 2.
+    # What the rise is made of: half the answers finished at step 0, half of them right.
+    assert rows["held-out answers finished"] == (
+        "50% (0.500 of them right) -> 100% (0.750 of them right)"
+    )
     assert rows["training reward/mean"] == "0.150 (steps 1-2) -> 0.550 (steps 5-6)"
     assert rows["steps"] == "6 of 6"
     # From the start of the step-0 evaluation (1000 - 4) to the last record (1060): 64 s.
