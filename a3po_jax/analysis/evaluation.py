@@ -144,11 +144,11 @@ class EvalResult:
     def summary(self) -> str:
         """One line, e.g. "chain_sum/test pass@1 = 0.594 ± 0.061 (n=64, T=0.0, ...)"."""
         extra = f", pass@{self.k} = {self.pass_at_k:.3f}" if self.k > 1 else ""
+        scoring = f" scoring {self.finished_accuracy:.3f}" if self.finished_fraction else ""
         return (
             f"{self.task}/{self.split} {self.metric} = {self.accuracy:.3f} ± {self.stderr:.3f} "
-            f"(n={self.n}, T={self.temperature}{extra}, finished {self.finished_fraction:.0%} "
-            f"scoring {self.finished_accuracy:.3f}, mean length "
-            f"{self.mean_completion_tokens:.1f} tokens)"
+            f"(n={self.n}, T={self.temperature}{extra}, finished {self.finished_fraction:.0%}"
+            f"{scoring}, mean length {self.mean_completion_tokens:.1f} tokens)"
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -29,7 +29,12 @@ from a3po_jax.tasks.gsm8k import (
 )
 from a3po_jax.tasks.jsonl_task import JsonlTask, load_jsonl_prompts
 from a3po_jax.tasks.prompt_iterator import PromptIterator
-from a3po_jax.tasks.reasoning_gym_tasks import TEST_SEED_OFFSET, ReasoningGymTask
+from a3po_jax.tasks.reasoning_gym_tasks import (
+    TEST_SEED_OFFSET,
+    ReasoningGymTask,
+    holdout_bucket,
+    problem_key,
+)
 from a3po_jax.tasks.registry import TASK_NAMES, make_task
 from a3po_jax.tasks.rewards import RewardConfig, shaped_reward
 from a3po_jax.tasks.task import (
@@ -63,11 +68,13 @@ __all__ = [
     "extract_final_text",
     "gold_from_gsm8k_solution",
     "has_boxed_answer",
+    "holdout_bucket",
     "load_jsonl_prompts",
     "load_offline_gsm8k",
     "load_tfds_gsm8k",
     "make_task",
     "parse_number",
+    "problem_key",
     "render_prompt",
     "shaped_reward",
 ]

@@ -8,7 +8,10 @@ be train item `i + 1` — and is drawn from seed `S + TEST_SEED_OFFSET` instead:
 splits never share a generator seed while `train_size <= TEST_SEED_OFFSET`. Easy settings
 have few distinct problems (2-term 1-digit `chain_sum` has 200), so there the same
 *question* still appears in both splits; the splits are independent draws, not disjoint
-sets.
+sets. With `holdout=h` they are: the problem space is partitioned by a hash of each
+problem's key (its expression where the generator records one, else its question), the
+test split draws only from the share h whose hash falls below h, each question once, and
+the train split only from the rest (`holdout_bucket`).
 
 The completion's final answer is extracted first (``\\boxed{}``, "answer is", else the last
 number; see `answers.py`), rewritten in plain form ("1,000" → "1000"), and only then
@@ -21,6 +24,7 @@ since a format reward is a separate, explicit option (`rewards.RewardConfig`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +40,23 @@ from a3po_jax.tasks.task import (
 
 TEST_SEED_OFFSET = 1_000_000_000
 SPLITS = ("train", "test")
+# With a holdout, a split gives up after this many draws per prompt it needs (over its
+# share of the space): a space too small for the split's size is refused, not looped on.
+_DRAWS_PER_PROMPT = 50
+
+
+def problem_key(entry: dict[str, Any]) -> str:
+    """What identifies a problem: the expression the generator records (its operands and
+    operators), else the question text."""
+    metadata = entry.get("metadata") or {}
+    return str(metadata.get("expression", entry["question"]))
+
+
+def holdout_bucket(key: str) -> float:
+    """A problem's place in [0, 1), from SHA-256 of its key: the same on every machine and
+    Python, so the partition never moves."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
+
 
 # How the answer is read from a completion: a number ("number"), an arithmetic expression
 # ("expression", countdown), or free text ("text", any other reasoning-gym dataset).
@@ -77,6 +98,10 @@ class _LazyPrompts(Sequence):
     def __init__(self, task: ReasoningGymTask, split: str, dataset: Any, size: int):
         self._task, self._split, self._dataset, self._size = task, split, dataset, size
         self._cache: dict[int, Prompt] = {}
+        # With a holdout: the dataset indices this split keeps, found by drawing in order.
+        self._kept: list[int] = []
+        self._seen: set[str] = set()
+        self._draws = 0
 
     def __len__(self) -> int:
         return self._size
@@ -88,8 +113,28 @@ class _LazyPrompts(Sequence):
             raise IndexError(f"prompt index {index} out of range for {self._size} prompts")
         index %= self._size
         if index not in self._cache:
-            self._cache[index] = self._task.make_prompt(self._split, index, self._dataset[index])
+            entry = self._dataset[self._source(index) if self._task.holdout else index]
+            self._cache[index] = self._task.make_prompt(self._split, index, entry)
         return self._cache[index]
+
+    def _source(self, index: int) -> int:
+        """The dataset index of this split's `index`-th problem: the next draw whose problem
+        lies in the split's side of the holdout (and, in the test split, is new)."""
+        task, test = self._task, self._split == "test"
+        while len(self._kept) <= index:
+            if self._draws >= len(self._dataset):
+                raise ValueError(
+                    f"{task.name}: {len(self._dataset)} draws gave only {len(self._kept)} "
+                    f"{'distinct ' if test else ''}{self._split} problems with "
+                    f"holdout={task.holdout}, {self._size} needed: widen the problem space "
+                    f"(more digits or terms), change the holdout or ask for fewer"
+                )
+            key = problem_key(self._dataset[self._draws])
+            if (holdout_bucket(key) < task.holdout) == test and not (test and key in self._seen):
+                self._kept.append(self._draws)
+                self._seen.add(key)
+            self._draws += 1
+        return self._kept[index]
 
 
 class ReasoningGymTask:
@@ -104,6 +149,9 @@ class ReasoningGymTask:
         ``\\boxed{}`` answer (step by step for gsm_symbolic).
       system_prompt: optional system message (None: the chat template's default).
       partial_credit: keep reasoning-gym's partial scores instead of a 0/1 reward.
+      holdout: the share of the problem space kept for the test split alone (0 < h < 1),
+        which then holds distinct problems the train split never draws; 0 (the default)
+        draws both splits from the whole space.
       **dataset_config: difficulty options of the reasoning-gym config, e.g. for chain_sum
         `min_terms`, `max_terms`, `min_digits`, `max_digits`, `allow_negation`.
     """
@@ -118,6 +166,7 @@ class ReasoningGymTask:
         instruction: str | None = None,
         system_prompt: str | None = None,
         partial_credit: bool = False,
+        holdout: float = 0.0,
         **dataset_config: Any,
     ):
         options = dataset_options(dataset_name)
@@ -137,6 +186,11 @@ class ReasoningGymTask:
             )
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{dataset_name}: seed must be an int >= 0, got {seed!r}")
+        if isinstance(holdout, bool) or not isinstance(holdout, int | float):
+            raise ValueError(f"{dataset_name}: holdout must be a number, got {holdout!r}")
+        if not 0.0 <= holdout < 1.0:
+            raise ValueError(f"{dataset_name}: holdout must be in [0, 1), got {holdout!r}")
+        self.holdout = float(holdout)
         self.name = dataset_name
         self.splits = SPLITS
         self.dataset_name = dataset_name
@@ -156,9 +210,13 @@ class ReasoningGymTask:
 
     def _create(self, split: str) -> Any:
         seed = self.seed if split == "train" else self.seed + TEST_SEED_OFFSET
+        size = self.sizes[split]
+        if self.holdout:  # draws to filter from: the split's share of the space is smaller
+            share = self.holdout if split == "test" else 1.0 - self.holdout
+            size = min(TEST_SEED_OFFSET, int(_DRAWS_PER_PROMPT * size / share) + 1)
         try:
             return _reasoning_gym().create_dataset(
-                self.dataset_name, size=self.sizes[split], seed=seed, **self.dataset_config
+                self.dataset_name, size=size, seed=seed, **self.dataset_config
             )
         except AssertionError as err:
             # reasoning-gym validates its configs with bare asserts; say which task failed.

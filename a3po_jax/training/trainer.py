@@ -1079,9 +1079,10 @@ def evaluation_metrics(
         "eval/ci95_high": high,
         "eval/num_prompts": float(greedy.n),
         "eval/finished_frac": greedy.finished_fraction,
-        "eval/finished_accuracy": greedy.finished_accuracy,
         "eval/completion_tokens": greedy.mean_completion_tokens,
     }
+    if greedy.finished_fraction:  # undefined (NaN) when no answer finished: not logged
+        metrics["eval/finished_accuracy"] = greedy.finished_accuracy
     if samples > 1:
         sampled = evaluate(
             task, EVAL_SPLIT, generate, tokenizer, k=samples, temperature=temperature, **common

@@ -65,22 +65,29 @@ def config(unit, k=2, zero="current", prox_rule="a3po"):
     )
 
 
-def one_token_sums(unit):
-    """Minibatch 1 of a 2-minibatch step starting at version 10, one token sampled at
-    version 6: d = 5 optimizer updates at minibatch 1, 2 training steps at the step's
-    start. logp - behav = 0.4, A = 1, ε = 0.2."""
-    term = step_builder.algorithm(config(unit), CFG).loss_term
+def one_token(unit, *, step_staleness, staleness, zero="current"):
+    """The loss and metrics of minibatch 1's term on one token with logp - behav = 0.4,
+    A = 1, ε = 0.2: `step_staleness` training steps behind the step's start, `staleness`
+    optimizer updates behind minibatch 1."""
+    term = step_builder.algorithm(config(unit, zero=zero), CFG).loss_term
     logp, behav = jnp.array([[-1.0]]), jnp.array([[-1.4]])
     mb = {
         "behav_logp": behav,
         "advantages": jnp.array([[1.0]]),
         "loss_mask": jnp.array([[1.0]]),
-        "step_staleness": jnp.array([[2]], jnp.int32),
+        "step_staleness": jnp.array([[step_staleness]], jnp.int32),
     }
     loss, count, stats = term(
-        logp, mb, staleness=jnp.array([[5]], jnp.int32), old_logp=None, ref_logp=None
+        logp, mb, staleness=jnp.array([[staleness]], jnp.int32), old_logp=None, ref_logp=None
     )
     return float(loss / count), finalize(stats)
+
+
+def one_token_sums(unit):
+    """Minibatch 1 of a 2-minibatch step starting at version 10, one token sampled at
+    version 6: d = 5 optimizer updates at minibatch 1, 2 training steps at the step's
+    start."""
+    return one_token(unit, step_staleness=2, staleness=5)
 
 
 def test_minibatch_i_interpolates_by_training_steps_of_the_step_start():
@@ -170,19 +177,8 @@ def test_one_minibatch_makes_the_two_units_the_same_step():
 def sync_minibatch_1(unit, zero="current"):
     """Minibatch 1 of a 2-minibatch step in sync mode: the token was sampled by the step's
     starting weights (0 training steps, 1 optimizer update behind), and the first update
-    moved the policy since: logp - behav = 0.4, A = 1, ε = 0.2."""
-    term = step_builder.algorithm(config(unit, zero=zero), CFG).loss_term
-    logp, behav = jnp.array([[-1.0]]), jnp.array([[-1.4]])
-    mb = {
-        "behav_logp": behav,
-        "advantages": jnp.array([[1.0]]),
-        "loss_mask": jnp.array([[1.0]]),
-        "step_staleness": jnp.array([[0]], jnp.int32),
-    }
-    loss, count, stats = term(
-        logp, mb, staleness=jnp.array([[1]], jnp.int32), old_logp=None, ref_logp=None
-    )
-    return float(loss / count), finalize(stats)
+    moved the policy since."""
+    return one_token(unit, step_staleness=0, staleness=1, zero=zero)
 
 
 def test_sync_minibatches_in_steps_have_no_trust_region():

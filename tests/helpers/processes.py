@@ -1,13 +1,15 @@
-"""Child processes of the tests: a free loopback port and a CPU environment with N
-virtual devices."""
+"""Child processes of the tests: a free loopback port, a CPU environment with N virtual
+devices, and a test file re-run on N devices."""
 
 import os
 import socket
+import subprocess
+import sys
 
 from a3po_jax.parallel import distributed
 from helpers.paths import REPO
 
-__all__ = ["REPO", "cpu_env", "free_port"]
+__all__ = ["REPO", "cpu_env", "free_port", "run_file_on_devices"]
 
 
 def free_port() -> int:
@@ -31,3 +33,28 @@ def cpu_env(devices: int, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def run_file_on_devices(test_file: str, devices: int, keyword: str, **env: str) -> None:
+    """Runs the tests of `test_file` whose names hold `keyword` in a child pytest with N
+    virtual CPU devices (XLA's default code generation) and fails unless every one of them
+    ran and passed: none skipped for want of devices."""
+    child_env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+        "A3PO_TEST_BUDGET_S": "0",  # the child's tests are the parts of one multidevice test
+        **env,
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", test_file, "-q", "-x", "-k", keyword]
+        + ["-p", "no:cacheprovider", "-m", "multidevice or not multidevice"],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    output = result.stdout[-5000:] + result.stderr[-3000:]
+    assert result.returncode == 0, output
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, output

@@ -15,16 +15,14 @@ run and the one-device tests are skipped (as `test_sharding.py` does with 8).
 """
 
 import functools
-import os
 import re
-import subprocess
-import sys
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.processes import run_file_on_devices
 
 from a3po_jax import model as model_lib
 from a3po_jax.inference import decode_layout
@@ -73,25 +71,8 @@ def _arange(b, t):
 @one_only
 @pytest.mark.multidevice
 def test_two_device_suite_in_a_subprocess():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-        "A3PO_TEST_BUDGET_S": "0",  # the child's tests are this multidevice test's parts
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-k", "two_devices"]
-        + ["-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    output = result.stdout[-5000:] + result.stderr[-3000:]
-    assert result.returncode == 0, output
-    summary = result.stdout.strip().splitlines()[-1]
-    # every test_two_devices_* ran (none skipped for want of 2 devices)
-    assert " passed" in summary and "skipped" not in summary, output
+    # every test_two_devices_* runs and passes
+    run_file_on_devices(__file__, 2, "two_devices")
 
 
 def test_one_layer_function_serves_apply_and_apply_decode(monkeypatch):

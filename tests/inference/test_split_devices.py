@@ -18,13 +18,12 @@ made here first and handed to the child through ``A3PO_SPLIT_REFERENCE``.
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 from helpers.inference_reference import CFG, collect, scaled_params
+from helpers.processes import run_file_on_devices
 from helpers.trainer_runs import LetterTask, make_cfg
 
 from a3po_jax.inference import decode_layout
@@ -54,25 +53,7 @@ def test_four_device_suite_in_a_subprocess(tmp_path):
     Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False).run()
     reference = tmp_path / "reference.json"
     reference.write_text(json.dumps(read_metrics(cfg.run_dir)))
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "A3PO_TEST_BUDGET_S": "0",  # the child's tests are this multidevice test's parts
-        REFERENCE_ENV: str(reference),
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-k", "four_devices"]
-        + ["-p", "no:cacheprovider", "-m", "multidevice or not multidevice"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    output = result.stdout[-5000:] + result.stderr[-3000:]
-    assert result.returncode == 0, output
-    summary = result.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, output
+    run_file_on_devices(__file__, 4, "four_devices", **{REFERENCE_ENV: str(reference)})
 
 
 def generate_all(mesh) -> dict:

@@ -6,15 +6,12 @@ The main pytest process has one CPU device, and XLA's device count is fixed at s
 the one-device tests are skipped.
 """
 
-import os
-import subprocess
-import sys
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.processes import run_file_on_devices
 from jax.sharding import PartitionSpec as P
 
 from a3po_jax.model import (
@@ -47,35 +44,8 @@ one_only = pytest.mark.skipif(EIGHT, reason="runs in the main (1-device) process
 @one_only
 @pytest.mark.multidevice
 def test_sharded_suite_in_8_device_subprocess():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "A3PO_TEST_BUDGET_S": "0",  # the child's tests are this multidevice test's parts
-    }
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            __file__,
-            "-q",
-            "-x",
-            "-k",
-            "eight",
-            "-p",
-            "no:cacheprovider",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    output = result.stdout[-5000:] + result.stderr[-3000:]
-    assert result.returncode == 0, output
-    summary = result.stdout.strip().splitlines()[-1]
-    # every test_eight_* ran (none skipped for want of 8 devices)
-    assert " passed" in summary and "skipped" not in summary, output
+    # every test_eight_* runs and passes
+    run_file_on_devices(__file__, 8, "eight")
 
 
 @one_only

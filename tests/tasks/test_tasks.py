@@ -19,7 +19,9 @@ from a3po_jax.tasks import (
     RewardConfig,
     Task,
     gold_from_gsm8k_solution,
+    holdout_bucket,
     make_task,
+    problem_key,
     render_prompt,
     shaped_reward,
 )
@@ -207,6 +209,55 @@ def test_train_and_test_splits_use_disjoint_generator_seeds():
     test = {p.messages[-1]["content"] for p in task.prompts("test")}
     assert not train & test
     assert TEST_SEED_OFFSET >= 200
+
+
+# The quickstart's space: sums of two one-digit operands, every question one expression.
+ADDITIONS = dict(
+    min_terms=2,
+    max_terms=2,
+    min_digits=1,
+    max_digits=1,
+    operators=["+"],
+    allow_parentheses=False,
+    allow_negation=False,
+)
+
+
+def test_a_holdout_splits_the_whole_problem_space_in_two():
+    # Draw the train split far past the space's size, so that it meets every problem its
+    # side holds; with the test split's problems they must make up the whole space, with
+    # no problem on both sides.
+    probe = ReasoningGymTask("basic_arithmetic", train_size=3000, test_size=1, **ADDITIONS)
+    space = {problem_key(p.metadata["entry"]) for p in probe.prompts("train")}
+    held = {k for k in space if holdout_bucket(k) < 0.25}
+    assert len(space) >= 100 and 0 < len(held) < len(space) / 2
+    task = ReasoningGymTask(
+        "basic_arithmetic", train_size=3000, test_size=len(held), holdout=0.25, **ADDITIONS
+    )
+    train = [problem_key(p.metadata["entry"]) for p in task.prompts("train")]
+    test = [problem_key(p.metadata["entry"]) for p in task.prompts("test")]
+    assert len(set(test)) == len(test), "a test problem comes once"
+    assert set(test) == held
+    assert set(train) == space - held
+    # The test split asks for more distinct problems than its side of the space holds.
+    short = ReasoningGymTask(
+        "basic_arithmetic", test_size=len(held) + 1, holdout=0.25, **ADDITIONS
+    ).prompts("test")
+    with pytest.raises(ValueError, match=r"distinct test problems with holdout=0.25"):
+        short[len(held)]
+
+
+def test_a_holdout_keeps_the_split_order_and_the_partition_fixed():
+    # The bucket is SHA-256 of the key: the same on every machine and Python (the first 8
+    # bytes of sha256(b"3 + 4"), 0x1a95..., over 2**64).
+    assert holdout_bucket("3 + 4") == pytest.approx(0.10384407152670318, abs=1e-15)
+    a = ReasoningGymTask("basic_arithmetic", test_size=8, holdout=0.25, seed=3, **ADDITIONS)
+    b = ReasoningGymTask("basic_arithmetic", test_size=8, holdout=0.25, seed=3, **ADDITIONS)
+    assert [p.answer for p in a.prompts("test")] == [p.answer for p in b.prompts("test")]
+    with pytest.raises(ValueError, match=r"holdout must be in \[0, 1\)"):
+        ReasoningGymTask("basic_arithmetic", holdout=1.0, **ADDITIONS)
+    with pytest.raises(ValueError, match="holdout must be a number"):
+        ReasoningGymTask("basic_arithmetic", holdout="0.1", **ADDITIONS)
 
 
 def test_chain_sum_scored_by_its_own_verifier_on_the_extracted_answer():
