@@ -73,6 +73,7 @@ def tiny_run_config(tmp_path, **fields):
     )
 
 
+@pytest.mark.e2e  # a whole run of the trainer
 def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
     """The state and the embedded host hold copies of the initial params, so once the caller
     drops the loaded policy (as the CLI does) its arrays are freed: one whole copy of the
@@ -99,6 +100,7 @@ def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
         trainer.close()
 
 
+@pytest.mark.e2e  # a whole run of the trainer
 @pytest.mark.parametrize("every", [0.05, 0.0])
 def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
     """`system.trim_heap_every_s` > 0 runs a heap trimmer (training/heap.py) from the trainer's
@@ -125,6 +127,7 @@ def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
         SystemSection(trim_heap_every_s=-1.0)
 
 
+@pytest.mark.e2e  # a whole run of the trainer
 @pytest.mark.parametrize(
     ("mode", "every", "trims_at_push"),
     [("async", 3600.0, True), ("sync", 3600.0, False), ("async", 0.0, False)],
@@ -162,6 +165,7 @@ def test_a_weight_push_trims_once_the_embedded_host_serves_it(
         assert seen == []
 
 
+@pytest.mark.e2e  # a whole run of the trainer
 def test_a_cpu_trainer_saves_checkpoints_in_place_and_trims_after(tmp_path, monkeypatch):
     """On a CPU an asynchronous save holds the state's buffers while the next step donates
     them, so that step copies the whole state (checkpointing.async_save_pays): the trainer
