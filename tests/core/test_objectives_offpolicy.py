@@ -5,7 +5,6 @@ short CLI run of each."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -19,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.factories import synthetic_groups
+from helpers.train_step import accumulated_in_micro_batches
 
 from a3po_jax import model
 from a3po_jax.core import losses, objectives, prox
-from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.objectives import gspo, icepop, m2po
 from a3po_jax.core.stats import Stats, combine, finalize, masked_ess
@@ -541,15 +540,7 @@ def test_micro_batched_step_equals_full_batch(loss_name, extra, metric, exercise
     params = model.init_params(CFG, jax.random.key(1))
     batch = _model_batch(seed=2)
 
-    @functools.partial(jax.jit, static_argnums=2)  # one compile per split, not op by op
-    def accumulate(params, batch, m):
-        mbs = ts.split_micro_batches(batch, m)
-        old, ref = ts.auxiliary_logprobs(params, None, mbs, algo=algo)
-        return ts.accumulate_grads(
-            params, mbs, version=jnp.int32(3), old_logp=old, ref_logp=ref, algo=algo
-        )
-
-    one, four = accumulate(params, batch, 1), accumulate(params, batch, 4)
+    one, four = accumulated_in_micro_batches(algo, params, None, batch, (1, 4))
     np.testing.assert_allclose(one.loss_sum, four.loss_sum, rtol=1e-5)
     np.testing.assert_allclose(one.count, four.count)
     chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from helpers.train_step import (
     CFG,
+    accumulated_in_micro_batches,
     algorithm,
     as_jnp,
     make_config,
@@ -80,15 +81,7 @@ def test_micro_batched_grads_equal_full_batch(case):
     b = build_batch(groups, advantage="grpo", length_bucket=16, dpo_pairs=group_size == 2)
     batch = as_jnp(b)
 
-    @functools.partial(jax.jit, static_argnums=0)  # one compile per split, not op by op
-    def accumulate(m, params, ref_params, batch):
-        mbs = ts.split_micro_batches(batch, m)
-        old, ref = ts.auxiliary_logprobs(params, ref_params, mbs, algo=algo)
-        return ts.accumulate_grads(
-            params, mbs, version=jnp.int32(3), old_logp=old, ref_logp=ref, algo=algo
-        )
-
-    one, four = (accumulate(m, params, ref_params, batch) for m in (1, 4))
+    one, four = accumulated_in_micro_batches(algo, params, ref_params, batch, (1, 4))
     np.testing.assert_allclose(one.loss_sum, four.loss_sum, rtol=1e-5)
     np.testing.assert_allclose(one.count, four.count)
     chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)

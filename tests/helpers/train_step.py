@@ -66,3 +66,19 @@ def step_fn(cfg: TrainConfig):
 
 def as_jnp(batch):
     return {k: jnp.asarray(v) for k, v in batch.arrays().items()}
+
+
+def accumulated_in_micro_batches(algo: Algorithm, params, ref_params, batch, splits, version=3):
+    """The step's accumulated loss sums, gradients and stats over `batch` split into each of
+    `splits` micro-batch counts (old and reference passes included), jitted once per split
+    rather than run op by op."""
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def accumulate(m, params, ref_params, batch):
+        mbs = ts.split_micro_batches(batch, m)
+        old, ref = ts.auxiliary_logprobs(params, ref_params, mbs, algo=algo)
+        return ts.accumulate_grads(
+            params, mbs, version=jnp.int32(version), old_logp=old, ref_logp=ref, algo=algo
+        )
+
+    return [accumulate(m, params, ref_params, batch) for m in splits]
