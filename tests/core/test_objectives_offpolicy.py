@@ -12,13 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.factories import synthetic_groups
-from helpers.train_step import accumulated_in_micro_batches
+from helpers.train_step import accumulated_in_micro_batches, assert_same_accumulation
 
 from a3po_jax import model
 from a3po_jax.core import losses, objectives, prox
@@ -540,12 +539,5 @@ def test_micro_batched_step_equals_full_batch(loss_name, extra, metric, exercise
     params = model.init_params(CFG, jax.random.key(1))
     batch = _model_batch(seed=2)
 
-    one, four = accumulated_in_micro_batches(algo, params, None, batch, (1, 4))
-    np.testing.assert_allclose(one.loss_sum, four.loss_sum, rtol=1e-5)
-    np.testing.assert_allclose(one.count, four.count)
-    chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)
-    m1, m4 = finalize(one.stats), finalize(four.stats)
-    assert m1.keys() == m4.keys()
-    for key in m1:
-        np.testing.assert_allclose(m1[key], m4[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    m1 = assert_same_accumulation(*accumulated_in_micro_batches(algo, params, None, batch, (1, 4)))
     assert exercised(float(m1[metric])) and 0 < float(m1["mismatch/ess"]) <= 1

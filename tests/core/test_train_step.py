@@ -13,6 +13,7 @@ from helpers.train_step import (
     accumulated_in_micro_batches,
     algorithm,
     as_jnp,
+    assert_same_accumulation,
     make_config,
     make_groups,
     setup,
@@ -24,7 +25,6 @@ from a3po_jax.core import advantages, logprobs, losses, objectives, optim, packi
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch, group_advantages
 from a3po_jax.core.objectives import dpo as dpo_objective
-from a3po_jax.core.stats import finalize
 from a3po_jax.training import config as config_lib
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import (
@@ -81,17 +81,7 @@ def test_micro_batched_grads_equal_full_batch(case):
     b = build_batch(groups, advantage="grpo", length_bucket=16, dpo_pairs=group_size == 2)
     batch = as_jnp(b)
 
-    one, four = accumulated_in_micro_batches(algo, params, ref_params, batch, (1, 4))
-    np.testing.assert_allclose(one.loss_sum, four.loss_sum, rtol=1e-5)
-    np.testing.assert_allclose(one.count, four.count)
-    chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)
-    # Every metric, reduced once from its sums, is the full batch's (not a mean of means).
-    m1, m4 = finalize(one.stats), finalize(four.stats)
-    assert m1.keys() == m4.keys()
-    # atol: dpo's rewards are β times a difference of two float32 sums of log-probs (tens of
-    # nats), whose rounding in two differently compiled programs reaches a few 1e-7.
-    for key in m1:
-        np.testing.assert_allclose(m1[key], m4[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_same_accumulation(*accumulated_in_micro_batches(algo, params, ref_params, batch, (1, 4)))
 
 
 def test_recompute_equals_a3po_at_zero_staleness_with_one_minibatch():

@@ -3,13 +3,16 @@ staleness d and d + 1, a config with padded rows unless asked, and the jitted st
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from a3po_jax import model
 from a3po_jax.core import optim
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.algorithm import Algorithm
+from a3po_jax.core.stats import finalize
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
 from helpers.factories import synthetic_groups
@@ -82,3 +85,19 @@ def accumulated_in_micro_batches(algo: Algorithm, params, ref_params, batch, spl
         )
 
     return [accumulate(m, params, ref_params, batch) for m in splits]
+
+
+def assert_same_accumulation(one, four) -> dict:
+    """Two accumulations of one batch (whole, and in micro-batches) agree: loss sum, count,
+    gradients and every metric reduced once from its sums (not a mean of means). Returns the
+    whole batch's metrics."""
+    np.testing.assert_allclose(one.loss_sum, four.loss_sum, rtol=1e-5)
+    np.testing.assert_allclose(one.count, four.count)
+    chex.assert_trees_all_close(one.grads, four.grads, rtol=2e-4, atol=1e-6)
+    m1, m4 = finalize(one.stats), finalize(four.stats)
+    assert m1.keys() == m4.keys()
+    # atol: dpo's rewards are β times a difference of two float32 sums of log-probs (tens of
+    # nats), whose rounding in two differently compiled programs reaches a few 1e-7.
+    for key in m1:
+        np.testing.assert_allclose(m1[key], m4[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    return m1
