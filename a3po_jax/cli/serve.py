@@ -7,7 +7,8 @@ CLI layer (entry points): nothing in the package imports it.
 
 Prints ``A3PO_HOST_READY host:port`` once it serves (`scripts/launch.py` and the tests wait
 for that line). SIGTERM stops it cleanly; with ``--exit-with-parent PID`` it also stops when
-process PID is gone (a trainer that started it and was killed, even with SIGKILL). What
+process PID is gone (a trainer that started it and was killed, even with SIGKILL);
+SIGUSR1 prints every thread's stack to stderr (a host that seems stuck). What
 `--model` accepts, how the token is chosen and what the server checks is in
 `a3po_jax.inference.grpc_server`; the update policies are in `a3po_jax.inference.host`.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.exit_with_parent:
         _die_with_parent(args.exit_with_parent)
         _watch_parent(args.exit_with_parent, stop)

@@ -375,6 +375,7 @@ def workdir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return work, env
 
 
+@pytest.mark.e2e  # a block's commands start whole programs (trainers, benchmarks) as a user would
 @pytest.mark.parametrize(
     "page, line, commands", BLOCKS, ids=[f"{page}:{line}" for page, line, _ in BLOCKS]
 )

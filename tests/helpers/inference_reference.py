@@ -82,6 +82,7 @@ def start_grpc_server(token_file, *args):
     import os
     import subprocess
     import sys
+    import tempfile
     import threading
     from pathlib import Path
 
@@ -96,14 +97,20 @@ def start_grpc_server(token_file, *args):
     ]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop(TOKEN_ENV, None)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    # The server's stderr is kept for stop_grpc_server, which shows it when a stop hangs.
+    folder = Path(token_file).parent
+    fd, name = tempfile.mkstemp(prefix="grpc-server-", suffix=".stderr", dir=folder)
+    stderr_path = Path(name)
+    with os.fdopen(fd, "w") as stderr:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    proc.stderr_path = stderr_path
     address = []
 
     def read_ready():
@@ -121,12 +128,23 @@ def start_grpc_server(token_file, *args):
     return proc, address[0]
 
 
-def stop_grpc_server(proc) -> None:
+def stop_grpc_server(proc, timeout_s: float = 30.0) -> None:
+    """SIGTERM (the server's documented clean stop; SIGINT is ignored in a process started
+    from a background shell), then SIGKILL after `timeout_s`: a server that needed the kill
+    has printed every thread's stack first (SIGUSR1), and the test fails showing them."""
     import signal
     import subprocess
 
-    proc.send_signal(signal.SIGINT)
+    import pytest
+
+    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=timeout_s)
+        return
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
         proc.kill()
+        proc.wait()
+    stacks = proc.stderr_path.read_text(errors="replace")[-6000:]
+    pytest.fail(f"the gRPC server did not stop within {timeout_s:g} s of SIGTERM:\n{stacks}")
