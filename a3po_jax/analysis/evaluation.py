@@ -58,7 +58,8 @@ class EvalSpec:
     @classmethod
     def from_run_config(cls, cfg: TrainConfig) -> EvalSpec:
         """What a run's own evaluation scores: its task with its options, the test split,
-        its ``eval_prompts`` prompts and its rollout budget ``rollout.max_new_tokens``
+        its ``eval_prompts`` prompts and its budget ``eval_max_new_tokens`` (0: the
+        rollouts' ``rollout.max_new_tokens``)
         (prompts are rendered with the run's tokenizer and completions stop at its EOS,
         as in training)."""
         return cls(
@@ -66,7 +67,7 @@ class EvalSpec:
             task_options=cfg.task.options,
             split=EVAL_SPLIT,
             num_prompts=cfg.eval_prompts,
-            max_new_tokens=cfg.rollout.max_new_tokens,
+            max_new_tokens=cfg.eval_budget,
         )
 
     @property

@@ -546,11 +546,26 @@ class TrainConfig:
     eval_every: int = 0  # also every N steps; > 0 turns evaluation on too (0 = start and end)
     eval_prompts: int = 64  # test prompts per evaluation (the first N of the split)
     eval_samples: int = 1  # k > 1 also scores mean@k and pass@k at rollout.temperature
+    # Token budget of an evaluated answer; 0 = rollout.max_new_tokens. A larger budget lets
+    # an untrained model finish its answers, so a rise is not only learning to stop.
+    eval_max_new_tokens: int = 0
 
     @property
     def evaluates(self) -> bool:
         """Whether the run evaluates on the held-out split (``evaluate`` or ``eval_every``)."""
         return self.evaluate or self.eval_every > 0
+
+    @property
+    def eval_budget(self) -> int:
+        """New tokens per evaluated answer: ``eval_max_new_tokens``, else the rollouts'."""
+        return self.eval_max_new_tokens or self.rollout.max_new_tokens
+
+    @property
+    def host_cache_len(self) -> int:
+        """KV-cache length of the run's own host: the longest prompt bucket plus the
+        longest answer it generates (a rollout's, or an evaluated one's)."""
+        budget = max(self.rollout.max_new_tokens, self.eval_budget if self.evaluates else 0)
+        return max(self.rollout.prompt_buckets) + budget
 
     @property
     def staleness_bound(self) -> int:
@@ -570,6 +585,7 @@ class TrainConfig:
         _positive("", "eval_every", self.eval_every, allow_zero=True)
         _positive("", "eval_prompts", self.eval_prompts)
         _positive("", "eval_samples", self.eval_samples)
+        _positive("", "eval_max_new_tokens", self.eval_max_new_tokens, allow_zero=True)
         if not isinstance(self.evaluate, bool):
             raise ConfigError(f"evaluate must be true or false, got {self.evaluate!r}")
         if self.evaluates and self.task.split == EVAL_SPLIT:

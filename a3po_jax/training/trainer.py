@@ -981,7 +981,7 @@ class Trainer:
                 self.cfg,
                 num_slots=rollout.num_slots,
                 prefill_buckets=tuple(rollout.prompt_buckets),
-                max_cache_len=max(rollout.prompt_buckets) + rollout.max_new_tokens,
+                max_cache_len=self.cfg.host_cache_len,
             )
             try:
                 return host_placement.host_pool(
@@ -1001,7 +1001,7 @@ class Trainer:
             mesh=self._host_mesh,
             num_slots=rollout.num_slots,
             prefill_buckets=tuple(rollout.prompt_buckets),
-            max_cache_len=max(rollout.prompt_buckets) + rollout.max_new_tokens,
+            max_cache_len=self.cfg.host_cache_len,
             version=version,
             update_policy=update_policy,
             seed=0,
@@ -1035,7 +1035,7 @@ class Trainer:
                 self.task,
                 self.policy.tokenizer,
                 num_prompts=self.cfg.eval_prompts,
-                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                max_new_tokens=self.cfg.eval_budget,
                 stop_tokens=self.sampling.stop_tokens,
                 seed=version,
                 samples=self.cfg.eval_samples,

@@ -10,7 +10,7 @@ import pytest
 
 from a3po_jax.analysis.evaluation import Z_95, accuracy_interval, accuracy_with_stderr
 from a3po_jax.analysis.run_report import FIGURES, REPORT_FILE, report_rows, write_run_report
-from a3po_jax.training.config import ConfigError, TaskSection, TrainConfig
+from a3po_jax.training.config import ConfigError, RolloutSection, TaskSection, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke_tiny.py")
@@ -66,6 +66,19 @@ def test_evaluation_is_on_with_evaluate_or_eval_every_and_never_on_the_training_
         TrainConfig(evaluate=True, task=TaskSection(split="test"))
     with pytest.raises(ConfigError, match="eval_samples must be > 0"):
         TrainConfig(eval_samples=0)
+
+
+def test_the_evaluation_budget_defaults_to_the_rollouts_and_sizes_the_hosts_cache():
+    rollout = RolloutSection(max_new_tokens=40, prompt_buckets=(64, 128))
+    cfg = TrainConfig(rollout=rollout, evaluate=True)
+    assert cfg.eval_budget == 40 and cfg.host_cache_len == 128 + 40
+    longer = TrainConfig(rollout=rollout, evaluate=True, eval_max_new_tokens=96)
+    assert longer.eval_budget == 96 and longer.host_cache_len == 128 + 96
+    # A shorter evaluation budget, or none evaluated, leaves the rollouts' cache as it is.
+    assert TrainConfig(rollout=rollout, evaluate=True, eval_max_new_tokens=8).host_cache_len == 168
+    assert TrainConfig(rollout=rollout, eval_max_new_tokens=96).host_cache_len == 168
+    with pytest.raises(ConfigError, match="eval_max_new_tokens must be >= 0"):
+        TrainConfig(eval_max_new_tokens=-1)
 
 
 # --- the report's rows from records ----------------------------------------------------------
@@ -187,12 +200,15 @@ def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(t
     from a3po_jax.cli.train import main
 
     run_dir = tmp_path / "run"
+    # The evaluation's own budget, twice the rollouts' 12 tokens (the host's cache holds it).
     common = [SMOKE, f"run_dir={run_dir}", "checkpoint_every=1", "system.mode=sync",
-              "evaluate=true", "eval_prompts=4"]  # fmt: skip
+              "evaluate=true", "eval_prompts=4", "eval_max_new_tokens=24"]  # fmt: skip
     assert main([*common, "steps=2"]) == 0
     out = capsys.readouterr().out
     assert [r["step"] for r in eval_lines(run_dir)] == [0, 2]
     start, end = eval_lines(run_dir)
+    # The random model seldom ends an answer: its answers run past the rollouts' budget.
+    assert all(12 < r["eval/completion_tokens"] <= 24 for r in eval_lines(run_dir))
     assert start["eval/version"] == 0 and end["eval/version"] == 2
     assert start["eval/num_prompts"] == 4 and start["time/eval_s"] > 0
     assert 0 <= start["eval/ci95_low"] <= start["eval/accuracy"] <= start["eval/ci95_high"] <= 1
