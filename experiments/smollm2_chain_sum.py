@@ -12,7 +12,9 @@ What it shows: the quickstart's asynchronous A-3PO run on 2-term 1-digit reasoni
           24 steps (0.438 to 0.547, seeds 0 and 1): the model almost never gets a negative
           difference right (pass@8 about 5 %), which caps what the run can learn; the
           quickstart trains on additions instead (docs/results.md#the-main-job).
-Parent:   experiments/quickstart_a3po.py; changes the task and run_dir.
+Parent:   experiments/quickstart_a3po.py; changes the task and run_dir, and keeps what the
+          committed runs ran with where the quickstart has since moved on: η = 1, 64
+          evaluation prompts at the rollouts' 40-token budget.
 """
 
 import dataclasses
@@ -29,4 +31,11 @@ CHAIN_SUM = TaskSection(
 
 def config() -> TrainConfig:
     parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
-    return dataclasses.replace(parent, task=CHAIN_SUM, run_dir="runs/smollm2_chain_sum")
+    return dataclasses.replace(
+        parent,
+        task=CHAIN_SUM,
+        system=dataclasses.replace(parent.system, max_staleness=1),
+        eval_prompts=64,
+        eval_max_new_tokens=0,
+        run_dir="runs/smollm2_chain_sum",
+    )

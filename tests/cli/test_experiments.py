@@ -541,10 +541,13 @@ def test_committed_smollm2_results_ran_on_their_experiments_task():
     assert checked >= 30
 
 
-def test_offpolicy_lab_smollm2_runs_the_toy_labs_methods_on_the_quickstarts_task(tmp_path):
+def test_offpolicy_lab_smollm2_runs_the_toy_labs_methods_on_its_committed_runs_task(tmp_path):
     toy = configs_of("offpolicy_lab_toy", tmp_path / "toy")
     lab = configs_of("offpolicy_lab_smollm2", tmp_path / "lab")
     quickstart = load_experiment(ROOT / "experiments" / "quickstart_a3po.py")
+    committed = json.loads(
+        next((ROOT / "results" / "offpolicy_lab_smollm2").rglob("config.json")).read_text()
+    )
     assert len(lab) == len(toy) == 27
     for small, big in zip(toy, lab, strict=True):
         # The same method and seed per cell: loss, prox rule, mode, bound, minibatches.
@@ -555,7 +558,9 @@ def test_offpolicy_lab_smollm2_runs_the_toy_labs_methods_on_the_quickstarts_task
             small.seed,
             small.steps,
         )
-        assert (big.model, big.task) == (quickstart.model, quickstart.task)
+        assert big.model == quickstart.model
+        assert dataclasses.asdict(big.task) == committed["task"]
+        assert (big.eval_prompts, big.eval_budget) == (64, big.rollout.max_new_tokens)
         assert (big.rollout.group_size, big.rollout.groups_per_step) == (2, 32)
         assert big.optim.learning_rate == quickstart.optim.learning_rate and big.evaluate
     assert len({c.run_dir for c in lab}) == 27
