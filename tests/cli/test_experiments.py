@@ -564,3 +564,19 @@ def test_offpolicy_lab_smollm2_runs_the_toy_labs_methods_on_its_committed_runs_t
         assert (big.rollout.group_size, big.rollout.groups_per_step) == (2, 32)
         assert big.optim.learning_rate == quickstart.optim.learning_rate and big.evaluate
     assert len({c.run_dir for c in lab}) == 27
+
+
+def test_the_edge_sweeps_pilot_is_naive_ppo_on_the_main_jobs_held_out_task(tmp_path):
+    """The rule of experiments/offpolicy_edge_smollm2.py reads its PILOT runs: they must be
+    runs of its sweep, naive PPO, on a task whose test split is held out."""
+    path = ROOT / "experiments" / "offpolicy_edge_smollm2.py"
+    module = importlib.util.spec_from_file_location("edge", path)
+    edge = importlib.util.module_from_spec(module)
+    module.loader.exec_module(edge)
+    runs = {run.name: run for run in load_sweep(path)}
+    assert len(runs) == 27 and set(edge.PILOT) <= set(runs)
+    for name in edge.PILOT:
+        cfg, _ = resolve(path, runs[name], tmp_path)
+        assert cfg.algo.prox == "behav" and cfg.algo.loss == "ppo"
+        assert json.loads(cfg.task.options)["holdout"] > 0
+        assert cfg.staleness_bound == 8 and cfg.algo.num_minibatches == 4

@@ -1,0 +1,59 @@
+"""The off-policy edge on SmolLM2-135M: where naive PPO on stale data falls below the start.
+
+Command:  python scripts/run_sweep.py experiments/offpolicy_edge_smollm2.py --subprocess \
+              --prune --out runs/edge --only prox-behav_seed-0 prox-behav_seed-1  # the pilot
+          python scripts/run_sweep.py experiments/offpolicy_edge_smollm2.py --subprocess \
+              --prune --out runs/edge                                    # then every method
+          python -m a3po_jax.cli.results runs/edge --out runs/edge
+Hardware: a 2-core CPU, embedded inference host; about 10 minutes per run (24 steps of 32
+          samples, the evaluation of 128 test questions at the start and the end).
+What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate at LLM scale
+          on a task whose test questions training never draws (the main job's: 1-2 digit
+          additions, a tenth of the space held out), at temperature 1.0, with each generated
+          batch trained in N = 4 minibatches and the producer up to η = 8 optimizer updates
+          ahead. The point is chosen by a rule fixed before the runs: naive PPO (prox =
+          behav) must end below the untrained model's held-out pass@1 on both pilot seeds
+          (PILOT); only then does the whole sweep (every method of the toy lab, seeds 0-2,
+          more where seeds overlap) say anything about the methods, and results.md reports
+          the pilot whichever way it falls.
+Parent:   experiments/quickstart_a3po.py (model, task, packing, evaluation of 128 test
+          questions at 128 tokens); changes: temperature 1.0, 2 samples × 16 prompts per
+          step, N = 4 minibatches per batch, η = 8 updates, 24 steps, no checkpoints,
+          track_ref_kl, per SWEEP the method (offpolicy_lab_toy.METHODS) and the seed.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from a3po_jax.training.config import TrainConfig, import_experiment, load_experiment
+
+TOY = import_experiment(Path(__file__).with_name("offpolicy_lab_toy.py"))
+MINIBATCHES = 4  # optimizer updates per generated batch
+MAX_STALENESS = 8  # η in optimizer updates: about two batches
+STEPS = 24
+PROMPTS_PER_STEP = 16  # 32 samples per generated batch, 8 per update
+METHODS = TOY.METHODS
+SEEDS = (0, 1, 2)
+PILOT_SEEDS = (0, 1)
+
+SWEEP = [{**overrides, "seed": seed} for seed in SEEDS for overrides in METHODS.values()]
+# The runs the rule reads (run_sweep.py --only takes these names).
+PILOT = [f"prox-behav_seed-{seed}" for seed in PILOT_SEEDS]
+
+
+def config() -> TrainConfig:
+    parent = load_experiment(Path(__file__).with_name("quickstart_a3po.py"))
+    return dataclasses.replace(
+        parent,
+        # 2 samples per prompt for every method, as Online DPO needs: the same prompts for all.
+        rollout=dataclasses.replace(
+            parent.rollout, temperature=1.0, group_size=2, groups_per_step=PROMPTS_PER_STEP
+        ),
+        algo=dataclasses.replace(
+            parent.algo, num_minibatches=MINIBATCHES, track_ref_kl=True, dpo_beta=0.1
+        ),
+        system=dataclasses.replace(parent.system, max_staleness=MAX_STALENESS),
+        steps=STEPS,
+        checkpoint_every=0,
+        run_dir="runs/offpolicy_edge_smollm2",
+    )
