@@ -1,4 +1,5 @@
-"""Every table of docs/results.md recomputed from the committed runs in results/.
+"""Every table of docs/results.md recomputed from the committed runs in results/, and the
+page's separation claims checked against the seeds.
 
 Each table is found on the page by the heading it sits under and read cell by cell; the
 same figures are computed from the runs (``results/<experiment>/<run>/metrics.jsonl`` and
@@ -13,6 +14,12 @@ tables whose runs are not committed (`UNSOURCED`), each of which says so on the 
 `test_every_table_on_the_page_is_accounted_for` fails on a table that is none of these,
 so a new table needs a check here.
 
+The page's rule for verdict words (top of docs/results.md): two methods are said to
+separate, or one to be better, best, or to beat or outperform the other, only when every
+seed of one lies beyond every seed of the other. `CLAIMS` lists each such statement with
+the seeds that back it, and `test_every_verdict_word_on_the_page_is_a_listed_claim` fails on
+a new, unlisted one.
+
 Reads files only: no subprocess, no JAX program compiled; a few seconds.
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -637,3 +645,259 @@ def test_every_table_on_the_page_is_accounted_for():
             f"{heading}: its table's runs are not in results/, and the page does not say"
             f" so ({phrase!r})"
         )
+
+
+# ------------------------------------------------------------------------------------------
+# Verdict words against the seeds.
+# ------------------------------------------------------------------------------------------
+
+
+def separated(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Every seed of one beyond every seed of the other."""
+    return min(a) > max(b) or min(b) > max(a)
+
+
+def lab_seeds(experiment: str, score: str) -> dict[str, list[float]]:
+    return {
+        name: [LAB_SCORES[score](r) for r in members]
+        for name, members in lab_groups(experiment).items()
+    }
+
+
+def a3po_seeds(score: Callable[[Run], float]) -> dict[str, list[float]]:
+    """The A-3PO sweep's rewards by seed: {"sync", "a3po 2", "behav 4", ...}."""
+    groups: dict[str, list[float]] = {}
+    for run in by_seed(runs("a3po_vs_recompute_smollm2")):
+        c = run.config
+        name = (
+            "sync"
+            if c["system.mode"] == "sync"
+            else f"{c['algo.prox']} {c['system.max_staleness']}"
+        )
+        groups.setdefault(name, []).append(score(run))
+    return groups
+
+
+def robustness_seeds(experiment: str, n: int) -> dict[str, list[float]]:
+    """An off-policy robustness sweep's final reward by seed at N = n, by loss."""
+    groups: dict[str, list[float]] = {}
+    for run in by_seed(runs(experiment)):
+        if run.config[offpolicy.OFFPOLICY_N] == n:
+            groups.setdefault(offpolicy.loss_label(run), []).append(
+                offpolicy.version_window_mean(run)
+            )
+    return groups
+
+
+def mode_seeds(score: Callable[[Run], float]) -> dict[str, list[float]]:
+    return {
+        mode: [score(r) for r in select("one_step_off_vs_sync", system__mode=mode)]
+        for mode in ("sync", "one_step_off")
+    }
+
+
+def separating_pairs(seeds: dict[str, list[float]]) -> set[tuple[str, str]]:
+    """The pairs (higher, lower) of methods whose seeds separate."""
+    return {
+        (a, b) if min(seeds[a]) > max(seeds[b]) else (b, a)
+        for a, b in itertools.combinations(sorted(seeds), 2)
+        if separated(seeds[a], seeds[b])
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A statement of the page (``text``, as printed, whitespace aside) about which
+    methods the seeds separate: ``holds`` recomputes it from the runs."""
+
+    text: str
+    holds: Callable[[], bool]
+
+
+def beyond_all(seeds: dict[str, list[float]], name: str) -> bool:
+    """Every seed of ``name`` beyond every seed of every other method, on one side."""
+    others = [v for other, values in seeds.items() if other != name for v in values]
+    return min(seeds[name]) > max(others) or max(seeds[name]) < min(others)
+
+
+def only_naive_over_a3po_at_eta_4() -> bool:
+    """In the A-3PO sweep the seeds separate one pair: naive PPO's last-5 reward above
+    A-3PO's at η = 4; no pair on the all-steps mean."""
+    return separating_pairs(a3po_seeds(last_k_mean)) == {("behav 4", "a3po 4")} and not (
+        separating_pairs(a3po_seeds(lambda r: mean_over_steps(r, REWARD)))
+    )
+
+
+def lab_separate(experiment: str, score: str, a: str, b: str) -> bool:
+    seeds = lab_seeds(experiment, score)
+    return separated(seeds[a], seeds[b])
+
+
+TOY_LAB, SMOLLM2_LAB = "offpolicy_lab_toy", "offpolicy_lab_smollm2"
+CLAIMS = [
+    Claim(
+        "Naive asynchronous PPO separates from recompute",
+        lambda: lab_separate(TOY_LAB, "final", "naive", "recompute"),
+    ),
+    Claim(
+        "naive separates from recompute",
+        lambda: lab_separate(TOY_LAB, "final", "naive", "recompute"),
+    ),
+    Claim(
+        "Online DPO is the most robust**: 0.868 ± 0.027, above every PPO variant and sync",
+        lambda: beyond_all(lab_seeds(TOY_LAB, "final"), "Online DPO"),
+    ),
+    Claim(
+        "From N = 4 on, DPO is ahead of both",
+        lambda: all(
+            ("dpo", other) in separating_pairs(robustness_seeds("offpolicy_robustness_toy", n))
+            for n in (4, 8)
+            for other in ("ppo", "rloo")
+        ),
+    ),
+    Claim(
+        "every recompute seed above every naive seed",
+        lambda: lab_separate(SMOLLM2_LAB, "area", "recompute", "naive"),
+    ),
+    Claim(
+        "training reward below recompute on every seed, held-out not separable",
+        lambda: (
+            lab_separate(SMOLLM2_LAB, "area", "recompute", "naive")
+            and not lab_separate(SMOLLM2_LAB, "held-out", "recompute", "naive")
+        ),
+    ),
+    Claim(
+        "0.655 ± 0.018, below on every seed",
+        lambda: lab_separate(SMOLLM2_LAB, "area", "A-3PO", "recompute"),
+    ),
+    Claim(
+        "GSPO has the highest held-out mean, not separable from naive PPO's",
+        lambda: not lab_separate(SMOLLM2_LAB, "held-out", "GSPO", "naive"),
+    ),
+    Claim(
+        "GSPO's held-out mean is the highest but **not separable** from naive PPO's",
+        lambda: not lab_separate(SMOLLM2_LAB, "held-out", "GSPO", "naive"),
+    ),
+    Claim(
+        "below every seed of every other method",
+        lambda: beyond_all(lab_seeds(SMOLLM2_LAB, "held-out"), "M2PO"),
+    ),
+    Claim(
+        "**Sync is not better than the asynchronous runs here**",
+        lambda: (
+            not any(
+                lab_separate(SMOLLM2_LAB, "held-out", "sync", other)
+                for other in ("naive", "recompute", "A-3PO")
+            )
+        ),
+    ),
+    Claim(
+        "the lowest mean, not separable from M2PO's",
+        lambda: not lab_separate(SMOLLM2_LAB, "final", "Online DPO", "M2PO"),
+    ),
+    Claim(
+        "**The seeds do not separate the losses at either N.**",
+        lambda: (
+            not any(
+                separating_pairs(robustness_seeds("offpolicy_robustness_smollm2", n))
+                for n in (1, 4)
+            )
+        ),
+    ),
+    Claim(
+        "the seeds do not separate the two modes' rewards",
+        lambda: (
+            not separating_pairs(mode_seeds(last_k_mean))
+            and not separating_pairs(mode_seeds(lambda r: mean_over_steps(r, REWARD)))
+        ),
+    ),
+    Claim(
+        "do not separate A-3PO from recompute or sync at η = 2 or 4",
+        lambda: (
+            not any(
+                separated(seeds[f"a3po {eta}"], seeds[other])
+                for score in (last_k_mean, lambda r: mean_over_steps(r, REWARD))
+                for seeds in [a3po_seeds(score)]
+                for eta in (2, 4)
+                for other in (f"recompute {eta}", "sync")
+            )
+        ),
+    ),
+    *(
+        Claim(text, only_naive_over_a3po_at_eta_4)
+        for text in (
+            "the seeds separate one pair only: naive PPO above A-3PO at η = 4",
+            "the one pair that separates has naive PPO, the loss staleness should hurt most, ahead",
+            "naive PPO ends above A-3PO at η = 4 on every seed, the one pair that separates",
+        )
+    ),
+]
+# Uses of the verdict words that compare no methods.
+NOT_CLAIMS = ("best/worst selection", "recompute's best 0.859", "generalises no better")
+VERDICT_WORDS = re.compile(r"\b(separates|separated|better|best|beats|outperforms?)\b")
+NEGATION = re.compile(r"\b(not|no|nor|never)\b|n't")
+
+
+def prose() -> str:
+    """The page outside code blocks and outside the main job's section (its runs are not
+    in results/), as one line (so a sentence broken across lines reads as one)."""
+    keep, fenced, skipping = [], False, False
+    for line in page_lines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced and re.match(r"#{1,6} ", line):
+            skipping = line.strip() == "### The main job"
+        if not fenced and not skipping:
+            keep.append(line)
+    return re.sub(r"\s+", " ", " ".join(keep))
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: c.text[:40])
+def test_separation_claims_hold_on_the_seeds(claim):
+    assert claim.text in prose(), f"docs/results.md no longer says {claim.text!r}"
+    assert claim.holds(), f"docs/results.md says {claim.text!r}; the seeds do not"
+
+
+def test_every_verdict_word_on_the_page_is_a_listed_claim():
+    """A verdict word (the page's rule) outside a listed claim fails: the new statement
+    needs a `Claim` that checks it against the seeds, or rewording."""
+    text = prose()
+    rule = re.search(r"\*\*Verdict words\.\*\*.*?(?=\*\*|$)", text)
+    assert rule, "docs/results.md: the rule for verdict words is gone from the top of the page"
+    covered = [
+        (m.start(), m.end())
+        for phrase in [*(c.text for c in CLAIMS), *NOT_CLAIMS, rule.group(0)]
+        for m in re.finditer(re.escape(phrase), text)
+    ]
+    unlisted = []
+    for word in VERDICT_WORDS.finditer(text):
+        if any(a <= word.start() < b for a, b in covered):
+            continue
+        before = text[max(0, word.start() - 30) : word.start()]
+        if NEGATION.search(before.rsplit(",", 1)[-1]):
+            continue
+        unlisted.append(text[max(0, word.start() - 60) : word.end() + 40])
+    assert not unlisted, "verdict words that no listed claim checks:\n" + "\n".join(unlisted)
+
+
+def test_the_seeds_named_inside_gspos_held_out_range_are_those_of_the_runs():
+    """The page names, per method, the seeds whose held-out pass@1 lies inside GSPO's
+    range; it must name every one and no other."""
+    seeds = lab_seeds("offpolicy_lab_smollm2", "held-out")
+    low, high = min(seeds["GSPO"]), max(seeds["GSPO"])
+    inside = {
+        (name, f"{v:.3f}")
+        for name, values in seeds.items()
+        if name not in ("GSPO", "naive")
+        for v in values
+        if low <= v <= high
+    }
+    sentence = re.search(r"one seed each of (.*?) lies inside its range", prose())
+    assert sentence, f"{LAB_SMOLLM2}: the sentence naming the seeds inside GSPO's range is gone"
+    named = set(
+        re.findall(
+            r"(sync|recompute|A-3PO|IcePop|M2PO|Online DPO) \((\d\.\d{3})\)", sentence.group(1)
+        )
+    )
+    assert named == inside, f"the page names {sorted(named)}; inside GSPO's range: {sorted(inside)}"
