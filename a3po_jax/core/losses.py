@@ -15,7 +15,8 @@ estimators, the KL estimators) and re-exports the rest from where each lives:
   (:mod:`a3po_jax.core.objectives`): ``decoupled_ppo_loss``, ``decoupled_ppo_per_token``,
   ``ppo_clip_loss`` (:mod:`~a3po_jax.core.objectives.ppo`); ``online_dpo_loss``,
   ``online_dpo_per_pair``, ``sequence_logprobs`` (:mod:`~a3po_jax.core.objectives.dpo`);
-  ``m2po_loss``, ``m2po_per_token``, ``m2po_keep`` (:mod:`~a3po_jax.core.objectives.m2po`);
+  ``m2po_loss``, ``m2po_per_token``, ``m2po_keep``, ``m2po_clip_side``,
+  ``m2po_clip_side_keep``, ``m2po_bound`` (:mod:`~a3po_jax.core.objectives.m2po`);
   ``gspo_loss``, ``gspo_per_token`` (:mod:`~a3po_jax.core.objectives.gspo`);
   ``icepop_loss``, ``icepop_per_token`` (:mod:`~a3po_jax.core.objectives.icepop`);
 * the proximal policy's A-3PO rule, ``a3po_alpha`` and ``a3po_prox_logp``
@@ -52,7 +53,14 @@ from a3po_jax.core.objectives.dpo import (
 )
 from a3po_jax.core.objectives.gspo import gspo_loss, gspo_per_token
 from a3po_jax.core.objectives.icepop import icepop_loss, icepop_per_token
-from a3po_jax.core.objectives.m2po import m2po_keep, m2po_loss, m2po_per_token
+from a3po_jax.core.objectives.m2po import (
+    m2po_bound,
+    m2po_clip_side,
+    m2po_clip_side_keep,
+    m2po_keep,
+    m2po_loss,
+    m2po_per_token,
+)
 from a3po_jax.core.objectives.ppo import (
     CAP_MODES,
     decoupled_ppo_loss,
@@ -82,6 +90,9 @@ __all__ = [
     "icepop_loss",
     "icepop_per_token",
     "kl_penalty",
+    "m2po_bound",
+    "m2po_clip_side",
+    "m2po_clip_side_keep",
     "m2po_keep",
     "m2po_loss",
     "m2po_per_token",

@@ -37,6 +37,7 @@ CAP_MODES = losses.CAP_MODES
 SEQ_CAP_MODES = importance.SEQ_CAP_MODES
 SEQ_WEIGHT_FORMS = importance.SEQ_FORMS
 DPO_KINDS = losses.DPO_KINDS
+M2PO_READINGS = objectives.m2po.M2PO_READINGS
 ZERO_STALENESS = prox.ZERO_STALENESS
 UPDATE_POLICIES = ("in_flight", "drain")
 DTYPES = ("float32", "bfloat16")
@@ -312,6 +313,9 @@ class AlgoSection:
     dpo_beta: float = 0.1  # Online DPO β
     dpo_kind: str = "sigmoid"  # "sigmoid" or "ipo"
     m2po_tau: float = 0.04  # M2PO: bound τ on the mean (log π_θ/π_behav)² of the kept tokens
+    # M2PO: "all_tokens_mask" (AReaL), "clip_side_mask" (the final paper's Algorithm 1 over
+    # the tokens PPO's clip can bind) or "derived_clip" (the authors' code: a clip from τ)
+    m2po_reading: str = "all_tokens_mask"
     gspo_clip_low: float = 3e-4  # GSPO: ε_low of the sequence ratio's clip (paper §5.1)
     gspo_clip_high: float = 4e-4  # GSPO: ε_high of the sequence ratio's clip (paper §5.1)
     icepop_low: float = 0.5  # IcePop: α, tokens with π_prox/π_behav < α leave the loss
@@ -345,6 +349,7 @@ class AlgoSection:
             )
         _choice("algo", "kl_kind", self.kl_kind, KL_KINDS)
         _choice("algo", "dpo_kind", self.dpo_kind, DPO_KINDS)
+        _choice("algo", "m2po_reading", self.m2po_reading, M2PO_READINGS)
         if not isinstance(self.track_ref_kl, bool):
             raise ConfigError(f"algo.track_ref_kl must be true or false, got {self.track_ref_kl!r}")
         _positive("algo", "clip_eps", self.clip_eps)

@@ -1,34 +1,51 @@
 """M2PO: the second moment of the log importance ratio as the trust region, for stale data
-(``algo.loss=m2po``): maths, term, metrics and registration.
+(``algo.loss=m2po``): maths, term, metrics and registration, in three readings.
 
 Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
 
-    log ρ_t = sg(logp_t) - behav_t                   log π_θ/π_behav of token t
-    M̂₂ = (1/N) Σ_t (log ρ_t)²                        over the N valid tokens
-    mask: sort (log ρ_t)² in decreasing order and drop the largest, one by one, until the
-          mean over the kept tokens is < τ (at least one token is kept): M_t ∈ {0, 1}
-    ℓ_t = -M_t · exp(logp_t - behav_t) · A_t         no ratio clip
-    loss = aggregate(ℓ, m)                           dropped tokens still count (1/Σ|o_i|)
-
 Zheng, Zhao, Chen, "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale
-Data on LLMs?", arXiv 2510.01161 (τ = 0.04 in all their runs). The drop rule is AReaL's
-(``areal/trainer/ppo/actor.py``, ``_get_m2po_loss_mask``): the first k of the sorted
-values, k the first index whose suffix mean is < τ, else all but the smallest. The bound
-replaces PPO's ε-clip, which under staleness drops the high-entropy tokens that carry the
-learning; M2 is non-negative per token, so tokens with ρ > 1 and ρ < 1 cannot cancel as
-they do in a KL estimate.
+Data on LLMs?", arXiv 2510.01161 (τ = 0.04 in all their runs). Its Algorithm 1 drops the
+largest (log ρ)² among "all trust-region tokens" until their mean is ≤ τ and then trains
+ℓ = -M ρ A with no ratio clip; implementations disagree on which tokens those are, and the
+authors' own code does not mask at all. ``algo.m2po_reading`` picks one of three:
+
+    log ρ_t = sg(logp_t) - behav_t,  v_t = (log ρ_t)²       π_θ/π_behav of token t
+    S = {t valid : A_t > 0 and log ρ_t > 0, or A_t < 0 and log ρ_t < 0}
+                                    the clip side: where PPO's ε-clip can bind
+
+* ``all_tokens_mask`` (default): over every valid token, drop the largest v_t until the
+  mean of the rest is < τ, keeping at least one token; ℓ_t = -M_t ρ_t A_t. AReaL's
+  reading (``areal/trainer/ppo/actor.py``, ``_get_m2po_loss_mask``), the only one this
+  module had before the option.
+* ``clip_side_mask``: over S only, drop the largest v_t until the mean over the rest of S
+  is ≤ τ (all of S may go); tokens outside S are never dropped; ℓ_t = -M_t ρ_t A_t. The
+  final (ICLR 2026) paper's Algorithm 1 as ms-swift (PR 9965, ``swift/rl_core/m2po.py``)
+  and Trinity-RFT (PR 616, ``trinity/algorithm/policy_loss_fn/m2po_policy_loss.py``) read
+  it, and the set the authors' code measures M̂₂ on.
+* ``derived_clip``: the authors' released code (github.com/Infini-AI-Lab/M2PO,
+  ``verl/trainer/ppo/core_algos.py``, ``compute_m2po_policy_loss``): no mask; if the mean
+  of v over S exceeds τ, a bound b on v is derived from the budget (:func:`m2po_bound`)
+  and PPO's clip runs with ε_low = 1 - e^{-√b}, ε_high = e^{√b} - 1, which zeroes the
+  gradient of exactly the tokens of S with v_t > b.
 
 Differences from the references, each deliberate:
 
-* The ratio is measured at the weights being differentiated (the paper's π_θ): AReaL, which
-  must build the mask before its forward pass, uses the recomputed prox in its place, the
-  same numbers with one minibatch per step.
-* The mask is built per micro-batch, as in AReaL's and the authors' verl code (both call
-  the loss per micro-batch). With ``system.micro_batch_size=0`` the micro-batch is the
-  minibatch, the paper's batch-level M̂₂. With several micro-batches each one's kept
-  tokens have a mean < τ (unless only its smallest value is left), so the step's do too,
-  but the tokens dropped can differ from one sort of the whole minibatch: the one part of
-  this loss that does not add exactly across micro-batches.
+* The ratio is measured at the weights being differentiated (the paper's π_θ and the
+  authors' code): AReaL, which must build the mask before its forward pass, uses the
+  recomputed prox in its place, the same numbers with one minibatch per step.
+* The mask or bound is built per micro-batch, as in AReaL's and the authors' code (both
+  call the loss once per micro-batch; ms-swift and Trinity-RFT select once per optimizer
+  batch). With ``system.micro_batch_size=0`` the micro-batch is the minibatch, the paper's
+  batch-level M̂₂. With several micro-batches each one's kept tokens satisfy the bound, but
+  the tokens dropped (or the bound b) can differ from one pass over the whole minibatch:
+  the one part of this loss that does not add exactly across micro-batches.
+* The clip side is decided per token from A_t's sign: the authors' code takes each
+  sequence's first advantage (and |A| > 1e-12), the same set for this repo's estimators,
+  which give one advantage per sequence.
+* ``derived_clip``: a token exactly at the bound (v_t = b) keeps its gradient; the
+  authors' bound is √(b - 1e-12), a difference float32 cannot resolve. Their
+  ``miniclip_low|high`` floors are not applied: their released run script does not set
+  them, and ``dp_actor.py`` then passes None.
 * M2PO has no proximal anchor: ``algo.prox`` is not read (any value is accepted and no
   recompute pass runs); ``algo.clip_eps`` and the weight caps are not read either.
 
@@ -38,7 +55,8 @@ Shape letters: B sequences (b in a micro-batch), T tokens, L = b·T.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +70,27 @@ from a3po_jax.core.stats import Stats, finalized_loss, masked_ess, masked_max, m
 Batch = dict[str, jax.Array]
 
 
+def _sorted_decreasing(v: jax.Array, candidates: jax.Array):
+    """``v`` over ``candidates`` sorted decreasing (stable; the others last, as 0), with
+    the suffix means Σ_{j ≥ i} v_j / (n - i), n the number of candidates."""
+    order = jnp.argsort(-jnp.where(candidates, v, -jnp.inf), stable=True)  # [L]
+    v_sorted = jnp.where(candidates[order], v[order], 0.0)
+    n = jnp.sum(candidates.astype(jnp.int32))
+    i = jnp.arange(v.shape[0])
+    suffix = jnp.cumsum(v_sorted[::-1])[::-1]  # Σ_{j ≥ i} v_j (the others add 0)
+    suffix_mean = suffix / jnp.maximum(n - i, 1).astype(jnp.float32)
+    return order, suffix_mean, n, i
+
+
+def _keep_from_rank(order, i, k, candidates):
+    """The candidates whose position in the decreasing sort is ≥ k (the k largest go)."""
+    rank = jnp.zeros_like(i).at[order].set(i)  # position of each token in the sort
+    return candidates & (rank >= k)
+
+
 def m2po_keep(sq_log_ratio: jax.Array, mask: jax.Array, *, tau: float) -> jax.Array:
-    """M2PO's mask: the valid tokens kept once the largest squared log-ratios are dropped
-    until the mean of the rest is < τ.
+    """``all_tokens_mask``: the valid tokens kept once the largest squared log-ratios are
+    dropped until the mean of the rest is < τ (AReaL's ``_get_m2po_loss_mask``).
 
     Sort the N valid values decreasing, v_0 ≥ … ≥ v_{N-1}; k is the first i with
     (Σ_{j ≥ i} v_j) / (N - i) < τ, or N - 1 if there is none; the k largest are dropped
@@ -71,16 +107,127 @@ def m2po_keep(sq_log_ratio: jax.Array, mask: jax.Array, *, tau: float) -> jax.Ar
     check_same_shape("sq_log_ratio", sq_log_ratio, mask=mask)
     valid = (mask > 0).reshape(-1)  # [L]
     v = sq_log_ratio.astype(jnp.float32).reshape(-1)
-    # Decreasing order with the invalid positions last (key -inf, negated +inf).
-    order = jnp.argsort(-jnp.where(valid, v, -jnp.inf), stable=True)  # [L]
-    v_sorted = jnp.where(valid[order], v[order], 0.0)
-    n = jnp.sum(valid.astype(jnp.int32))
-    i = jnp.arange(v.shape[0])
-    suffix = jnp.cumsum(v_sorted[::-1])[::-1]  # Σ_{j ≥ i} v_j (invalid ones add 0)
-    below = (suffix / jnp.maximum(n - i, 1).astype(jnp.float32) < tau) & (i < n)
+    order, suffix_mean, n, i = _sorted_decreasing(v, valid)
+    below = (suffix_mean < tau) & (i < n)
     k = jnp.where(jnp.any(below), jnp.argmax(below), jnp.maximum(n - 1, 0))
-    rank = jnp.zeros_like(i).at[order].set(i)  # position of each token in the sort
-    return (valid & (rank >= k)).reshape(mask.shape)
+    return _keep_from_rank(order, i, k, valid).reshape(mask.shape)
+
+
+def m2po_clip_side(log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array) -> jax.Array:
+    """S, the valid tokens on the side where PPO's ε-clip can bind: A_t > 0 with
+    log ρ_t > 0, or A_t < 0 with log ρ_t < 0 (the authors' "trust-region tokens",
+    ``_get_trust_region_tokens_delta_sq``). ``[B, T]`` bool; no gradient."""
+    check_same_shape("log_ratio", log_ratio, advantages=advantages, mask=mask)
+    lr = jax.lax.stop_gradient(log_ratio)
+    adv = jax.lax.stop_gradient(advantages)
+    return (mask > 0) & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
+
+
+def m2po_clip_side_keep(
+    sq_log_ratio: jax.Array, mask: jax.Array, clip_side: jax.Array, *, tau: float
+) -> jax.Array:
+    """``clip_side_mask``: the valid tokens kept once the largest squared log-ratios of the
+    clip side S are dropped until the mean over the rest of S is ≤ τ (Algorithm 1 with
+    T = S: ``while mean_T v > τ: drop argmax_T v``).
+
+    Sort S's n values decreasing, v_0 ≥ … ≥ v_{n-1}; k is the first i with
+    (Σ_{j ≥ i} v_j) / (n - i) ≤ τ, or n if there is none (all of S goes); the k largest
+    are dropped (ties in sort order). Tokens outside S are always kept.
+
+    Args:
+      sq_log_ratio: ``[B, T]`` (log ρ_t)² ≥ 0.
+      mask: ``[B, T]`` 1 for valid tokens.
+      clip_side: ``[B, T]`` bool, S (:func:`m2po_clip_side`; only valid tokens).
+      tau: τ > 0.
+
+    Returns:
+      ``[B, T]`` bool, True for the valid tokens kept.
+    """
+    check_same_shape("sq_log_ratio", sq_log_ratio, mask=mask, clip_side=clip_side)
+    valid = (mask > 0).reshape(-1)
+    side = clip_side.reshape(-1) & valid
+    v = sq_log_ratio.astype(jnp.float32).reshape(-1)
+    order, suffix_mean, n, i = _sorted_decreasing(v, side)
+    within = (suffix_mean <= tau) & (i < n)
+    k = jnp.where(jnp.any(within), jnp.argmax(within), n)
+    kept_side = _keep_from_rank(order, i, k, side)
+    return (valid & ~side | kept_side).reshape(mask.shape)
+
+
+def m2po_bound(sq_log_ratio: jax.Array, clip_side: jax.Array, *, tau: float) -> jax.Array:
+    """``derived_clip``'s bound b on (log ρ)², from the budget τ over the clip side S (the
+    authors' ``kpo_clip_harmful_tokens`` and ``_solve_tau_from_sorted_delta2``).
+
+    n = |S|. If n = 0 or the mean of v over S is ≤ τ: b = +inf (no clip). Otherwise sort
+    S's values increasing, u_0 ≤ … ≤ u_{n-1}; C(j) = Σ_{i<j} u_i + (n - j)·u_j is their
+    sum with every value capped at u_j; k is the first j with C(j) ≥ τ·n, and b = u_{k-1}
+    (b = 0 when k = 0): the largest breakpoint whose capped mean is below τ, not the exact
+    solution of Σ min(u_i, b) = τ·n between breakpoints.
+
+    Args:
+      sq_log_ratio: ``[B, T]`` (log ρ_t)² ≥ 0.
+      clip_side: ``[B, T]`` bool, S (valid tokens only).
+      tau: τ > 0.
+
+    Returns:
+      float32 scalar b ≥ 0, or +inf.
+    """
+    check_same_shape("sq_log_ratio", sq_log_ratio, clip_side=clip_side)
+    side = clip_side.reshape(-1)
+    v = sq_log_ratio.astype(jnp.float32).reshape(-1)
+    order = jnp.argsort(jnp.where(side, v, jnp.inf), stable=True)  # increasing, S first
+    u = jnp.where(side[order], v[order], 0.0)
+    n = jnp.sum(side.astype(jnp.int32))
+    j = jnp.arange(v.shape[0])
+    capped = (jnp.cumsum(u) - u) + (n - j).astype(jnp.float32) * u  # C(j)
+    budget = tau * n.astype(jnp.float32)
+    hit = (capped >= budget) & (j < n)
+    # C(n - 1) is the total, > τ·n whenever the clip is on; the fallback only guards
+    # float32 rounding of that equality.
+    k = jnp.where(jnp.any(hit), jnp.argmax(hit), n - 1)
+    b = jnp.where(k >= 1, u[jnp.maximum(k - 1, 0)], 0.0)
+    mean = jnp.sum(jnp.where(side, v, 0.0)) / jnp.maximum(n, 1).astype(jnp.float32)
+    return jnp.where((n > 0) & (mean > tau), b, jnp.inf)
+
+
+class Selection(NamedTuple):
+    """What a reading decides for one micro-batch, all ``[B, T]``."""
+
+    keep: jax.Array  # bool: tokens whose ℓ_t is computed (the others are 0)
+    log_ratio: jax.Array  # the log ρ_t that enters ρ_t (held at a bound where clipped)
+    no_grad: jax.Array  # bool: valid tokens whose gradient the reading removes
+    clip_side: jax.Array | None  # bool S, for the clip-side readings' metrics
+
+
+def _all_tokens_mask(log_ratio, sq, adv, mask, tau) -> Selection:
+    del adv
+    keep = m2po_keep(sq, mask, tau=tau)
+    return Selection(keep, log_ratio, (mask > 0) & ~keep, None)
+
+
+def _clip_side_mask(log_ratio, sq, adv, mask, tau) -> Selection:
+    side = m2po_clip_side(log_ratio, adv, mask)
+    keep = m2po_clip_side_keep(sq, mask, side, tau=tau)
+    return Selection(keep, log_ratio, (mask > 0) & ~keep, side)
+
+
+def _derived_clip(log_ratio, sq, adv, mask, tau) -> Selection:
+    side = m2po_clip_side(log_ratio, adv, mask)
+    b = m2po_bound(sq, side, tau=tau)
+    clipped = side & (sq > b)  # exactly where PPO's clip at [e^{-√b}, e^{√b}] binds
+    bound = jnp.sqrt(b)
+    # ρ held at e^{±√b} with no gradient, as PPO's max(-Aρ, -A clip(ρ)) does there.
+    held = jax.lax.stop_gradient(jnp.clip(log_ratio, -bound, bound))
+    return Selection(mask > 0, jnp.where(clipped, held, log_ratio), clipped, side)
+
+
+# (log ρ [B, T], (log ρ)² [B, T], A [B, T], mask [B, T], τ) -> Selection
+READINGS: dict[str, Callable[..., Selection]] = {
+    "all_tokens_mask": _all_tokens_mask,
+    "clip_side_mask": _clip_side_mask,
+    "derived_clip": _derived_clip,
+}
+M2PO_READINGS: tuple[str, ...] = tuple(READINGS)
 
 
 def m2po_per_token(
@@ -90,6 +237,7 @@ def m2po_per_token(
     mask: jax.Array,
     *,
     tau: float,
+    reading: str = "all_tokens_mask",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token M2PO loss ℓ_t and per-token diagnostics, nothing reduced.
 
@@ -98,15 +246,18 @@ def m2po_per_token(
     Args:
       logp, behav_logp, advantages, mask: ``[B, T]`` as for :func:`m2po_loss`.
       tau: τ > 0.
+      reading: a key of ``READINGS`` (chosen in Python, when the function is traced).
 
     Returns:
       ``(per_token, diagnostics)``: ``[B, T]`` float32 ℓ_t (0 where masked or dropped) and
-      ``[B, T]`` float32 ``"masked"`` (0/1: dropped by the M2 rule), ``"m2"`` ((log ρ_t)²),
-      ``"ratio"`` (ρ_t, no gradient).
+      ``[B, T]`` float32 ``"masked"`` (0/1: gradient removed by the reading, a dropped or a
+      clipped token), ``"m2"`` ((log ρ_t)²), ``"ratio"`` (ρ_t, no gradient); the clip-side
+      readings add ``"clip_side"`` (0/1: in S).
     """
     check_rank("logp", logp, 2, "[B, T]")
     check_same_shape("logp", logp, behav_logp=behav_logp, advantages=advantages, mask=mask)
     check_positive("tau", tau)
+    check_choice("reading", reading, READINGS)
     f32 = jnp.float32
     logp = logp.astype(f32)
     # Behaviour log-probs and advantages are data, never differentiated.
@@ -115,14 +266,16 @@ def m2po_per_token(
     valid = mask > 0
     log_ratio = jnp.where(valid, logp - behav, 0.0)  # 0 at padding keeps exp finite there
     sq = jax.lax.stop_gradient(jnp.square(log_ratio))  # the mask is data, not a path
-    keep = m2po_keep(sq, mask, tau=tau)
+    chosen = READINGS[reading](log_ratio, sq, adv, mask, tau)
     # where, not a multiply: a dropped token's gradient is exactly 0, whatever its ratio.
-    per_token = jnp.where(keep, -jnp.exp(log_ratio) * adv, 0.0)
+    per_token = jnp.where(chosen.keep, -jnp.exp(chosen.log_ratio) * adv, 0.0)
     diagnostics = {
-        "masked": (valid & ~keep).astype(f32),
+        "masked": chosen.no_grad.astype(f32),
         "m2": sq,
         "ratio": jax.lax.stop_gradient(jnp.exp(log_ratio)),
     }
+    if chosen.clip_side is not None:
+        diagnostics["clip_side"] = chosen.clip_side.astype(f32)
     return per_token, diagnostics
 
 
@@ -134,18 +287,22 @@ def m2po_sums(
     *,
     aggregate: Aggregate,
     tau: float,
+    reading: str = "all_tokens_mask",
     staleness: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """:func:`m2po_per_token` as ``(loss_sum, count, stats)`` that add across micro-batches
-    (given each micro-batch's mask); ``loss = loss_sum / count``.
+    (given each micro-batch's mask or bound); ``loss = loss_sum / count``.
 
     Returns:
-      ``(loss_sum, count, stats)``: ``m2po/masked_frac`` (valid tokens dropped),
-      ``m2po/m2`` (M̂₂ over every valid token), ``m2po/m2_kept`` (over the kept ones,
-      < τ), ``is/weight_mean|max`` (ρ), ``mismatch/masked_frac`` (= ``m2po/masked_frac``),
-      ``mismatch/ess`` (of ρ·M), with staleness ``staleness/mean|max``.
+      ``(loss_sum, count, stats)``: ``m2po/masked_frac`` (valid tokens whose gradient the
+      reading removes: dropped, or clipped by ``derived_clip``), ``m2po/m2`` (M̂₂ over
+      every valid token), ``m2po/m2_kept`` (over the others), ``is/weight_mean|max`` (ρ),
+      ``mismatch/masked_frac`` (= ``m2po/masked_frac``), ``mismatch/ess`` (of ρ·M), with
+      staleness ``staleness/mean|max``; the clip-side readings add
+      ``m2po/clip_side_frac`` (valid tokens in S) and ``m2po/m2_clip_side`` (M̂₂ over S,
+      before any drop or clip).
     """
-    per_token, diag = m2po_per_token(logp, behav_logp, advantages, mask, tau=tau)
+    per_token, diag = m2po_per_token(logp, behav_logp, advantages, mask, tau=tau, reading=reading)
     loss_sum, count = aggregate(per_token, mask)
     kept = mask * (1.0 - diag["masked"])
     means = {
@@ -155,6 +312,9 @@ def m2po_sums(
         "is/weight_mean": masked_pair(diag["ratio"], mask),
         "mismatch/masked_frac": masked_pair(diag["masked"], mask),
     }
+    if "clip_side" in diag:
+        means["m2po/clip_side_frac"] = masked_pair(diag["clip_side"], mask)
+        means["m2po/m2_clip_side"] = masked_pair(diag["m2"], diag["clip_side"])
     maxima = {"is/weight_max": masked_max(diag["ratio"], mask)}
     if staleness is not None:
         d = staleness.astype(jnp.float32)
@@ -177,8 +337,9 @@ def m2po_term(
     ref_logp: jax.Array | None,
     aggregate: Aggregate,
     tau: float,
+    reading: str = "all_tokens_mask",
 ) -> tuple[jax.Array, jax.Array, Stats]:
-    """M2PO on one micro-batch (its own mask): :func:`m2po_sums` of its arrays."""
+    """M2PO on one micro-batch (its own mask or bound): :func:`m2po_sums` of its arrays."""
     del old_logp, ref_logp
     return m2po_sums(
         logp,
@@ -187,19 +348,22 @@ def m2po_term(
         mb["loss_mask"],
         aggregate=aggregate,
         tau=tau,
+        reading=reading,
         staleness=staleness,
     )
 
 
 @register("m2po")
 def m2po(cfg: Any) -> Term:
-    """``algo.loss=m2po``: :func:`m2po_term` with ``algo.m2po_tau`` and the aggregation;
-    no prox rule (``algo.prox`` is not read, no recompute pass)."""
+    """``algo.loss=m2po``: :func:`m2po_term` with ``algo.m2po_tau``,
+    ``algo.m2po_reading`` and the aggregation; no prox rule (``algo.prox`` is not read, no
+    recompute pass)."""
     a = cfg.algo
     fn = functools.partial(
         m2po_term,
         aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
         tau=a.m2po_tau,
+        reading=a.m2po_reading,
     )
     return Term(fn)
 
@@ -211,30 +375,37 @@ def m2po_loss(
     mask: jax.Array,
     *,
     tau: float = 0.04,
+    reading: str = "all_tokens_mask",
     aggregation: str = "token_mean",
     denominator: jax.Array | float | None = None,
     max_len: int | None = None,
     staleness: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """M2PO: the policy gradient on stale data, with the second moment of the log ratio
-    bounded by dropping its largest tokens instead of clipping ratios.
+    bounded instead of PPO's ε-clip.
 
-    log ρ_t = sg(logp_t) - behav_t
-    M_t = 0 for the tokens with the largest (log ρ_t)², dropped until the mean over the
-          rest is < τ (see :func:`m2po_keep`), 1 otherwise
-    ℓ_t = -M_t · exp(logp_t - behav_t) · A_t
+    log ρ_t = sg(logp_t) - behav_t, v_t = (log ρ_t)², S the clip side (:func:`m2po_clip_side`)
+    all_tokens_mask: M_t = 0 for the largest v_t of all valid tokens, dropped until the
+                     mean over the rest is < τ (:func:`m2po_keep`)
+    clip_side_mask:  M_t = 0 for the largest v_t of S, dropped until the mean over the
+                     rest of S is ≤ τ (:func:`m2po_clip_side_keep`)
+    ℓ_t = -M_t · exp(logp_t - behav_t) · A_t     (both mask readings: no ratio clip)
+    derived_clip:    ℓ_t = max(-A_t ρ_t, -A_t clip(ρ_t, e^{-√b}, e^{√b})), b from the
+                     budget τ over S (:func:`m2po_bound`; b = +inf: no clip)
     loss = aggregate(ℓ, m)
 
     Symbols: logp = log π_θ (differentiated), behav = log π_behav (the policy that sampled
     the data, however stale), A advantages, m the completion mask, τ the bound on M̂₂.
-    Zheng, Zhao, Chen, arXiv 2510.01161 (τ = 0.04). The whole batch is one mask here; the
-    train step builds one per micro-batch (:func:`m2po_term`). This function is
-    ``finalize`` of :func:`m2po_sums`.
+    Zheng, Zhao, Chen, arXiv 2510.01161 (τ = 0.04); the module docstring says which code
+    each reading follows. The whole batch is one mask (or one bound) here; the train step
+    builds one per micro-batch (:func:`m2po_term`). This function is ``finalize`` of
+    :func:`m2po_sums`.
 
     Args:
       logp, behav_logp, advantages, mask: ``[B, T]``; behav and advantages carry no
         gradient.
       tau: τ > 0.
+      reading: one of ``M2PO_READINGS``.
       aggregation: one of ``AGGREGATIONS`` (the paper: ``token_mean``).
       denominator: global count for micro-batching; defaults to the local count.
       max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
@@ -243,7 +414,8 @@ def m2po_loss(
     Returns:
       ``(loss, metrics)``: ``m2po/masked_frac``, ``m2po/m2``, ``m2po/m2_kept``,
       ``is/weight_mean|max``, ``mismatch/masked_frac``, ``mismatch/ess``,
-      ``loss/num_tokens`` and, with staleness, ``staleness/mean|max``.
+      ``loss/num_tokens``, with staleness ``staleness/mean|max``, and for the clip-side
+      readings ``m2po/clip_side_frac``, ``m2po/m2_clip_side``.
     """
     check_same_shape("logp", logp, staleness=staleness)
     check_choice("aggregation", aggregation, AGGREGATIONS)
@@ -254,6 +426,7 @@ def m2po_loss(
         mask,
         aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
         tau=tau,
+        reading=reading,
         staleness=staleness,
     )
     return finalized_loss(loss_sum, count, stats, mask, denominator)
