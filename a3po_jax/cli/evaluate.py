@@ -12,9 +12,9 @@ Examples::
 With ``--run-dir`` the run's ``config.json`` says what is scored, as the trainer's own
 evaluation (``eval_every``) scores it: the run's model (its newest checkpoint, or
 ``--step``), its task with its options, the test split, its ``eval_prompts`` prompts and
-its generation budget (``eval_max_new_tokens``, else ``rollout.max_new_tokens``); prompts are rendered with the run's
-tokenizer and completions stop at its EOS. A flag given explicitly overrides the run's
-value and says so. Without ``--run-dir`` the defaults are a 2-term 1-digit chain_sum.
+its answer budget (``eval_max_new_tokens``, else ``rollout.max_new_tokens``); prompts are
+rendered with the run's tokenizer and completions stop at its EOS. A flag given explicitly
+overrides the run's value and says so. Without ``--run-dir`` the defaults are a 2-term 1-digit chain_sum.
 """
 
 from __future__ import annotations
