@@ -14,7 +14,8 @@ evaluation (``eval_every``) scores it: the run's model (its newest checkpoint, o
 ``--step``), its task with its options, the test split, its ``eval_prompts`` prompts and
 its answer budget (``eval_max_new_tokens``, else ``rollout.max_new_tokens``); prompts are
 rendered with the run's tokenizer and completions stop at its EOS. A flag given explicitly
-overrides the run's value and says so. Without ``--run-dir`` the defaults are a 2-term 1-digit chain_sum.
+overrides the run's value and says so. Without ``--run-dir`` the defaults are a 2-term
+1-digit chain_sum.
 """
 
 from __future__ import annotations
