@@ -4,7 +4,8 @@ the committed figures the pages show.
 * The README is the repository's front page, so it is the site's too: it is added as
   ``index.md``, with its links into ``docs/`` made relative to ``docs/`` (``docs/x.md`` ->
   ``x.md``). Its other links are left as they are, so the strict build checks them like any
-  page's.
+  page's. A page under ``docs/`` links the README as ``../README.md`` (the path that works
+  on the repository's own page view), rewritten to ``index.md`` for the site.
 * A page under ``docs/`` shows figures from ``results/`` as ``../results/...png`` (the path
   that works on the repository's own page view). Those files are added to the site under
   ``results/`` and the links rewritten to match; a figure that does not exist is reported
@@ -29,6 +30,7 @@ from mkdocs.structure.files import File, Files
 log = logging.getLogger("mkdocs.plugins.a3po_jax")
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE = re.compile(r"\]\(\.\./(results/[^)\s]+\.png)\)")
+README_LINK = re.compile(r"\]\(\.\./README\.md(#[^)\s]*)?\)")
 ROLE = re.compile(r":(?:py:)?(func|class|mod|meth|data|attr|exc|obj|const):`~?\.?([^`<>\s]+)`")
 PACKAGE = "a3po_jax"
 
@@ -56,6 +58,7 @@ def on_files(files: Files, config) -> Files:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = README_LINK.sub(lambda m: f"](index.md{m.group(1) or ''})", markdown)
     return FIGURE.sub(r"](\1)", markdown)
 
 

@@ -8,8 +8,8 @@ same figures are computed from the runs (``results/<experiment>/<run>/metrics.js
 equal the recomputed one at the precision the page prints it with. A failure names the
 section, the row, the column, the page's figure and the runs'.
 
-Not checked (`SKIPPED`): the main job's table, whose runs (``runs/quickstart_a3po``) are
-not in results/, and the verdicts table, prose that quotes the tables below it; nor the
+Not checked (`SKIPPED`): the verdicts table, prose that quotes the tables below it (the main
+job's table is the README's, recomputed by `test_main_job_table.py`); nor the
 tables whose runs are not committed (`UNSOURCED`), each of which says so on the page.
 `test_every_table_on_the_page_is_accounted_for` fails on a table that is none of these,
 so a new table needs a check here.
@@ -57,7 +57,6 @@ RESULTS = REPO / "results"
 # Tables not recomputed here, by the heading they sit under.
 SKIPPED = {
     "## Verdicts at a glance": "prose: quotes the tables below",
-    "### The main job": "its runs (runs/quickstart_a3po) are not in results/",
 }
 # Tables whose runs are not in results/: the page says where they come from, in this phrase.
 UNSOURCED = {
@@ -839,16 +838,14 @@ NEGATION = re.compile(r"\b(not|no|nor|never)\b|n't")
 
 
 def prose() -> str:
-    """The page outside code blocks and outside the main job's section (its runs are not
-    in results/), as one line (so a sentence broken across lines reads as one)."""
-    keep, fenced, skipping = [], False, False
+    """The page outside code blocks, as one line (so a sentence broken across lines reads
+    as one)."""
+    keep, fenced = [], False
     for line in page_lines():
         if line.startswith("```"):
             fenced = not fenced
             continue
-        if not fenced and re.match(r"#{1,6} ", line):
-            skipping = line.strip() == "### The main job"
-        if not fenced and not skipping:
+        if not fenced:
             keep.append(line)
     return re.sub(r"\s+", " ", " ".join(keep))
 
