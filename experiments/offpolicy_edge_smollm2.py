@@ -11,11 +11,14 @@ What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate 
           on a task whose test questions training never draws (the main job's: 1-2 digit
           additions, a tenth of the space held out), at temperature 1.0, with each generated
           batch trained in N = 4 minibatches and the producer up to η = 8 optimizer updates
-          ahead. The point is chosen by a rule fixed before the runs: naive PPO (prox =
-          behav) must end below the untrained model's held-out pass@1 on both pilot seeds
-          (PILOT); only then does the whole sweep (every method of the toy lab, seeds 0-2,
-          more where seeds overlap) say anything about the methods, and results.md reports
-          the pilot whichever way it falls.
+          ahead. The point is chosen by a rule fixed before the runs: the first point of
+          LADDER (extra overrides, tried in order) where naive PPO (prox = behav) ends below
+          the untrained model's held-out pass@1 on both pilot seeds (PILOT); only there does
+          the whole sweep (every method of the toy lab, seeds 0-2, more where seeds overlap)
+          say anything about the methods. results.md reports each pilot whichever way it
+          falls. A point after the first runs into its own --out folder, e.g.
+          `... --out runs/edge_lr-1e-4 --only prox-behav_seed-0 prox-behav_seed-1
+          optim.learning_rate=1e-4`.
 Parent:   experiments/quickstart_a3po.py (model, task, packing, evaluation of 128 test
           questions at 128 tokens); changes: temperature 1.0, 2 samples × 16 prompts per
           step, N = 4 minibatches per batch, η = 8 updates, 24 steps, no checkpoints,
@@ -35,6 +38,8 @@ PROMPTS_PER_STEP = 16  # 32 samples per generated batch, 8 per update
 METHODS = TOY.METHODS
 SEEDS = (0, 1, 2)
 PILOT_SEEDS = (0, 1)
+# The points the pilot tries, in order: this file's settings, then a learning rate 3x higher.
+LADDER = ({}, {"optim.learning_rate": 1e-4})
 
 SWEEP = [{**overrides, "seed": seed} for seed in SEEDS for overrides in METHODS.values()]
 # The runs the rule reads (run_sweep.py --only takes these names).

@@ -20,7 +20,7 @@ from a3po_jax.analysis.sweeps import (
     resolve,
     run_name,
 )
-from a3po_jax.training.config import ConfigError, TrainConfig, load_experiment
+from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.py"))
@@ -580,3 +580,8 @@ def test_the_edge_sweeps_pilot_is_naive_ppo_on_the_main_jobs_held_out_task(tmp_p
         assert cfg.algo.prox == "behav" and cfg.algo.loss == "ppo"
         assert json.loads(cfg.task.options)["holdout"] > 0
         assert cfg.staleness_bound == 8 and cfg.algo.num_minibatches == 4
+        # Every point of the ladder is a valid set of extra overrides on a pilot run.
+        for point in edge.LADDER:
+            moved = apply_overrides(cfg, [f"{key}={value}" for key, value in point.items()])
+            assert moved.algo.prox == "behav"
+    assert edge.LADDER[0] == {}, "the file's own settings are the first point"

@@ -191,6 +191,8 @@ COMMANDS: dict[str, object] = {
     "nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_toy.py --prune": DRY_RUN,
     "nice -n 5 python scripts/run_sweep.py experiments/offpolicy_lab_smollm2.py --subprocess "
     "--prune --out runs/offpolicy_lab_smollm2": DRY_RUN,
+    "python scripts/run_sweep.py experiments/offpolicy_edge_smollm2.py --subprocess --prune "
+    "--out runs/edge --only prox-behav_seed-0 prox-behav_seed-1": DRY_RUN,
     "python scripts/run_sweep.py experiments/one_step_off_vs_sync.py --subprocess --prune": (
         DRY_RUN
     ),

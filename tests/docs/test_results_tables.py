@@ -30,6 +30,7 @@ import functools
 import itertools
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -619,6 +620,48 @@ def test_generation_on_cores_of_its_own_seed_by_seed():
     compare(CORES, table(CORES, 1), lambda r: r["seed"], expected, labels=["seed"])
 
 
+EDGE = "### The edge on SmolLM2-135M: pilots on a held-out test"
+
+
+def edge_row(point: str, run_dir: Path) -> dict[str, str]:
+    """One pilot run's row of the edge table, from its metrics with the run report's own
+    reductions (`a3po_jax.analysis.run_report`)."""
+    from a3po_jax.analysis.run_report import load_run_files, reward_window, series
+
+    _, records = load_run_files(run_dir)
+    evals = [r for r in records if "eval/accuracy" in r]
+    first, last = evals[0], evals[-1]
+    _, reward = series([r for r in records if r["step"] >= 1], REWARD)
+    k = reward_window(len(reward))
+    below = last["eval/ci95_high"] < first["eval/accuracy"]
+    return {
+        "point": point,
+        "run": run_dir.name,
+        "held-out pass@1, step 0 → 24 [95 % interval]": (
+            f"{first['eval/accuracy']:.3f} → {last['eval/accuracy']:.3f} "
+            f"[{last['eval/ci95_low']:.3f}, {last['eval/ci95_high']:.3f}]"
+        ),
+        "finished at 24": f"{100 * last['eval/finished_frac']:.0f} %",
+        "training reward, steps 1-5 → 20-24": f"{reward[:k].mean():.3f} → {reward[-k:].mean():.3f}",
+        "end below the start": "yes" if last["eval/accuracy"] < first["eval/accuracy"] else "no",
+        "interval below the start": "yes" if below else "no",
+    }
+
+
+def test_off_policy_edge_pilots():
+    """Every pilot run committed under results/offpolicy_edge_smollm2/<point>/ is a row,
+    and every row is a committed run's figures."""
+    root = RESULTS / "offpolicy_edge_smollm2"
+    expected = [
+        edge_row(point.name, run)
+        for point in sorted(root.iterdir())
+        if point.is_dir()
+        for run in sorted(p for p in point.iterdir() if (p / "metrics.jsonl").is_file())
+    ]
+    assert expected, "no committed pilot runs"
+    assert table(EDGE) == expected
+
+
 def test_every_table_on_the_page_is_accounted_for():
     """A table is recomputed above, skipped for a stated reason, or says on the page that
     its runs are not committed."""
@@ -631,6 +674,7 @@ def test_every_table_on_the_page_is_accounted_for():
         LAB_TOY: 1,
         LAB_SMOLLM2: 1,
         CORES: 2,
+        EDGE: 1,
     }
     on_page = {line: len(tables_in(section(line))) for _, line in headings()}
     on_page = {heading: n for heading, n in on_page.items() if n}
