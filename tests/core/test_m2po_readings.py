@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.factories import synthetic_groups
-from helpers.train_step import accumulated_in_micro_batches, assert_same_accumulation
+from helpers.train_step import (
+    accumulated_in_micro_batches,
+    assert_same_accumulation,
+    staleness_batch,
+)
 
 from a3po_jax import model
 from a3po_jax.core import losses
-from a3po_jax.core.batching import build_batch
 from a3po_jax.core.objectives import m2po
 from a3po_jax.core.stats import combine, finalize
 from a3po_jax.training import step_builder
@@ -305,21 +307,6 @@ def test_the_derived_bound_is_each_micro_batchs_own():
     assert float(abs(full[0] - parts[0])) > 1e-4
 
 
-def _model_batch(seed):
-    groups = synthetic_groups(
-        4,
-        4,
-        prompt_len=(3, 8),
-        response_len=(2, 11),
-        vocab=CFG.vocab_size,
-        versions=lambda g, i: (g + i) % 3,
-        behav_range=(3.5, 5.5),
-        seed=seed,
-    )
-    b = build_batch(groups, advantage="grpo", length_bucket=16)
-    return {k: jnp.asarray(v) for k, v in b.arrays().items()}
-
-
 @pytest.mark.parametrize("reading", ["clip_side_mask", "derived_clip"])
 def test_micro_batched_step_equals_full_batch(reading):
     # τ high enough that no micro-batch drops or clips a token: each selection is the
@@ -328,7 +315,7 @@ def test_micro_batched_step_equals_full_batch(reading):
     cfg = TrainConfig(algo=algo_cfg, system=SystemSection(packed_prompts=False))
     algo = step_builder.algorithm(cfg, CFG)
     params = model.init_params(CFG, jax.random.key(1))
-    batch = _model_batch(seed=2)
+    batch = staleness_batch(seed=2)
     m1 = assert_same_accumulation(*accumulated_in_micro_batches(algo, params, None, batch, (1, 4)))
     assert float(m1["m2po/masked_frac"]) == 0 and 0 < float(m1["m2po/clip_side_frac"]) < 1
 

@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.factories import synthetic_groups
+from helpers.train_step import staleness_batch
 
 from a3po_jax import model
 from a3po_jax.core import losses, objectives, prox
-from a3po_jax.core.batching import build_batch
 from a3po_jax.core.objectives import registry
 from a3po_jax.core.stats import finalize
 from a3po_jax.training import step_builder
@@ -120,28 +119,13 @@ def test_an_import_error_inside_an_objective_module_is_not_hidden(
 # --------------------------------------------------------------------------------------
 
 
-def _batch(group_size: int, dpo: bool = False, seed: int = 0):
-    groups = synthetic_groups(
-        8 // group_size * 2,
-        group_size,
-        prompt_len=(3, 8),
-        response_len=(2, 11),
-        vocab=CFG.vocab_size,
-        versions=lambda g, i: (g + i) % 3,
-        behav_range=(3.5, 5.5),
-        seed=seed,
-    )
-    b = build_batch(groups, advantage="grpo", length_bucket=16, dpo_pairs=dpo)
-    return {k: jnp.asarray(v) for k, v in b.arrays().items()}
-
-
 def test_decoupled_ppo_loss_is_the_steps_term_finalized():
     cfg = TrainConfig(
         algo=AlgoSection(prox="a3po", behav_weight_cap=1.2, cap_mode="truncate", dual_clip=3.0),
         system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)
-    batch = _batch(4)
+    batch = staleness_batch(4, 4)
     logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
     mask = batch["loss_mask"]
     staleness = jnp.where(mask > 0, 2 - batch["versions"], 0).astype(jnp.int32)
@@ -176,7 +160,7 @@ def test_online_dpo_loss_is_the_steps_term_finalized():
         system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)
-    batch = _batch(2, dpo=True, seed=1)
+    batch = staleness_batch(8, 2, dpo=True, seed=1)
     logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
     ref, _ = algo.forward(model.init_params(CFG, jax.random.key(1)), batch)
     mask = batch["loss_mask"]

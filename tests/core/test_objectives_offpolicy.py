@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.factories import synthetic_groups
-from helpers.train_step import accumulated_in_micro_batches, assert_same_accumulation
+from helpers.train_step import (
+    accumulated_in_micro_batches,
+    assert_same_accumulation,
+    staleness_batch,
+)
 
 from a3po_jax import model
 from a3po_jax.core import losses, objectives, prox
-from a3po_jax.core.batching import build_batch
 from a3po_jax.core.objectives import gspo, icepop, m2po
 from a3po_jax.core.stats import Stats, combine, finalize, masked_ess
 from a3po_jax.training import step_builder
@@ -343,21 +345,6 @@ def test_icepop_sums_add_across_micro_batches():
 # --------------------------------------------------------------------------------------
 
 
-def _model_batch(seed=0):
-    groups = synthetic_groups(
-        4,
-        4,
-        prompt_len=(3, 8),
-        response_len=(2, 11),
-        vocab=CFG.vocab_size,
-        versions=lambda g, i: (g + i) % 3,
-        behav_range=(3.5, 5.5),
-        seed=seed,
-    )
-    b = build_batch(groups, advantage="grpo", length_bucket=16)
-    return {k: jnp.asarray(v) for k, v in b.arrays().items()}
-
-
 @pytest.mark.parametrize("loss_name", ["m2po", "gspo", "icepop"])
 def test_each_objective_is_its_public_loss_through_the_step(loss_name):
     cfg = TrainConfig(
@@ -365,7 +352,7 @@ def test_each_objective_is_its_public_loss_through_the_step(loss_name):
     )
     algo = step_builder.algorithm(cfg, CFG)
     assert not algo.needs_old_pass and not algo.needs_reference
-    batch = _model_batch()
+    batch = staleness_batch()
     logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
     mask, behav, adv = batch["loss_mask"], batch["behav_logp"], batch["advantages"]
     staleness = jnp.where(mask > 0, 2 - batch["versions"], 0).astype(jnp.int32)
@@ -399,7 +386,7 @@ def test_a3po_reads_the_staleness_unit_as_for_ppo(loss_name, unit):
         system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)
-    batch = _model_batch()
+    batch = staleness_batch()
     logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
     mask, behav, adv = batch["loss_mask"], batch["behav_logp"], batch["advantages"]
     updates = jnp.where(mask > 0, 3, 0).astype(jnp.int32)
@@ -537,7 +524,7 @@ def test_micro_batched_step_equals_full_batch(loss_name, extra, metric, exercise
     cfg = TrainConfig(algo=AlgoSection(loss=loss_name, **extra), system=UNPACKED)
     algo = step_builder.algorithm(cfg, CFG)
     params = model.init_params(CFG, jax.random.key(1))
-    batch = _model_batch(seed=2)
+    batch = staleness_batch(seed=2)
 
     m1 = assert_same_accumulation(*accumulated_in_micro_batches(algo, params, None, batch, (1, 4)))
     assert exercised(float(m1[metric])) and 0 < float(m1["mismatch/ess"]) <= 1

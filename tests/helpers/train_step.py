@@ -12,6 +12,7 @@ from a3po_jax import model
 from a3po_jax.core import optim
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.algorithm import Algorithm
+from a3po_jax.core.batching import build_batch
 from a3po_jax.core.stats import finalize
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
@@ -34,6 +35,24 @@ def make_groups(num_groups=4, group_size=4, seed=0, versions_from=0, vocab=None)
         admitted_at_version=versions_from,
         seed=seed,
     )
+
+
+def staleness_batch(num_groups=4, group_size=4, seed=0, dpo=False):
+    """The padded batch arrays (jnp) of synthetic groups whose samples are 0, 1 or 2
+    versions old by position, with behaviour log-probs spread over [3.5, 5.5]: the batch
+    the objective tests push through a step."""
+    groups = synthetic_groups(
+        num_groups,
+        group_size,
+        prompt_len=(3, 8),
+        response_len=(2, 11),
+        vocab=CFG.vocab_size,
+        versions=lambda g, i: (g + i) % 3,
+        behav_range=(3.5, 5.5),
+        seed=seed,
+    )
+    b = build_batch(groups, advantage="grpo", length_bucket=16, dpo_pairs=dpo)
+    return {k: jnp.asarray(v) for k, v in b.arrays().items()}
 
 
 def make_config(group_size=4, groups=4, system=None, **algo):
