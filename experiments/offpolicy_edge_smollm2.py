@@ -17,8 +17,9 @@ What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate 
           the whole sweep (every method of the toy lab, seeds 0-2, more where seeds overlap)
           say anything about the methods. results.md reports each pilot whichever way it
           falls. A point after the first runs into its own --out folder, e.g.
-          `... --out runs/edge_lr-1e-4 --only prox-behav_seed-0 prox-behav_seed-1
-          optim.learning_rate=1e-4`.
+          `run_sweep.py experiments/offpolicy_edge_smollm2.py optim.learning_rate=1e-4
+          --subprocess --prune --out runs/edge_lr-1e-4 --only prox-behav_seed-0 ...` (the
+          overrides before --only, which takes every name after it).
 Parent:   experiments/quickstart_a3po.py (model, task, packing, evaluation of 128 test
           questions at 128 tokens); changes: temperature 1.0, 2 samples × 16 prompts per
           step, N = 4 minibatches per batch, η = 8 updates, 24 steps, no checkpoints,

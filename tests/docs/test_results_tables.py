@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -648,14 +649,21 @@ def edge_row(point: str, run_dir: Path) -> dict[str, str]:
     }
 
 
+def edge_learning_rate(point: Path) -> float:
+    """A ladder point's learning rate, read from the config of one of its runs."""
+    config = next(point.glob("*/config.json"))
+    return float(json.loads(config.read_text())["optim"]["learning_rate"])
+
+
 def test_off_policy_edge_pilots():
     """Every pilot run committed under results/offpolicy_edge_smollm2/<point>/ is a row,
     and every row is a committed run's figures."""
     root = RESULTS / "offpolicy_edge_smollm2"
+    points = [p for p in root.iterdir() if p.is_dir()]
+    points.sort(key=edge_learning_rate)  # the ladder's order
     expected = [
         edge_row(point.name, run)
-        for point in sorted(root.iterdir())
-        if point.is_dir()
+        for point in points
         for run in sorted(p for p in point.iterdir() if (p / "metrics.jsonl").is_file())
     ]
     assert expected, "no committed pilot runs"
