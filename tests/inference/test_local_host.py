@@ -60,6 +60,7 @@ def gone(pid: int, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.e2e  # starts a host process
 def test_local_host_runs_on_its_cores_with_a_private_token_and_ends_at_close():
     host = LocalHostProcess(
         model="tiny", cores=CORES[:1], update_policy="drain", prefill_buckets=(16,)
@@ -141,6 +142,7 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
+@pytest.mark.e2e  # starts a gRPC server process
 def test_a_host_frees_the_slots_of_a_client_that_went_away(tmp_path):
     proc, address = start_grpc_server(
         tmp_path / "token", "--num-slots", "4", "--prefill-buckets", "8", "--max-cache-len", "512"
