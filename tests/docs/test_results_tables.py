@@ -668,6 +668,19 @@ def test_off_policy_edge_pilots():
     ]
     assert expected, "no committed pilot runs"
     assert table(EDGE) == expected
+    # The prose's per-method ranges at the chosen point, from the same runs.
+    text = " ".join(section(EDGE))
+    ends: dict[str, list[float]] = {}
+    for row in expected:
+        if row["point"] == "lr-1e-4":
+            method = row["run"].rsplit("_seed-", 1)[0]
+            end = row["held-out pass@1, step 0 → 24 [95 % interval]"].split()[2]
+            ends.setdefault(method, []).append(float(end))
+    for method, label in (("prox-behav", "naive PPO"), ("prox-recompute", "recompute")):
+        values = ends[method]
+        assert f"{label} ({min(values):.3f} to {max(values):.3f}" in text, (method, values)
+    a3po = ends["prox-a3po"]
+    assert f"training steps ({min(a3po):.3f} to {max(a3po):.3f})" in text, a3po
 
 
 def test_every_table_on_the_page_is_accounted_for():
