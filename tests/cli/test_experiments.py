@@ -20,7 +20,13 @@ from a3po_jax.analysis.sweeps import (
     resolve,
     run_name,
 )
-from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides, load_experiment
+from a3po_jax.training.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    import_experiment,
+    load_experiment,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.py"))
@@ -570,9 +576,7 @@ def test_the_edge_sweeps_pilot_is_naive_ppo_on_the_main_jobs_held_out_task(tmp_p
     """The rule of experiments/offpolicy_edge_smollm2.py reads its PILOT runs: they must be
     runs of its sweep, naive PPO, on a task whose test split is held out."""
     path = ROOT / "experiments" / "offpolicy_edge_smollm2.py"
-    module = importlib.util.spec_from_file_location("edge", path)
-    edge = importlib.util.module_from_spec(module)
-    module.loader.exec_module(edge)
+    edge = import_experiment(path)
     runs = {run.name: run for run in load_sweep(path)}
     assert len(runs) == 27 and set(edge.PILOT) <= set(runs)
     for name in edge.PILOT:
