@@ -9,14 +9,9 @@ import json
 import re
 from pathlib import Path
 
-from a3po_jax.analysis.run_report import (
-    REWARD,
-    load_run_files,
-    report_rows,
-    reward_window,
-    series,
-    staleness_counts,
-)
+from helpers.run_cells import evaluations, held_out_cell, reward_cell
+
+from a3po_jax.analysis.run_report import load_run_files, report_rows, staleness_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "results" / "quickstart_a3po"
@@ -30,12 +25,8 @@ def _percent(fraction: float) -> str:
 def main_job_row(run_dir: Path) -> str:
     """The README's row for one committed seed of the main job."""
     config, records = load_run_files(run_dir)
-    evals = [r for r in records if "eval/accuracy" in r]
-    first, last = evals[0], evals[-1]
-    trained = [r for r in records if r["step"] >= 1]
-    _, reward = series(trained, REWARD)
-    k = reward_window(len(reward))
-    counts = staleness_counts(trained)
+    first, last = evaluations(records)
+    counts = staleness_counts([r for r in records if r["step"] >= 1])
     report = dict(report_rows(records, config))
 
     def finished(record):
@@ -43,11 +34,10 @@ def main_job_row(run_dir: Path) -> str:
 
     cells = [
         str(config["seed"]),
-        f"{first['eval/accuracy']:.3f} → {last['eval/accuracy']:.3f} "
-        f"[{last['eval/ci95_low']:.3f}, {last['eval/ci95_high']:.3f}]",
+        held_out_cell(records),
         f"{last['eval/accuracy'] - first['eval/accuracy']:+.3f}",
         f"{finished(first)} → {finished(last)}",
-        f"{reward[:k].mean():.3f} → {reward[-k:].mean():.3f}",
+        reward_cell(records),
         _percent(counts[2] / counts.sum()) if len(counts) > 2 else "0 %",
         report["wall time"].split()[0],
         report["peak memory"].split(" resident")[0],

@@ -627,23 +627,19 @@ EDGE = "### The edge on SmolLM2-135M: pilots on a held-out test"
 def edge_row(point: str, run_dir: Path) -> dict[str, str]:
     """One pilot run's row of the edge table, from its metrics with the run report's own
     reductions (`a3po_jax.analysis.run_report`)."""
-    from a3po_jax.analysis.run_report import load_run_files, reward_window, series
+    from helpers.run_cells import evaluations, held_out_cell, reward_cell
+
+    from a3po_jax.analysis.run_report import load_run_files
 
     _, records = load_run_files(run_dir)
-    evals = [r for r in records if "eval/accuracy" in r]
-    first, last = evals[0], evals[-1]
-    _, reward = series([r for r in records if r["step"] >= 1], REWARD)
-    k = reward_window(len(reward))
+    first, last = evaluations(records)
     below = last["eval/ci95_high"] < first["eval/accuracy"]
     return {
         "point": point,
         "run": run_dir.name,
-        "held-out pass@1, step 0 → 24 [95 % interval]": (
-            f"{first['eval/accuracy']:.3f} → {last['eval/accuracy']:.3f} "
-            f"[{last['eval/ci95_low']:.3f}, {last['eval/ci95_high']:.3f}]"
-        ),
+        "held-out pass@1, step 0 → 24 [95 % interval]": held_out_cell(records),
         "finished at 24": f"{100 * last['eval/finished_frac']:.0f} %",
-        "training reward, steps 1-5 → 20-24": f"{reward[:k].mean():.3f} → {reward[-k:].mean():.3f}",
+        "training reward, steps 1-5 → 20-24": reward_cell(records),
         "end below the start": "yes" if last["eval/accuracy"] < first["eval/accuracy"] else "no",
         "interval below the start": "yes" if below else "no",
     }
