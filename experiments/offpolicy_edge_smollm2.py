@@ -13,10 +13,12 @@ What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate 
           batch trained in N = 4 minibatches and the producer up to η = 8 optimizer updates
           ahead. The point is chosen by a rule fixed before the runs: the first point of
           LADDER (extra overrides, tried in order) where naive PPO (prox = behav) ends below
-          the untrained model's held-out pass@1 on both pilot seeds (PILOT); only there does
+          the untrained model's held-out pass@1 on both pilot seeds (PILOT) while its answers
+          still finish (at least FINISHED_AT_END of them at the end, on both): a fall in what
+          the policy answers, not a collapse past the edge for every method. Only there does
           the whole sweep (every method of the toy lab, seeds 0-2, more where seeds overlap)
           say anything about the methods. results.md reports each pilot whichever way it
-          falls. A point after the first runs into its own --out folder, e.g.
+          falls, and which part of the rule was added after which runs. A point after the first runs into its own --out folder, e.g.
           `run_sweep.py experiments/offpolicy_edge_smollm2.py optim.learning_rate=1e-4
           --subprocess --prune --out runs/edge_lr-1e-4 --only prox-behav_seed-0 ...` (the
           overrides before --only, which takes every name after it).
@@ -39,8 +41,10 @@ PROMPTS_PER_STEP = 16  # 32 samples per generated batch, 8 per update
 METHODS = TOY.METHODS
 SEEDS = (0, 1, 2)
 PILOT_SEEDS = (0, 1)
-# The points the pilot tries, in order: this file's settings, then a learning rate 3x higher.
-LADDER = ({}, {"optim.learning_rate": 1e-4})
+# The points the pilot tries, in order: this file's settings, a learning rate 3x higher, then
+# one between them (added, with FINISHED_AT_END, after every method collapsed at the second).
+LADDER = ({}, {"optim.learning_rate": 1e-4}, {"optim.learning_rate": 5e-5})
+FINISHED_AT_END = 0.9  # the rule's share of naive PPO's held-out answers that still finish
 
 SWEEP = [{**overrides, "seed": seed} for seed in SEEDS for overrides in METHODS.values()]
 # The runs the rule reads (run_sweep.py --only takes these names).

@@ -589,3 +589,4 @@ def test_the_edge_sweeps_pilot_is_naive_ppo_on_the_main_jobs_held_out_task(tmp_p
             moved = apply_overrides(cfg, [f"{key}={value}" for key, value in point.items()])
             assert moved.algo.prox == "behav"
     assert edge.LADDER[0] == {}, "the file's own settings are the first point"
+    assert 0 < edge.FINISHED_AT_END <= 1, "a share of the held-out answers"
