@@ -141,6 +141,15 @@ class GrpcInferenceClient:
         """Finished samples of any request, as on `InferenceHost.poll`."""
         return take_results(self._results, timeout, max_results)
 
+    # A host in another process: it starts with weights of its own (the trainer pushes its
+    # first), and its replaced weights are not this process's memory.
+    in_process = False
+
+    def wait_serving(self, version: int, timeout: float) -> bool:
+        """A remote swap is not observed from here: returns True at once (the host's own
+        update policy orders its requests around the swap)."""
+        return True
+
     def update_weights(self, params: Any, version: int) -> None:
         """Sends the weights over the host's weight port; returns once the host installed
         them (they serve as its update policy says). Floating-point tensors are cast to the

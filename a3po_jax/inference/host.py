@@ -170,6 +170,10 @@ class InferenceHost:
         docs/performance.md).
     """
 
+    # Its weights live in this process: the trainer's initial params serve as they are, and
+    # a push's replaced copy is this process's memory to give back (training/heap.py).
+    in_process = True
+
     def __init__(
         self,
         config: model_lib.ModelConfig,

@@ -236,6 +236,15 @@ class HostPool:
         """Finished samples from any host, each sample at most once (as `InferenceHost.poll`)."""
         return take_results(self._results, timeout, max_results)
 
+    # A host in another process: it starts with weights of its own (the trainer pushes its
+    # first), and its replaced weights are not this process's memory.
+    in_process = False
+
+    def wait_serving(self, version: int, timeout: float) -> bool:
+        """A remote swap is not observed from here: returns True at once (the host's own
+        update policy orders its requests around the swap)."""
+        return True
+
     def update_weights(self, params: Any, version: int) -> None:
         """Sends the weights to every healthy host at once. Returns when each has installed
         them or has been marked down meanwhile (a frozen host does not block the caller

@@ -30,6 +30,14 @@ class Host(Protocol):
         """Stages new weights stamped `version`; ValueError on a name/shape/dtype mismatch
         (the old weights keep serving). When they serve depends on the update policy."""
 
+    # Whether the host runs in this process: it serves the params it was built with, and a
+    # push's replaced weights are this process's memory.
+    in_process: bool
+
+    def wait_serving(self, version: int, timeout: float) -> bool:
+        """Waits up to `timeout` seconds until weights stamped `version` or newer serve;
+        returns whether they do (a host in another process answers True at once)."""
+
     def stats(self) -> dict[str, Any]:
         """Serving state and metrics: at least ``update_policy``, ``version``, ``live`` and
         ``tokens_per_s``; a host that recomputes caches at in-flight swaps also reports

@@ -25,8 +25,10 @@ from a3po_jax.core import advantages, importance, losses, objectives, prox
 from a3po_jax.core.batch_plan import AUTO, BatchPlan
 from a3po_jax.core.checks import check_choice, check_finite
 from a3po_jax.rollout.queue import CONSUME_ORDERS
+from a3po_jax.training import schedules
 
-MODES = ("sync", "periodic", "one_step_off", "async")
+# The built-in modes (a3po_jax.training.schedules registers them, and any mode a module adds).
+MODES = schedules.names()
 # The algorithm choices are the keys of the core's tables: one list, where the code is.
 # Objectives (algo.loss) are looked up in a3po_jax.core.objectives' registry.
 PROX_MODES = tuple(prox.PROX_RULES)
@@ -62,25 +64,14 @@ def staleness_bound(mode: str, max_staleness: int, num_minibatches: int = 1) -> 
       admission rule can keep the last minibatch fresher than that): the combination is
       refused, naming both fields, rather than silently raised.
 
-    With ``k = 1`` these are the familiar 0, 1 and η (design §4). The one place this rule
-    lives: the config check, the trainer's admission and the results tables all ask it.
+    With ``k = 1`` these are the familiar 0, 1 and η (design §4). Each mode's schedule
+    holds its rule (:mod:`a3po_jax.training.schedules`); the config check, the trainer's
+    admission and the results tables all ask it here.
     """
-    _choice("system", "mode", mode, MODES)
+    schedule = schedules.get(mode, what="system.mode", error=ConfigError)
     if num_minibatches < 1:
         raise ConfigError(f"algo.num_minibatches must be >= 1, got {num_minibatches}")
-    k = num_minibatches
-    if mode in ("sync", "periodic"):
-        return k - 1
-    if mode == "one_step_off":
-        return 2 * k - 1
-    if max_staleness < k - 1:
-        raise ConfigError(
-            f"system.max_staleness={max_staleness} with algo.num_minibatches={k}: staleness is "
-            f"counted in optimizer versions, and the last of the {k} minibatches of every batch "
-            f"trains {k - 1} versions after the first, so system.max_staleness must be >= "
-            f"{k - 1} (or use fewer minibatches)"
-        )
-    return max_staleness
+    return schedule.staleness_bound(max_staleness, num_minibatches, error=ConfigError)
 
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -401,7 +392,7 @@ class OptimSection:
 class SystemSection:
     """Training mode, staleness, and the machinery around the step."""
 
-    mode: str = "async"  # "sync", "periodic", "one_step_off" or "async" (design §4)
+    mode: str = "async"  # "sync", "periodic", "one_step_off", "async" or a registered mode
     max_staleness: int = 2  # η for "async"; fixed to 0 / 1 by the other modes
     update_policy: str = "in_flight"  # weight updates on the host: "in_flight" or "drain"
     micro_batch_size: int = 0  # sequences per micro-batch; 0 = whole batch at once
@@ -449,7 +440,7 @@ class SystemSection:
 
     def __post_init__(self):
         _check_types("system", self)
-        _choice("system", "mode", self.mode, MODES)
+        self.schedule.check(self, error=ConfigError)
         _choice("system", "update_policy", self.update_policy, UPDATE_POLICIES)
         _choice("system", "consume_order", self.consume_order, CONSUME_ORDERS)
         _positive("system", "max_staleness", self.max_staleness, allow_zero=True)
@@ -505,18 +496,13 @@ class SystemSection:
         _positive("system", "lockstep_decode_steps", self.lockstep_decode_steps, allow_zero=True)
         if self.lockstep_decode_steps:
             clash = [f"system.{p}" for p in placements if p != "inference_devices"]
-            clash += ["system.mode='periodic'"] if self.mode == "periodic" else []
+            clash += [] if self.schedule.drives_in_lockstep else [f"system.mode={self.mode!r}"]
             if clash:
                 raise ConfigError(
                     f"system.lockstep_decode_steps={self.lockstep_decode_steps} drives the "
                     f"run's embedded host from the trainer's thread: not with {clash[0]} "
                     "(set system.lockstep_decode_steps=0)"
                 )
-        if self.mode == "periodic" and self.max_staleness > 0:
-            raise ConfigError(
-                "system.mode='periodic' is strictly on-policy: system.max_staleness must be 0, "
-                f"got {self.max_staleness}"
-            )
 
     @property
     def effective_staleness(self) -> int:
@@ -526,8 +512,14 @@ class SystemSection:
 
     @property
     def effective_update_policy(self) -> str:
-        """Only "async" may update weights in flight; the others need whole-version samples."""
-        return self.update_policy if self.mode == "async" else "drain"
+        """Only a mode that allows it ("async") updates weights in flight; the others need
+        whole-version samples."""
+        return self.update_policy if self.schedule.in_flight_updates else "drain"
+
+    @property
+    def schedule(self) -> type[schedules.Schedule]:
+        """The mode's schedule class (:mod:`a3po_jax.training.schedules`)."""
+        return schedules.get(self.mode, what="system.mode", error=ConfigError)
 
 
 @dataclasses.dataclass(frozen=True)

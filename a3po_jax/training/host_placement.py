@@ -131,3 +131,49 @@ def device_split(num_inference: int) -> tuple[list[jax.Device], list[jax.Device]
             "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
         )
     return devices[-num_inference:], devices[:-num_inference]
+
+
+def start_run_host(cfg, model_config, params, host_mesh):
+    """(the run's own inference host, the local host process behind it or None), placed as
+    ``system`` says: a local host process on cores of its own behind a pool
+    (``system.inference_cores``), or an embedded host (on ``host_mesh`` with split devices)."""
+    system, rollout = cfg.system, cfg.rollout
+    if not system.inference_cores:
+        # Lockstep: the trainer's thread drives it (not started).
+        start = system.lockstep_decode_steps == 0
+        return embedded_host(cfg, model_config, params, host_mesh, start=start), None
+    pin_trainer(system.inference_cores)  # the CLI did, before JAX started
+    local = start_local_host(
+        cfg,
+        num_slots=rollout.num_slots,
+        prefill_buckets=tuple(rollout.prompt_buckets),
+        max_cache_len=cfg.host_cache_len,
+    )
+    try:
+        return host_pool([local.address], local.token, system), local
+    except BaseException:
+        local.close()
+        raise
+
+
+def embedded_host(
+    cfg, model_config, params, host_mesh, *, start: bool, version: int = 0, update_policy=None
+):
+    """An in-process inference host sized by the rollout settings, serving ``params`` as
+    ``version`` under ``update_policy`` (None: the mode's); started if ``start``."""
+    from a3po_jax.inference.host import InferenceHost
+
+    rollout = cfg.rollout
+    host = InferenceHost(
+        model_config,
+        params,
+        mesh=host_mesh,
+        num_slots=rollout.num_slots,
+        prefill_buckets=tuple(rollout.prompt_buckets),
+        max_cache_len=cfg.host_cache_len,
+        version=version,
+        update_policy=update_policy or cfg.system.effective_update_policy,
+        seed=0,
+        batch_invariant=rollout.batch_invariant,
+    )
+    return host.start() if start else host

@@ -189,7 +189,7 @@ def compute_case(name: str) -> dict:
         kl_in_reward = jax.jit(functools.partial(ts.kl_in_reward, algo=algo))
 
     def arrays_of(groups, plan):
-        """The step's input arrays, as the trainer's ``_batch_from_groups`` builds them."""
+        """The step's input arrays, as the trainer's ``batch_arrays`` builds them."""
         batch, arrays = make_batch(groups, plan)
         if kl_in_reward is not None:
             device = {k: jnp.asarray(v) for k, v in arrays.items()}

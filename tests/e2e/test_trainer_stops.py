@@ -28,6 +28,7 @@ from helpers.trainer_runs import LetterTask, make_cfg
 
 from a3po_jax.cli.train import connect_hosts, latest_checkpoint_step, main
 from a3po_jax.rollout.ledger import audit
+from a3po_jax.training import host_placement
 from a3po_jax.training import trainer as trainer_module
 from a3po_jax.training.checkpointing import CheckpointManager
 from a3po_jax.training.metrics import MetricsLogger, read_metrics
@@ -126,10 +127,15 @@ class FreezableHost:
     """An embedded host behind a switch: once frozen it accepts requests and returns nothing,
     as a host that is down (or a pool whose every host is down) looks to the trainer."""
 
+    in_process = False  # (as a remote host looks to the trainer: it pushes at start)
+
     def __init__(self, host):
         self._host = host
         self.frozen = False
         self.update_policy = host.update_policy
+
+    def wait_serving(self, version, timeout):
+        return self._host.wait_serving(version, timeout)
 
     def submit(self, request):
         if not self.frozen:
@@ -174,9 +180,10 @@ def test_sigterm_while_no_host_answers_saves_and_stops_within_a_second(tmp_path,
     base = make_cfg(tmp_path, mode, mode=mode, steps=8, prox="behav")
     cfg = dataclasses.replace(base, checkpoint_every=100)
     policy = load_policy(cfg.model)
-    probe = Trainer(cfg, policy, task=LetterTask(), console=False)  # its embedded host
-    host = FreezableHost(probe._start_host(policy.params))
-    probe.close()
+    # The embedded host a run of this config starts.
+    host = FreezableHost(
+        host_placement.embedded_host(cfg, policy.config, policy.params, None, start=True)
+    )
     previous = signal.getsignal(signal.SIGTERM)
     sent = {}
 
