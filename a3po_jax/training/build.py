@@ -25,6 +25,7 @@ from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import SamplingParams
 from a3po_jax.model.loader import LoadedModel, load_model
 from a3po_jax.parallel import distributed, sharding
+from a3po_jax.rollout.source import RolloutSource
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.training import heap, host_placement, recording, step_builder
@@ -188,7 +189,7 @@ class RunParts:
     host: Host | None
     own_host: bool
     local_host: Any
-    workers: Any
+    workers: RolloutSource
     recorder: recording.RolloutRecorder | None
     checkpoints: CheckpointManager | None
     trimmer: heap.Trimmer | None
@@ -243,7 +244,9 @@ def build_run(
     )
 
 
-def rollout_source(cfg: TrainConfig, host, task, sampling, tokenizer, replay_dir: Path | None):
+def rollout_source(
+    cfg: TrainConfig, host, task, sampling, tokenizer, replay_dir: Path | None
+) -> RolloutSource:
     """Where batches come from: the rollout threads over ``host``, or, in a replay, the
     recorded groups step by step in place of the threads and the host."""
     rollout = cfg.rollout

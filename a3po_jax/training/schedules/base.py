@@ -15,6 +15,7 @@ import jax
 
 from a3po_jax.core.checks import check_choice
 from a3po_jax.core.types import RolloutGroup
+from a3po_jax.rollout.source import RolloutSource
 
 _PACKAGE = __name__.rpartition(".")[0]  # a3po_jax.training.schedules
 _REGISTRY: dict[str, type[Schedule]] = {}
@@ -39,7 +40,7 @@ class Run(Protocol):
     algo: Any
     optimizer: Any
     host: Any
-    workers: Any
+    workers: RolloutSource
     batch_groups: int
 
     def train_on(self, groups: list[RolloutGroup]) -> tuple[Any, Any]:
