@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from a3po_jax.core.types import Rollout, RolloutGroup
@@ -26,31 +27,29 @@ class QueueCounters:
     docstring for what each means and the invariants they satisfy); the caller holds the
     queue's lock."""
 
-    produced_samples: int = 0
-    discarded_samples: int = 0
-    consumed_samples: int = 0
+    # Groups (a group counts as produced from its first sample).
     produced_groups: int = 0
     completed_groups: int = 0
     consumed_groups: int = 0
-    dropped_groups: collections.Counter[str] = dataclasses.field(
-        default_factory=collections.Counter
-    )
+    filtered_groups: int = 0
+    refilled_groups: int = 0
+    overtaking_groups: int = 0
+    # Empty slots taken by batches, and those in the ready order not taken yet.
+    empty_slots: int = 0
+    held_empty_slots: int = 0
+    # Samples and their completion tokens (discarded: late samples of a dropped group).
+    produced_samples: int = 0
+    discarded_samples: int = 0
+    consumed_samples: int = 0
+    filtered_samples: int = 0
     generated_tokens: int = 0
     consumed_tokens: int = 0
-    dropped_samples: collections.Counter[str] = dataclasses.field(
-        default_factory=collections.Counter
-    )
-    dropped_tokens: collections.Counter[str] = dataclasses.field(
-        default_factory=collections.Counter
-    )
     held_tokens: int = 0
-    overtaking_groups: int = 0
-    filtered_groups: int = 0
-    filtered_samples: int = 0
     filtered_tokens: int = 0
-    refilled_groups: int = 0
-    empty_slots: int = 0  # taken by batches
-    held_empty_slots: int = 0  # in the ready order, not taken yet
+    # By drop reason.
+    dropped_groups: Counter[str] = dataclasses.field(default_factory=Counter)
+    dropped_samples: Counter[str] = dataclasses.field(default_factory=Counter)
+    dropped_tokens: Counter[str] = dataclasses.field(default_factory=Counter)
 
     def sample(self, rollout: Rollout) -> None:
         """One sample filed (generated, held from now on)."""
