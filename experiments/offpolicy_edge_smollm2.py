@@ -18,7 +18,8 @@ What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate 
           the policy answers, not a collapse past the edge for every method. Only there does
           the whole sweep (every method of the toy lab, seeds 0-2, more where seeds overlap)
           say anything about the methods. results.md reports each pilot whichever way it
-          falls, and which part of the rule was added after which runs. A point after the first runs into its own --out folder, e.g.
+          falls, and which part of the rule was added after which runs. A point after the
+          first runs into its own --out folder, e.g.
           `run_sweep.py experiments/offpolicy_edge_smollm2.py optim.learning_rate=1e-4
           --subprocess --prune --out runs/edge_lr-1e-4 --only prox-behav_seed-0 ...` (the
           overrides before --only, which takes every name after it).

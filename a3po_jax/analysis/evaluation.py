@@ -246,14 +246,7 @@ def evaluate(
     Returns:
       An `EvalResult`.
     """
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"evaluate: k must be an int >= 1, got {k!r}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"evaluate: temperature must be finite and >= 0, got {temperature!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"evaluate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"evaluate: batch_size must be None or an int >= 1, got {batch_size!r}")
+    _check_sampling_args(k, temperature, max_new_tokens, batch_size)
     all_prompts = task.prompts(split)
     if num_prompts is None:
         num_prompts = len(all_prompts)
@@ -296,6 +289,20 @@ def evaluate(
         mean_completion_tokens=float(lengths.mean()),
         records=tuple(records),
     )
+
+
+def _check_sampling_args(
+    k: int, temperature: float, max_new_tokens: int, batch_size: int | None
+) -> None:
+    """:func:`evaluate`'s sampling arguments, each named when it is out of range."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"evaluate: k must be an int >= 1, got {k!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"evaluate: temperature must be finite and >= 0, got {temperature!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"evaluate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"evaluate: batch_size must be None or an int >= 1, got {batch_size!r}")
 
 
 def _check_samples(samples: Any, *, num_prompts: int, k: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from a3po_jax.analysis import plots
 from a3po_jax.analysis.offpolicy import (
     KL_REF,
     is_lab_sweep,
@@ -18,15 +19,6 @@ from a3po_jax.analysis.offpolicy import (
     offpolicy_table,
     plot_reward_by_version,
     plot_reward_kl_frontier,
-)
-from a3po_jax.analysis.plots import (
-    has_mismatch,
-    plot_diagnostics,
-    plot_mismatch,
-    plot_phase_times,
-    plot_reward,
-    plot_staleness,
-    plot_sweep,
 )
 from a3po_jax.analysis.runs import (
     EFFECTIVE_STALENESS,
@@ -81,42 +73,9 @@ def write_summary(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     aggregate = seed_table(runs, last_k=last_k)
-    shown = merge_seeds(runs) if not aggregate.empty else list(runs)
-    averaged = " (mean over seeds)" if not aggregate.empty else ""
-    figures = {
-        "reward.png": (
-            f"Reward vs step and vs wall-clock time{averaged}",
-            plot_reward(shown, smooth=smooth),
-        ),
-        "phase_times.png": (f"Time per step by phase{averaged}", plot_phase_times(shown)),
-        "staleness.png": (f"Staleness histograms{averaged}", plot_staleness(shown)),
-        "diagnostics.png": (
-            f"Importance weights, clip fraction and staleness{averaged}",
-            plot_diagnostics(shown),
-        ),
-    }
-    if has_mismatch(shown):
-        figures["mismatch.png"] = (
-            f"Train-inference mismatch: KL on fresh tokens, importance weights, masked and "
-            f"truncated fractions{averaged}",
-            plot_mismatch(shown),
-        )
     axes = sweep_axes(runs)
-    if axes is not None:
-        figures["sweep.png"] = (
-            f"Sweep over {short_key(axes[0])} (each point: mean over its runs)",
-            plot_sweep(runs, x_key=axes[0], hue_key=axes[1], last_k=last_k),
-        )
     offpolicy = is_offpolicy_sweep(runs)
-    if offpolicy:
-        figures["reward_by_version.png"] = (
-            "Reward by generating policy version, per N (mean ± std over seeds)",
-            plot_reward_by_version(runs),
-        )
-        figures["frontier.png"] = (
-            "Reward against KL to the initial policy, per N (final point: mean ± std over seeds)",
-            plot_reward_kl_frontier(runs),
-        )
+    figures = _figures(runs, aggregate.empty, axes, offpolicy, last_k=last_k, smooth=smooth)
     for file, (_, fig) in figures.items():
         fig.savefig(out / file, dpi=110)
 
@@ -133,6 +92,92 @@ def write_summary(
     ]
     if not aggregate.empty:
         lines += ["## Mean ± std over seeds", "", markdown_table(aggregate), ""]
+    lines += _comparison_sections(runs, axes, offpolicy, last_k=last_k, level=level)
+    for file, (caption, _) in figures.items():
+        lines += [f"## {caption}", "", f"![{caption}]({file})", ""]
+    if has_length(runs):
+        lines += [
+            "## Length bias (completion lengths in tokens, over the whole run)",
+            "",
+            markdown_table(length_table(runs)),
+            "",
+        ]
+    lines += ["## Every run", "", markdown_table(summary_table(runs, last_k=last_k)), ""]
+    lines += [
+        "## Settings shared by all runs",
+        "",
+        ", ".join(
+            # Settings are shown as given (3e-05, 1e-08), not rounded to a table's digits.
+            f"`{k}={v if isinstance(v, float) else format_cell(v)}`"
+            for k, v in sorted(common.items())
+            if k not in IGNORED_CONFIG_KEYS
+        ),
+        "",
+    ]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _figures(
+    runs: Sequence[Run],
+    one_seed_each: bool,
+    axes: tuple[str, str] | None,
+    offpolicy: bool,
+    *,
+    last_k: int,
+    smooth: int,
+) -> dict[str, tuple[str, object]]:
+    """The summary's figures, file name -> (caption, figure); runs that differ only by seed
+    are averaged unless ``one_seed_each``."""
+    shown = merge_seeds(runs) if not one_seed_each else list(runs)
+    averaged = " (mean over seeds)" if not one_seed_each else ""
+    figures = {
+        "reward.png": (
+            f"Reward vs step and vs wall-clock time{averaged}",
+            plots.plot_reward(shown, smooth=smooth),
+        ),
+        "phase_times.png": (f"Time per step by phase{averaged}", plots.plot_phase_times(shown)),
+        "staleness.png": (f"Staleness histograms{averaged}", plots.plot_staleness(shown)),
+        "diagnostics.png": (
+            f"Importance weights, clip fraction and staleness{averaged}",
+            plots.plot_diagnostics(shown),
+        ),
+    }
+    if plots.has_mismatch(shown):
+        figures["mismatch.png"] = (
+            f"Train-inference mismatch: KL on fresh tokens, importance weights, masked and "
+            f"truncated fractions{averaged}",
+            plots.plot_mismatch(shown),
+        )
+    if axes is not None:
+        figures["sweep.png"] = (
+            f"Sweep over {short_key(axes[0])} (each point: mean over its runs)",
+            plots.plot_sweep(runs, x_key=axes[0], hue_key=axes[1], last_k=last_k),
+        )
+    if offpolicy:
+        figures["reward_by_version.png"] = (
+            "Reward by generating policy version, per N (mean ± std over seeds)",
+            plot_reward_by_version(runs),
+        )
+        figures["frontier.png"] = (
+            "Reward against KL to the initial policy, per N (final point: mean ± std over seeds)",
+            plot_reward_kl_frontier(runs),
+        )
+    return figures
+
+
+def _comparison_sections(
+    runs: Sequence[Run],
+    axes: tuple[str, str] | None,
+    offpolicy: bool,
+    *,
+    last_k: int,
+    level: float | None,
+) -> list[str]:
+    """The summary's sections that compare runs: methods on stale data, speed, the sweep's
+    grids, off-policy robustness, periodic vs sync (each only where the runs have it)."""
+    lines: list[str] = []
     if is_lab_sweep(runs):
         lines += [
             "## Methods on stale data: reward, KL to the initial policy, corrections",
@@ -191,27 +236,4 @@ def write_summary(
             markdown_table(paired, floatfmt=".3g"),
             "",
         ]
-    for file, (caption, _) in figures.items():
-        lines += [f"## {caption}", "", f"![{caption}]({file})", ""]
-    if has_length(runs):
-        lines += [
-            "## Length bias (completion lengths in tokens, over the whole run)",
-            "",
-            markdown_table(length_table(runs)),
-            "",
-        ]
-    lines += ["## Every run", "", markdown_table(summary_table(runs, last_k=last_k)), ""]
-    lines += [
-        "## Settings shared by all runs",
-        "",
-        ", ".join(
-            # Settings are shown as given (3e-05, 1e-08), not rounded to a table's digits.
-            f"`{k}={v if isinstance(v, float) else format_cell(v)}`"
-            for k, v in sorted(common.items())
-            if k not in IGNORED_CONFIG_KEYS
-        ),
-        "",
-    ]
-    path = out / "summary.md"
-    path.write_text("\n".join(lines))
-    return path
+    return lines

@@ -67,28 +67,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class _Refused(Exception):
+    """An argument or input the command refuses: the message is printed, the status is 2."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.step is not None and not args.run_dir:
-        return _fail("--step needs --run-dir")
-    if args.task_options is not None:
-        try:
-            options = json.loads(args.task_options)
-        except json.JSONDecodeError as err:
-            return _fail(f"--task-options is not valid JSON: {err}")
-        if not isinstance(options, dict):
-            return _fail(f"--task-options must be a JSON object, got {args.task_options!r}")
-        args.task_options = json.dumps(options)
+    try:
+        return _run(args)
+    except _Refused as err:
+        return _fail(str(err))
 
-    run_cfg = None
-    if args.run_dir:
-        config_file = pathlib.Path(args.run_dir) / "config.json"
-        try:
-            run_cfg = config_from_dict(json.loads(config_file.read_text()))
-        except FileNotFoundError:
-            return _fail(f"--run-dir {args.run_dir}: no config.json (not a run directory)")
-        except (json.JSONDecodeError, ConfigError, TypeError) as err:
-            return _fail(f"--run-dir {args.run_dir}: config.json is not a run config: {err}")
+
+def _run(args: argparse.Namespace) -> int:
+    if args.step is not None and not args.run_dir:
+        raise _Refused("--step needs --run-dir")
+    _check_task_options(args)
+    run_cfg = _read_run_config(args.run_dir) if args.run_dir else None
+    if run_cfg is not None:
         base, origin = EvalSpec.from_run_config(run_cfg), "the run's config"
     else:
         base, origin = DEFAULT_SPEC, "the defaults"
@@ -107,22 +103,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = make_task(spec.task, **spec.task_kwargs)
         prompts = task.prompts(spec.split)
     except (TypeError, ValueError, KeyError) as err:
-        return _fail(f"task {spec.task!r} with options {spec.task_options} ({origin}): {err}")
+        raise _Refused(
+            f"task {spec.task!r} with options {spec.task_options} ({origin}): {err}"
+        ) from err
     if not prompts:
-        return _fail(f"task {spec.task!r} has no prompts in split {spec.split!r}")
+        raise _Refused(f"task {spec.task!r} has no prompts in split {spec.split!r}")
     num_prompts = spec.num_prompts
     if run_cfg is not None and args.num_prompts is None:
         num_prompts = min(num_prompts, len(prompts))  # as the trainer caps eval_prompts
     if not 1 <= num_prompts <= len(prompts):
-        return _fail(f"--num-prompts must be in [1, {len(prompts)}] for {task.name}/{spec.split}")
+        raise _Refused(f"--num-prompts must be in [1, {len(prompts)}] for {task.name}/{spec.split}")
 
+    policy = _load_policy(args, run_cfg)
+    print(
+        f"task={spec.task} options={spec.task_options} split={spec.split} "
+        f"prompts={num_prompts} max_new_tokens={spec.max_new_tokens} (from {origin}"
+        f"{', with the overrides above' if changed and run_cfg is not None else ''})",
+        file=sys.stderr,
+    )
+    result = _evaluate_on_host(args, policy, task, spec, prompts[:num_prompts])
+    print(result.summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=2)
+    return 0
+
+
+def _check_task_options(args: argparse.Namespace) -> None:
+    """``--task-options`` must be a JSON object; it is kept in its canonical JSON form."""
+    if args.task_options is None:
+        return
+    try:
+        options = json.loads(args.task_options)
+    except json.JSONDecodeError as err:
+        raise _Refused(f"--task-options is not valid JSON: {err}") from err
+    if not isinstance(options, dict):
+        raise _Refused(f"--task-options must be a JSON object, got {args.task_options!r}")
+    args.task_options = json.dumps(options)
+
+
+def _read_run_config(run_dir: str):
+    """The run's config, read from ``run_dir/config.json``."""
+    config_file = pathlib.Path(run_dir) / "config.json"
+    try:
+        return config_from_dict(json.loads(config_file.read_text()))
+    except FileNotFoundError as err:
+        raise _Refused(f"--run-dir {run_dir}: no config.json (not a run directory)") from err
+    except (json.JSONDecodeError, ConfigError, TypeError) as err:
+        raise _Refused(f"--run-dir {run_dir}: config.json is not a run config: {err}") from err
+
+
+def _load_policy(args: argparse.Namespace, run_cfg):
+    """The model scored: the run's, with its checkpoint's weights, or ``--model``."""
     # Heavy imports once the arguments are known to be good.
-    from a3po_jax.inference.host import InferenceHost
     from a3po_jax.model.loader import load_model
 
     # Read-only check first: the checkpoint manager would create checkpoints/ in the run.
     if run_cfg is not None and not (pathlib.Path(args.run_dir) / "checkpoints").is_dir():
-        return _fail(f"--run-dir {args.run_dir}: no checkpoints/ (nothing to evaluate)")
+        raise _Refused(f"--run-dir {args.run_dir}: no checkpoints/ (nothing to evaluate)")
     section = run_cfg.model if run_cfg is not None else ModelSection(name=args.model or "smollm2")
     try:  # the one model loader, as the trainer and the gRPC server build models
         policy = load_model(
@@ -132,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=section.seed,
         )
     except FileNotFoundError as err:
-        return _fail(str(err))
+        raise _Refused(str(err)) from err
     if run_cfg is not None:
         from a3po_jax.training.checkpointing import CheckpointManager
 
@@ -140,18 +178,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             policy.params = manager.restore_params(args.step, params_template=policy.params)
         except FileNotFoundError as err:
-            return _fail(f"--run-dir {args.run_dir}: {err}")
+            raise _Refused(f"--run-dir {args.run_dir}: {err}") from err
         step = args.step if args.step is not None else manager.latest_step()
         manager.close()
         print(f"evaluating {args.run_dir} at step {step}", file=sys.stderr)
-    print(
-        f"task={spec.task} options={spec.task_options} split={spec.split} "
-        f"prompts={num_prompts} max_new_tokens={spec.max_new_tokens} (from {origin}"
-        f"{', with the overrides above' if changed and run_cfg is not None else ''})",
-        file=sys.stderr,
-    )
+    return policy
+
+
+def _evaluate_on_host(args: argparse.Namespace, policy, task, spec: EvalSpec, prompts):
+    """Scores ``prompts`` (the first of the split) with the policy on an in-process host."""
+    from a3po_jax.inference.host import InferenceHost
+
     eos = policy.tokenizer.eos_token_id
-    longest = max(len(render_prompt(policy.tokenizer, p)) for p in prompts[:num_prompts])
+    longest = max(len(render_prompt(policy.tokenizer, p)) for p in prompts)
     bucket = 64
     while bucket < longest:
         bucket *= 2
@@ -162,22 +201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_buckets=(bucket,),
         max_cache_len=bucket + spec.max_new_tokens,
     ) as host:
-        result = evaluate(
+        return evaluate(
             task,
             spec.split,
             host_generate_fn(host, stop_tokens=() if eos is None else (int(eos),)),
             policy.tokenizer,
-            num_prompts=num_prompts,
+            num_prompts=len(prompts),
             k=args.k,
             temperature=args.temperature,
             max_new_tokens=spec.max_new_tokens,
             seed=args.seed,
         )
-    print(result.summary())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=2)
-    return 0
 
 
 def _fail(message: str) -> int:

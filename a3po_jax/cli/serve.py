@@ -32,7 +32,7 @@ from a3po_jax.inference.host import UPDATE_POLICIES, InferenceHost
 log = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model", default="tiny", help="tiny | smollm2 | HF checkpoint dir | .gguf file"
@@ -71,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cores", default="", help="comma-separated CPU ids to run on (default: all allowed)"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.cores:  # before JAX starts, so that XLA sizes its thread pool to them
         os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])
     stop = threading.Event()

@@ -95,6 +95,26 @@ def chunked_token_logprobs(
     Returns:
       (logp [B, T], entropy [B, T]), float32.
     """
+    temperature = float(temperature)
+    _check_args(hidden, head, targets, temperature, chunk_size, vocab_chunk_size, head_is_table)
+    b, t, d = hidden.shape
+    n = b * t
+    logp, ent = _flat_logprobs(
+        hidden.reshape(n, d),
+        head,
+        targets.reshape(n).astype(jnp.int32),
+        temperature,
+        chunk_size,
+        vocab_chunk_size,
+        bool(head_is_table),
+    )
+    return logp.reshape(b, t), ent.reshape(b, t)
+
+
+def _check_args(
+    hidden, head, targets, temperature, chunk_size, vocab_chunk_size, head_is_table
+) -> None:
+    """:func:`chunked_token_logprobs`' shapes, dtypes and static settings, each named."""
     chex.assert_rank(hidden, 3)
     chex.assert_rank(head, 2)
     chex.assert_rank(targets, 2)
@@ -103,7 +123,6 @@ def chunked_token_logprobs(
     chex.assert_shape(targets, (b, t))
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids, got dtype {targets.dtype}")
-    temperature = float(temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -116,18 +135,6 @@ def chunked_token_logprobs(
         raise ValueError(
             f"vocab_chunk_size must be a positive int or None, got {vocab_chunk_size!r}"
         )
-
-    n = b * t
-    logp, ent = _flat_logprobs(
-        hidden.reshape(n, d),
-        head,
-        targets.reshape(n).astype(jnp.int32),
-        temperature,
-        chunk_size,
-        vocab_chunk_size,
-        bool(head_is_table),
-    )
-    return logp.reshape(b, t), ent.reshape(b, t)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ import numpy as np
 from a3po_jax import model
 from a3po_jax.core import logprobs, prox
 from a3po_jax.core.batching import TrainBatch, build_batch, group_rows, round_up
-from a3po_jax.core.types import RolloutGroup
+from a3po_jax.core.types import Rollout, RolloutGroup
 
 Params = Any
 PackedArrays = Mapping[str, jax.Array]
@@ -202,29 +202,8 @@ def pack_groups(
       A :class:`PackedBatch`; its ``batch`` is ``build_batch`` of the same groups in
       ``group_order``.
     """
-    if length_bucket <= 0:
-        raise ValueError(f"pack_groups length_bucket must be > 0, got {length_bucket}")
     completion_bucket = completion_bucket or length_bucket
-    if completion_bucket <= 0:
-        raise ValueError(f"pack_groups completion_bucket must be > 0, got {completion_bucket}")
-    if groups_per_row < 1 or len(groups) % groups_per_row:
-        raise ValueError(
-            f"pack_groups groups_per_row={groups_per_row} must be >= 1 and divide the "
-            f"{len(groups)} groups"
-        )
-    for group in groups:
-        prompt = group.rollouts[0].prompt_tokens
-        if prompt.shape[0] == 0:
-            raise ValueError(
-                f"group {group.group_id} has an empty prompt; packing predicts each "
-                "response's first token from the last prompt position"
-            )
-        for r in group.rollouts[1:]:
-            if not np.array_equal(r.prompt_tokens, prompt):
-                raise ValueError(
-                    f"group {group.group_id} sample {r.sample_index} has a different prompt "
-                    "from sample 0; shared-prompt packing needs one prompt per group"
-                )
+    _check_packable(groups, length_bucket, completion_bucket, groups_per_row)
     group_lengths = [
         g.rollouts[0].prompt_tokens.shape[0] + sum(r.num_tokens for r in g.rollouts) for g in groups
     ]
@@ -255,6 +234,31 @@ def pack_groups(
     l = max(round_up(int(row_tokens.max()), length_bucket), min_packed_length)
     k_len = max(round_up(int(row_completions.max()), completion_bucket), completion_bucket)
 
+    arrays = _fill_rows(ordered, prompt_len, groups_per_row=groups_per_row, l=l, k_len=k_len)
+    return PackedBatch(
+        batch=batch,
+        prompt_len=prompt_len,
+        response_len=response_len,
+        group_order=np.asarray(order),
+        groups_per_row=groups_per_row,
+        **arrays,
+    )
+
+
+def _fill_rows(
+    ordered: list[list[Rollout]],
+    prompt_len: np.ndarray,
+    *,
+    groups_per_row: int,
+    l: int,
+    k_len: int,
+) -> dict[str, np.ndarray]:
+    """The packed rows' arrays (the :class:`PackedBatch` fields of those names) of the
+    groups' samples ``ordered`` as ``build_batch`` ordered them, ``groups_per_row`` groups
+    to a row of length ``l`` with ``k_len`` completion tokens listed per row."""
+    g = len(ordered[0])
+    n = len(ordered) // groups_per_row
+    s = g * groups_per_row  # samples per row
     tokens = np.zeros((n, l), np.int32)
     positions = np.zeros((n, l), np.int32)
     response_id = np.full((n, l), PAD_ID, np.int32)
@@ -300,23 +304,46 @@ def pack_groups(
                 start += k
                 listed += k
 
-    return PackedBatch(
-        batch=batch,
+    return dict(
         tokens=tokens,
         positions=positions,
         response_id=response_id,
         group_slot=group_slot,
-        prompt_len=prompt_len,
         response_start=response_start,
-        response_len=response_len,
         window_start=window_start,
         completion_offset=completion_offset,
         row_pred_pos=row_pred_pos,
         row_targets=row_targets,
         row_valid=row_valid,
-        group_order=np.asarray(order),
-        groups_per_row=groups_per_row,
     )
+
+
+def _check_packable(
+    groups: Sequence[RolloutGroup], length_bucket: int, completion_bucket: int, groups_per_row: int
+) -> None:
+    """:func:`pack_groups`' settings, and one non-empty prompt per group."""
+    if length_bucket <= 0:
+        raise ValueError(f"pack_groups length_bucket must be > 0, got {length_bucket}")
+    if completion_bucket <= 0:
+        raise ValueError(f"pack_groups completion_bucket must be > 0, got {completion_bucket}")
+    if groups_per_row < 1 or len(groups) % groups_per_row:
+        raise ValueError(
+            f"pack_groups groups_per_row={groups_per_row} must be >= 1 and divide the "
+            f"{len(groups)} groups"
+        )
+    for group in groups:
+        prompt = group.rollouts[0].prompt_tokens
+        if prompt.shape[0] == 0:
+            raise ValueError(
+                f"group {group.group_id} has an empty prompt; packing predicts each "
+                "response's first token from the last prompt position"
+            )
+        for r in group.rollouts[1:]:
+            if not np.array_equal(r.prompt_tokens, prompt):
+                raise ValueError(
+                    f"group {group.group_id} sample {r.sample_index} has a different prompt "
+                    "from sample 0; shared-prompt packing needs one prompt per group"
+                )
 
 
 def unpack_sequences(packed: PackedBatch) -> list[tuple[np.ndarray, np.ndarray]]:

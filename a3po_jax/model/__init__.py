@@ -12,7 +12,8 @@
 * :mod:`a3po_jax.model.naming`: logical axes and the flat weight names.
 * :mod:`a3po_jax.model.attention`: grouped-query attention with its own backward pass.
 * :mod:`a3po_jax.model.loader`: `load_model`, the one way to build a model by name.
-* :mod:`a3po_jax.model.checkpoint_io`: Hugging Face safetensors and GGUF reading/writing.
+* :mod:`a3po_jax.model.checkpoint_io`: Hugging Face safetensors reading/writing, tokenizers.
+* :mod:`a3po_jax.model.gguf_io`: GGUF (llama.cpp) reading.
 * :mod:`a3po_jax.model.assets`: the offline SmolLM2-135M-Instruct cache.
 * :mod:`a3po_jax.model.char_tokenizer`: the character tokenizer of the toy tasks and the
   ChatML template.

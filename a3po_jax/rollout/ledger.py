@@ -271,6 +271,152 @@ def _effective(events: list[dict], result: Audit) -> list[dict]:
     return effective
 
 
+@dataclasses.dataclass
+class _Replay:
+    """What the replay of a ledger's effective events knows so far (see :func:`audit`)."""
+
+    result: Audit
+    position: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # group -> the steps that trained it
+    trained_at: dict[int, list[int]] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(list)
+    )
+    dropped: dict[int, str] = dataclasses.field(default_factory=dict)
+    filtered: set[int] = dataclasses.field(default_factory=set)  # dropped by a filter event
+    by_position: dict[tuple[int, int], list[int]] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(list)
+    )
+    awaiting_reissue: set[int] = dataclasses.field(default_factory=set)
+    last_checkpoint_pending: set[int] | None = None
+    last_checkpoint_held: set[int] = dataclasses.field(default_factory=set)
+    held_at_resume: set[int] = dataclasses.field(default_factory=set)
+
+    def live(self, group: int) -> bool:
+        finished = self.trained_at.get(group) or group in self.dropped
+        return group in self.position and not finished
+
+    def apply(self, event: dict) -> None:
+        kind = event["event"]
+        group = int(event["group"]) if "group" in event else None
+        if kind == "admit":
+            self._admit(group, event)
+        elif kind == "train":
+            self._train(group, event)
+        elif kind in ("drop", "filter"):
+            self._finish(group, event)
+        elif kind == "checkpoint":
+            self._checkpoint(event)
+        elif kind == "resume":
+            self.lose_awaiting()
+            self.awaiting_reissue = set(self.last_checkpoint_pending or ())
+            self.held_at_resume = set(self.last_checkpoint_held)
+        elif kind in ("reissue", "restore_held"):
+            self._reissue(group, event)
+
+    def lose_awaiting(self) -> None:
+        """The groups still awaiting their re-issue are lost."""
+        self.result.lost.extend(
+            self.position[g] for g in sorted(self.awaiting_reissue) if g in self.position
+        )
+
+    def _admit(self, group: int, event: dict) -> None:
+        if group in self.position:
+            self.result.anomalies.append(f"group {group} admitted twice")
+            return
+        pos = tuple(event["pos"])
+        self.position[group] = pos
+        self.by_position[pos].append(group)
+
+    def _train(self, group: int, event: dict) -> None:
+        if group not in self.position:
+            self.result.anomalies.append(f"group {group} trained but never admitted")
+            return
+        if group in self.dropped:
+            self.result.trained_and_dropped.append(self.position[group])
+        self.trained_at[group].append(int(event["step"]))
+        self.result.steps.setdefault(int(event["step"]), []).append(group)
+
+    def _finish(self, group: int, event: dict) -> None:
+        if group not in self.position:
+            return  # dropped before its admission was logged (nothing was drawn)
+        if self.trained_at.get(group):
+            self.result.trained_and_dropped.append(self.position[group])
+        if group not in self.dropped and event["event"] == "filter":
+            self.filtered.add(group)
+        self.dropped.setdefault(group, str(event["reason"]))
+
+    def _checkpoint(self, event: dict) -> None:
+        pending = {int(g) for g in event["pending"]}
+        expected = {g for g in self.position if self.live(g)}
+        if pending != expected:
+            self.result.anomalies.append(
+                f"checkpoint of step {event['step']}: pending {sorted(pending)} but the "
+                f"ledger has {sorted(expected)} admitted and not finished"
+            )
+        self.last_checkpoint_pending = pending
+        held = {int(g) for g in event.get("held", ())}
+        if held - pending:
+            self.result.anomalies.append(
+                f"checkpoint of step {event['step']}: holds {sorted(held - pending)}, "
+                "which are not pending"
+            )
+        self.last_checkpoint_held = held
+
+    def _reissue(self, group: int, event: dict) -> None:
+        kind = event["event"]
+        what = "re-issued" if kind == "reissue" else "restored as saved"
+        if group not in self.awaiting_reissue:
+            self.result.anomalies.append(f"group {group} {what} but was not pending")
+        elif self.position.get(group) != tuple(event["pos"]):
+            self.result.anomalies.append(
+                f"group {group} {what} at position {event['pos']}, admitted at "
+                f"{self.position.get(group)}"
+            )
+        elif kind == "restore_held" and group not in self.held_at_resume:
+            self.result.anomalies.append(
+                f"group {group} restored as saved but its checkpoint did not hold it"
+            )
+        self.awaiting_reissue.discard(group)
+        if kind == "reissue":
+            self.result.reissued += 1
+        else:
+            self.result.restored_held += 1
+
+    def tally(self) -> None:
+        """The totals of the replayed events into the result."""
+        result, position, trained_at, dropped = (
+            self.result,
+            self.position,
+            self.trained_at,
+            self.dropped,
+        )
+        for pos, groups in self.by_position.items():
+            if len(groups) > 1:
+                result.drawn_twice[pos] = groups
+            steps = [s for g in groups for s in trained_at.get(g, [])]
+            if len(steps) > 1:
+                result.trained_twice[pos] = steps
+        result.admitted = len(self.by_position)
+        result.trained = sum(1 for g in position if trained_at.get(g))
+        finished = [g for g in position if g in dropped]
+        result.dropped = dict(
+            collections.Counter(dropped[g] for g in finished if g not in self.filtered)
+        )
+        result.filtered = dict(
+            collections.Counter(dropped[g] for g in finished if g in self.filtered)
+        )
+        result.in_flight_at_end = sorted(position[g] for g in position if self.live(g))
+        result.positions = dict(position)
+        # The prompt order is drawn without gaps: within each epoch, indices 0..max are all there.
+        epochs: dict[int, set[int]] = collections.defaultdict(set)
+        for epoch, index in self.by_position:
+            epochs[epoch].add(index)
+        for epoch, indices in sorted(epochs.items()):
+            result.skipped_positions.extend(
+                (epoch, i) for i in range(max(indices) + 1) if i not in indices
+            )
+
+
 def audit(path: str | Path) -> Audit:
     """Replays the ledger at ``path`` (a file or a run dir) and checks exactly-once.
 
@@ -287,110 +433,9 @@ def audit(path: str | Path) -> Audit:
     if path.is_dir():
         path = ledger_path(path)
     result = Audit()
-    effective = _effective(read_events(path), result)
-
-    position: dict[int, tuple[int, int]] = {}  # group -> position
-    trained_at: dict[int, list[int]] = collections.defaultdict(list)  # group -> steps
-    dropped: dict[int, str] = {}
-    filtered: set[int] = set()  # the dropped groups whose event was a filter
-    by_position: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
-    awaiting_reissue: set[int] = set()
-    last_checkpoint_pending: set[int] | None = None
-    last_checkpoint_held: set[int] = set()
-    held_at_resume: set[int] = set()
-
-    def live(group: int) -> bool:
-        return group in position and not trained_at.get(group) and group not in dropped
-
-    for event in effective:
-        kind = event["event"]
-        group = int(event["group"]) if "group" in event else None
-        if kind == "admit":
-            if group in position:
-                result.anomalies.append(f"group {group} admitted twice")
-                continue
-            pos = tuple(event["pos"])
-            position[group] = pos
-            by_position[pos].append(group)
-        elif kind == "train":
-            if group not in position:
-                result.anomalies.append(f"group {group} trained but never admitted")
-                continue
-            if group in dropped:
-                result.trained_and_dropped.append(position[group])
-            trained_at[group].append(int(event["step"]))
-            result.steps.setdefault(int(event["step"]), []).append(group)
-        elif kind in ("drop", "filter"):
-            if group not in position:
-                continue  # dropped before its admission was logged (nothing was drawn)
-            if trained_at.get(group):
-                result.trained_and_dropped.append(position[group])
-            if group not in dropped and kind == "filter":
-                filtered.add(group)
-            dropped.setdefault(group, str(event["reason"]))
-        elif kind == "checkpoint":
-            pending = {int(g) for g in event["pending"]}
-            expected = {g for g in position if live(g)}
-            if pending != expected:
-                result.anomalies.append(
-                    f"checkpoint of step {event['step']}: pending {sorted(pending)} but the "
-                    f"ledger has {sorted(expected)} admitted and not finished"
-                )
-            last_checkpoint_pending = pending
-            held = {int(g) for g in event.get("held", ())}
-            if held - pending:
-                result.anomalies.append(
-                    f"checkpoint of step {event['step']}: holds {sorted(held - pending)}, "
-                    "which are not pending"
-                )
-            last_checkpoint_held = held
-        elif kind == "resume":
-            result.lost.extend(position[g] for g in sorted(awaiting_reissue) if g in position)
-            awaiting_reissue = set(last_checkpoint_pending or ())
-            held_at_resume = set(last_checkpoint_held)
-        elif kind in ("reissue", "restore_held"):
-            what = "re-issued" if kind == "reissue" else "restored as saved"
-            if group not in awaiting_reissue:
-                result.anomalies.append(f"group {group} {what} but was not pending")
-            elif position.get(group) != tuple(event["pos"]):
-                result.anomalies.append(
-                    f"group {group} {what} at position {event['pos']}, admitted at "
-                    f"{position.get(group)}"
-                )
-            elif kind == "restore_held" and group not in held_at_resume:
-                result.anomalies.append(
-                    f"group {group} restored as saved but its checkpoint did not hold it"
-                )
-            awaiting_reissue.discard(group)
-            if kind == "reissue":
-                result.reissued += 1
-            else:
-                result.restored_held += 1
-    result.lost.extend(position[g] for g in sorted(awaiting_reissue) if g in position)
-
-    for pos, groups in by_position.items():
-        if len(groups) > 1:
-            result.drawn_twice[pos] = groups
-        steps = [s for g in groups for s in trained_at.get(g, [])]
-        if len(steps) > 1:
-            result.trained_twice[pos] = steps
-    result.admitted = len(by_position)
-    result.trained = sum(1 for g in position if trained_at.get(g))
-    reasons = collections.Counter(
-        dropped[g] for g in position if g in dropped and g not in filtered
-    )
-    result.dropped = dict(reasons)
-    result.filtered = dict(
-        collections.Counter(dropped[g] for g in position if g in dropped and g in filtered)
-    )
-    result.in_flight_at_end = sorted(position[g] for g in position if live(g))
-    result.positions = dict(position)
-    # The prompt order is drawn without gaps: within each epoch, indices 0..max are all there.
-    epochs: dict[int, set[int]] = collections.defaultdict(set)
-    for epoch, index in by_position:
-        epochs[epoch].add(index)
-    for epoch, indices in sorted(epochs.items()):
-        result.skipped_positions.extend(
-            (epoch, i) for i in range(max(indices) + 1) if i not in indices
-        )
+    replay = _Replay(result)
+    for event in _effective(read_events(path), result):
+        replay.apply(event)
+    replay.lose_awaiting()
+    replay.tally()
     return result

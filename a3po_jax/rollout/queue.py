@@ -5,7 +5,8 @@ holds at most ``capacity_groups`` groups (producers block beyond that: backpress
 unbounded growth), and hands the trainer whole groups, first completed first out, dropping
 any group with a token that would train staler than η (in optimizer versions, at the last
 minibatch of the batch). Admission (when a producer may start a group) is
-:mod:`a3po_jax.rollout.admission`.
+:mod:`a3po_jax.rollout.admission`; the counters are :mod:`a3po_jax.rollout.queue_counters`,
+the wait loop :mod:`a3po_jax.rollout.waiting`.
 
 Wiring (one producer thread, the trainer in the main thread; k = versions per batch)::
 
@@ -28,22 +29,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
 
 from a3po_jax.core.types import Rollout, RolloutGroup, oldest_version
+from a3po_jax.rollout.queue_counters import QueueCounters, check_invariant
 
-T = TypeVar("T")
+# Re-exported: callers wait on the queue and catch these where they always found them.
+from a3po_jax.rollout.waiting import QueueClosed, wait_until
+from a3po_jax.rollout.waiting import RolloutTimeout as RolloutTimeout
+from a3po_jax.rollout.waiting import WaitInterrupted as WaitInterrupted
 
 # The order in which get_batch hands out complete groups (``system.consume_order``):
 # "completion": first finished first out; "admission": the oldest admitted (smallest group
 # id) first, waiting for it, so long responses are not overtaken by short ones.
 CONSUME_ORDERS = ("completion", "admission")
-
-
-# How often an interruptible wait asks whether to stop: well inside a preemption notice.
-INTERRUPT_POLL_S = 0.25
 
 
 # Why a complete group is filtered (never trained; rollout.dynamic_sampling): every sample
@@ -68,53 +67,6 @@ def zero_reward_variance(rollouts: Iterable[Rollout]) -> bool:
     group-relative advantage is exactly 0, whatever the estimator)."""
     rewards = [r.reward for r in rollouts]
     return bool(rewards) and None not in rewards and len(set(rewards)) == 1
-
-
-class WaitInterrupted(Exception):
-    """The waiter asked to stop (a SIGTERM to the trainer) before what it waited for came;
-    nothing was taken."""
-
-
-class RolloutTimeout(TimeoutError):
-    """No batch (or no room) arrived in time; the message carries the queue counters so a
-    dead or stalled producer is visible in the trainer's traceback."""
-
-
-class QueueClosed(RuntimeError):
-    """The queue or controller was closed while a caller waited on it (or before)."""
-
-
-def wait_until(
-    cond: threading.Condition,
-    ready: Callable[[], T | None],
-    *,
-    timeout: float | None,
-    timeout_message: Callable[[], str],
-    interrupted: Callable[[], bool] | None = None,
-) -> T:
-    """The one wait loop of the queue and the controller: with ``cond`` held, calls
-    ``ready()`` until it returns something other than None, and returns that.
-
-    ``ready`` runs under the lock each time the condition is notified; it may raise (e.g.
-    ``QueueClosed``) to end the wait. After ``timeout`` seconds (None: never) raises
-    :class:`RolloutTimeout` with ``timeout_message()``, computed under the lock so it can
-    show the counters at that moment. With ``interrupted``, it is asked at least every
-    `INTERRUPT_POLL_S` and a true answer raises :class:`WaitInterrupted` (a signal handler
-    cannot notify the condition, so the wait comes round to ask).
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        result = ready()
-        if result is not None:
-            return result
-        if interrupted is not None and interrupted():
-            raise WaitInterrupted("stop requested while waiting for rollouts")
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            raise RolloutTimeout(timeout_message())
-        if interrupted is not None:
-            remaining = INTERRUPT_POLL_S if remaining is None else min(remaining, INTERRUPT_POLL_S)
-        cond.wait(remaining)
 
 
 @dataclasses.dataclass
@@ -228,25 +180,7 @@ class RolloutQueue:
         # groups whose host died stay (one int each), bounded by the number of such drops.
         self._expect_discard: dict[int, int] = {}
         self._closed_reason: str | None = None
-        self._produced_samples = 0
-        self._discarded_samples = 0
-        self._produced_groups = 0
-        self._completed_groups = 0
-        self._consumed_groups = 0
-        self._consumed_samples = 0
-        self._dropped: collections.Counter[str] = collections.Counter()
-        self._generated_tokens = 0
-        self._consumed_tokens = 0
-        self._held_tokens = 0
-        self._dropped_samples: collections.Counter[str] = collections.Counter()
-        self._dropped_tokens: collections.Counter[str] = collections.Counter()
-        self._overtaking_groups = 0
-        self._filtered_groups = 0
-        self._filtered_samples = 0
-        self._filtered_tokens = 0
-        self._refilled_groups = 0
-        self._empty_slots = 0  # taken by batches
-        self._held_empty_slots = 0  # in _ready, not taken yet
+        self._n = QueueCounters()
         # The refill budget's window: refills since the trainer's last step.
         self._refills_in_window = 0
 
@@ -318,23 +252,17 @@ class RolloutQueue:
                 raise ValueError(
                     f"duplicate sample_index {rollout.sample_index} for group {group_id}"
                 )
-            if rollout.prompt_id != group.prompt_id:
-                raise ValueError(
-                    f"group {group_id} mixes prompt_id {group.prompt_id!r} and "
-                    f"{rollout.prompt_id!r}"
-                )
-            if rollout.admitted_at_version != group.admitted_at_version:
-                raise ValueError(
-                    f"group {group_id} mixes admitted_at_version "
-                    f"{group.admitted_at_version} and {rollout.admitted_at_version}"
-                )
+            for field in ("prompt_id", "admitted_at_version"):
+                if getattr(rollout, field) != getattr(group, field):
+                    raise ValueError(
+                        f"group {group_id} mixes {field} {getattr(group, field)!r} and "
+                        f"{getattr(rollout, field)!r}"
+                    )
         if group_id not in self._pending:
             self._pending[group_id] = group
-            self._produced_groups += 1
+            self._n.produced_groups += 1
         group.samples[rollout.sample_index] = rollout
-        self._produced_samples += 1
-        self._generated_tokens += rollout.num_tokens
-        self._held_tokens += rollout.num_tokens
+        self._n.sample(rollout)
         if self.drop_aborted and rollout.finish_reason == "aborted":
             self._drop_locked(group_id, "aborted", drops)
             return
@@ -353,27 +281,21 @@ class RolloutQueue:
                 rollouts=rollouts,
                 admitted_at_version=admitted,
             )
-            self._completed_groups += 1
+            self._n.completed_groups += 1
 
     def _filter_locked(
         self, group_id: int, rollouts: list[Rollout], filters: list[tuple[int, bool]]
     ) -> None:
         """A complete group with zero reward variance: refilled while the version's budget
         lasts, else an empty slot of the ready order (see the class docstring)."""
-        tokens = sum(r.num_tokens for r in rollouts)
-        self._held_tokens -= tokens
-        self._filtered_groups += 1
-        self._filtered_samples += len(rollouts)
-        self._filtered_tokens += tokens
         refill = self.max_refills is None or self._refills_in_window < self.max_refills
+        self._n.filter(rollouts, refilled=refill)
         if refill:
             self._refills_in_window += 1
-            self._refilled_groups += 1
             if self._admitted_ids is not None:
                 self._finished.add(group_id)
         else:
             self._ready[group_id] = EMPTY_SLOT
-            self._held_empty_slots += 1
         filters.append((group_id, refill))
 
     def _run_filter_callbacks(self, filters: list[tuple[int, bool]]) -> None:
@@ -389,7 +311,7 @@ class RolloutQueue:
             self._refills_in_window = 0
 
     def _discard_late_sample(self, group_id: int) -> None:
-        self._discarded_samples += 1
+        self._n.discarded_samples += 1
         self._expect_discard[group_id] -= 1
         if self._expect_discard[group_id] <= 0:
             del self._expect_discard[group_id]
@@ -432,41 +354,11 @@ class RolloutQueue:
                 f"got {num_groups}"
             )
         drops: list[tuple[int, str]] = []
-
-        def batch() -> list[RolloutGroup] | None:
-            self._raise_if_closed()
-            self._drop_stale_locked(trainer_version, drops)
-            if self.consume_order == "admission":
-                ids = self._oldest_live_locked(num_groups)
-                if len(ids) < num_groups or any(gid not in self._ready for gid in ids):
-                    return None
-                entries = [(gid, self._ready.pop(gid)) for gid in ids]
-            else:
-                if len(self._ready) < num_groups:
-                    return None
-                entries = [self._ready.popitem(last=False) for _ in range(num_groups)]
-            taken = [g for _, g in entries if g is not EMPTY_SLOT]
-            empty = num_groups - len(taken)
-            self._empty_slots += empty
-            self._held_empty_slots -= empty
-            if self._admitted_ids is not None:
-                self._finished.update(gid for gid, _ in entries)
-            # Groups that jumped an older one still waiting (0 in admission order).
-            waiting = self._oldest_live_locked(1)
-            self._overtaking_groups += sum(1 for g in taken if waiting and g.group_id > waiting[0])
-            tokens = sum(r.num_tokens for g in taken for r in g.rollouts)
-            self._consumed_groups += len(taken)
-            self._consumed_samples += len(taken) * self.group_size
-            self._consumed_tokens += tokens
-            self._held_tokens -= tokens
-            self._cond.notify_all()  # room for blocked producers
-            return taken
-
         try:
             with self._cond:
                 return wait_until(
                     self._cond,
-                    batch,
+                    lambda: self._take_locked(num_groups, trainer_version, drops),
                     timeout=timeout,
                     timeout_message=lambda: (
                         f"get_batch({num_groups}) at trainer version {trainer_version} timed "
@@ -477,6 +369,32 @@ class RolloutQueue:
                 )
         finally:
             self._run_drop_callbacks(drops)
+
+    def _take_locked(
+        self, num_groups: int, trainer_version: int, drops: list[tuple[int, str]]
+    ) -> list[RolloutGroup] | None:
+        """One try of :meth:`get_batch` (lock held): drops the stale groups, then takes the
+        batch, or returns None while it is not there yet."""
+        self._raise_if_closed()
+        self._drop_stale_locked(trainer_version, drops)
+        if self.consume_order == "admission":
+            ids = self._oldest_live_locked(num_groups)
+            if len(ids) < num_groups or any(gid not in self._ready for gid in ids):
+                return None
+            entries = [(gid, self._ready.pop(gid)) for gid in ids]
+        else:
+            if len(self._ready) < num_groups:
+                return None
+            entries = [self._ready.popitem(last=False) for _ in range(num_groups)]
+        taken = [g for _, g in entries if g is not EMPTY_SLOT]
+        self._n.consume(taken, empty=num_groups - len(taken), group_size=self.group_size)
+        if self._admitted_ids is not None:
+            self._finished.update(gid for gid, _ in entries)
+        # Groups that jumped an older one still waiting (0 in admission order).
+        waiting = self._oldest_live_locked(1)
+        self._n.overtaking_groups += sum(1 for g in taken if waiting and g.group_id > waiting[0])
+        self._cond.notify_all()  # room for blocked producers
+        return taken
 
     def _oldest_live_locked(self, num_groups: int) -> list[int]:
         """The ``num_groups`` smallest ids of the groups admitted and neither consumed nor
@@ -532,7 +450,7 @@ class RolloutQueue:
                 if group_id in self._expect_discard or self._ready.get(group_id) is EMPTY_SLOT:
                     return False
                 if group_id not in self._pending and group_id not in self._ready:
-                    self._produced_groups += 1
+                    self._n.produced_groups += 1
                     self._pending[group_id] = _PendingGroup("", None, {})
                 self._drop_locked(group_id, reason, drops)
                 self._cond.notify_all()
@@ -548,13 +466,9 @@ class RolloutQueue:
             received = len(samples)
             if received < self.group_size:
                 self._expect_discard[group_id] = self.group_size - received
-        tokens = sum(r.num_tokens for r in samples)
-        self._held_tokens -= tokens
-        self._dropped_samples[reason] += len(samples)
-        self._dropped_tokens[reason] += tokens
+        self._n.drop(reason, samples)
         if self._admitted_ids is not None:
             self._finished.add(group_id)
-        self._dropped[reason] += 1
         drops.append((group_id, reason))
         self._cond.notify_all()
 
@@ -590,7 +504,7 @@ class RolloutQueue:
     def __len__(self) -> int:
         """Complete groups waiting to be consumed (empty slots not counted)."""
         with self._cond:
-            return len(self._ready) - self._held_empty_slots
+            return len(self._ready) - self._n.held_empty_slots
 
     def counters(self) -> dict:
         """Counts of samples and groups; see the class docstring for the invariant."""
@@ -598,44 +512,18 @@ class RolloutQueue:
             return self._counters_locked()
 
     def _counters_locked(self) -> dict:
-        return {
-            "produced_samples": self._produced_samples,
-            "discarded_samples": self._discarded_samples,
-            "consumed_samples": self._consumed_samples,
-            "produced_groups": self._produced_groups,
-            "completed_groups": self._completed_groups,
-            "consumed_groups": self._consumed_groups,
-            "dropped_groups": dict(self._dropped),
-            "dropped_total": sum(self._dropped.values()),
-            "generated_tokens": self._generated_tokens,
-            "consumed_tokens": self._consumed_tokens,
-            "dropped_samples": dict(self._dropped_samples),
-            "dropped_tokens": dict(self._dropped_tokens),
-            "held_tokens": self._held_tokens,
-            "overtaking_groups": self._overtaking_groups,
-            "filtered_groups": self._filtered_groups,
-            "filtered_samples": self._filtered_samples,
-            "filtered_tokens": self._filtered_tokens,
-            "refilled_groups": self._refilled_groups,
-            "empty_slots": self._empty_slots,
-            "held_empty_slots": self._held_empty_slots,
-            "pending_groups": len(self._pending),
-            "pending_samples": sum(len(g.samples) for g in self._pending.values()),
-            "ready_groups": len(self._ready) - self._held_empty_slots,
-        }
+        return self._n.as_dict(
+            pending_groups=len(self._pending),
+            pending_samples=sum(len(g.samples) for g in self._pending.values()),
+            ready=len(self._ready),
+        )
 
     def _counters_text(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self._counters_locked().items())
 
     def check_invariant(self) -> None:
         """Raises AssertionError if the group counts do not add up."""
-        c = self.counters()
-        held = c["consumed_groups"] + c["dropped_total"] + c["pending_groups"] + c["ready_groups"]
-        if c["produced_groups"] != held + c["filtered_groups"]:
-            raise AssertionError(f"produced_groups != consumed + dropped + filtered + held: {c}")
-        slots = c["refilled_groups"] + c["empty_slots"] + c["held_empty_slots"]
-        if c["filtered_groups"] != slots:
-            raise AssertionError(f"filtered_groups != refilled + empty slots: {c}")
+        check_invariant(self.counters())
 
     def state(self) -> dict:
         """JSON-able cumulative counters for a checkpoint (the groups themselves are not
@@ -696,77 +584,12 @@ class RolloutQueue:
         again, all but ``held``: complete groups of the checkpoint saved with it, which are
         put back as they were (ready, in the given order, still counted as produced)."""
         held = list(held)
-        if held and not regenerated:
-            raise ValueError("held groups are restored with regenerated=True")
-        if len(held) > int(state["ready_groups"]):
-            raise ValueError(
-                f"{len(held)} held groups but the checkpoint's queue had "
-                f"{state['ready_groups']} complete ones"
-            )
-        for group in held:
-            if group.size != self.group_size:
-                raise ValueError(
-                    f"held group {group.group_id} has {group.size} samples, the queue's "
-                    f"group_size is {self.group_size}"
-                )
-        if int(state["group_size"]) != self.group_size:
-            raise ValueError(
-                f"checkpointed group_size {state['group_size']} != queue group_size "
-                f"{self.group_size}"
-            )
+        counters = QueueCounters.from_state(
+            state, group_size=self.group_size, regenerated=regenerated, held=held
+        )
         with self._cond:
-            if self._held_groups() or self._produced_samples or self._expect_discard:
+            if self._held_groups() or self._n.produced_samples or self._expect_discard:
                 raise ValueError("RolloutQueue.restore needs a fresh, empty queue")
-            self._produced_samples = int(state["produced_samples"])
-            self._discarded_samples = int(state["discarded_samples"])
-            self._consumed_samples = int(state["consumed_samples"])
-            self._produced_groups = int(state["produced_groups"])
-            self._completed_groups = int(state["completed_groups"])
-            self._consumed_groups = int(state["consumed_groups"])
-            self._dropped = collections.Counter(
-                {k: int(v) for k, v in state["dropped_groups"].items()}
-            )
-            lost = int(state["pending_groups"]) + int(state["ready_groups"])
-            regenerated_tokens = 0
-            if regenerated:
-                samples = int(state["pending_samples"])
-                samples += int(state["ready_groups"]) * self.group_size
-                self._produced_groups -= lost
-                self._completed_groups -= int(state["ready_groups"])
-                self._produced_samples -= samples
-                regenerated_tokens = int(state.get("held_tokens", 0))
-                lost = 0
-            if lost:
-                self._dropped["restart"] += lost
-            # Length counters (absent in checkpoints from before they existed: start at 0).
-            self._generated_tokens = int(state.get("generated_tokens", 0)) - regenerated_tokens
-            self._consumed_tokens = int(state.get("consumed_tokens", 0))
-            self._overtaking_groups = int(state.get("overtaking_groups", 0))
-            # Dynamic sampling (absent in older checkpoints: 0). Empty slots held at save
-            # time are given back (their groups are not re-issued): counted as refilled.
-            self._filtered_groups = int(state.get("filtered_groups", 0))
-            self._filtered_samples = int(state.get("filtered_samples", 0))
-            self._filtered_tokens = int(state.get("filtered_tokens", 0))
-            self._empty_slots = int(state.get("empty_slots", 0))
-            self._refilled_groups = int(state.get("refilled_groups", 0)) + int(
-                state.get("held_empty_slots", 0)
-            )
-            self._dropped_samples = collections.Counter(
-                {k: int(v) for k, v in state.get("dropped_samples", {}).items()}
-            )
-            self._dropped_tokens = collections.Counter(
-                {k: int(v) for k, v in state.get("dropped_tokens", {}).items()}
-            )
-            if lost and "held_tokens" in state:  # the held samples are lost with the groups
-                held_samples = int(state["pending_samples"])
-                held_samples += int(state["ready_groups"]) * self.group_size
-                self._dropped_samples["restart"] += held_samples
-                self._dropped_tokens["restart"] += int(state["held_tokens"])
-            for group in held:  # produced once, before the save: counted back as such
-                tokens = sum(r.num_tokens for r in group.rollouts)
+            self._n = counters
+            for group in held:
                 self._ready[group.group_id] = group
-                self._produced_groups += 1
-                self._completed_groups += 1
-                self._produced_samples += group.size
-                self._generated_tokens += tokens
-                self._held_tokens += tokens

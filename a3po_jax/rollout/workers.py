@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -27,13 +26,10 @@ from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, SamplingParams
 from a3po_jax.rollout.admission import StalenessController
-from a3po_jax.rollout.queue import (
-    ZERO_VARIANCE,
-    QueueClosed,
-    RolloutQueue,
-    RolloutTimeout,
-    WaitInterrupted,
-)
+from a3po_jax.rollout.queue import ZERO_VARIANCE, RolloutQueue
+from a3po_jax.rollout.resume import consumed_admissions, pending_entries, resume_plan
+from a3po_jax.rollout.side_channel import SideChannel
+from a3po_jax.rollout.waiting import QueueClosed, RolloutTimeout, WaitInterrupted
 from a3po_jax.tasks import PromptIterator, RewardConfig, render_prompt, shaped_reward
 
 log = logging.getLogger(__name__)
@@ -296,15 +292,7 @@ class RolloutWorkers:
         with self._inflight_lock:
             queue_state, ready = self.queue.snapshot()  # with the pending set: one moment
             held = [g for g in ready if g.group_id in self._inflight] if hold else []
-            pending = [
-                {
-                    "group_id": int(group_id),
-                    "prompt_id": str(prompt.prompt_id),
-                    "position": {"epoch": int(before["epoch"]), "index": int(before["index"])},
-                    "admitted_at_version": int(version),
-                }
-                for group_id, (prompt, version, before) in sorted(self._inflight.items())
-            ]
+            pending = pending_entries(self._inflight)
             state = {
                 "prompt_iterator": self.prompts.state(),
                 "pending_groups": pending,
@@ -403,55 +391,29 @@ class RolloutWorkers:
             )
             self.controller.notify_version(version)
             return
-        pending = state["pending_groups"]
         held = list(held or ())
-        held_ids = [int(g) for g in state.get("held_groups", [])]
-        if sorted(int(g.group_id) for g in held) != sorted(held_ids):
-            raise ValueError(
-                f"the checkpoint holds groups {sorted(held_ids)} saved beside it, but "
-                f"{sorted(int(g.group_id) for g in held)} were given back"
-            )
-        admitted_at = {int(e["group_id"]): int(e["admitted_at_version"]) for e in pending}
-        unknown = sorted(set(held_ids) - set(admitted_at))
-        if unknown:
-            raise ValueError(f"held groups {unknown} are not pending in the checkpoint")
-        to_submit = []
-        for entry in pending:
-            self.prompts.restore({**entry["position"], "seed": state["prompt_iterator"]["seed"]})
-            (prompt,) = self.prompts.next_batch()
-            if str(prompt.prompt_id) != entry["prompt_id"]:
-                raise ValueError(
-                    f"pending group {entry['group_id']} of the checkpoint was prompt "
-                    f"{entry['prompt_id']!r} at position {entry['position']}, but that "
-                    f"position now holds {prompt.prompt_id!r}: the task's prompts changed"
-                )
-            to_submit.append((int(entry["group_id"]), prompt, int(version), entry["position"]))
-        self.prompts.restore(state["prompt_iterator"])
+        plan = resume_plan(state, held=held, prompts=self.prompts, version=version)
         self.queue.restore(state["queue"], regenerated=True, held=held)
-        discarded = int(state.get("discarded_groups", 0))
-        self._discarded_groups = discarded
-        # Batch slots left empty (dynamic sampling) were consumed like groups.
-        queue = state["queue"]
-        consumed = int(queue["consumed_groups"]) + int(queue.get("empty_slots", 0))
+        self._discarded_groups = int(state.get("discarded_groups", 0))
         self.controller.restore(
             state["controller"],
-            consumed_groups=consumed - discarded,
-            in_flight_groups=len(pending),
+            consumed_groups=consumed_admissions(state),
+            in_flight_groups=len(plan),
         )
         self.controller.notify_version(version)
         with self._inflight_lock:
-            for group_id, prompt, admitted, position in to_submit:
-                if group_id in held_ids:  # complete, as generated before the save
-                    admitted = admitted_at[group_id]
-                    self._inflight[group_id] = (prompt, admitted, {**position})
+            for group in plan:
+                gid, prompt, admitted = group.group_id, group.prompt, group.admitted_at_version
+                self._inflight[gid] = (prompt, admitted, {**group.position})
+                if group.held:  # complete, as generated before the save
                     if self.ledger is not None:
-                        self.ledger.restore_held(group_id, prompt.prompt_id, position, admitted)
+                        self.ledger.restore_held(gid, prompt.prompt_id, group.position, admitted)
                     continue
-                self._inflight[group_id] = (prompt, admitted, {**position})
-                self._to_submit.append((group_id, prompt, admitted))
+                self._to_submit.append((gid, prompt, admitted))
                 if self.ledger is not None:
-                    self.ledger.reissue(group_id, prompt.prompt_id, position, admitted)
-        reissued = [g for g, *_ in to_submit if g not in held_ids]
+                    self.ledger.reissue(gid, prompt.prompt_id, group.position, admitted)
+        held_ids = [g.group_id for g in plan if g.held]
+        reissued = [g.group_id for g in plan if not g.held]
         if held_ids:
             log.info("restored %d complete groups saved with the checkpoint", len(held_ids))
         if reissued:
@@ -618,69 +580,3 @@ class RolloutWorkers:
             self._stop.set()
             self.queue.close(f"{fn.__name__} thread failed: {err!r}")
             self.controller.close(f"{fn.__name__} thread failed: {err!r}")
-
-
-class SideChannel:
-    """``submit``/``poll``/``stats`` of the rollout host for requests that are not groups
-    (:func:`a3po_jax.analysis.evaluation.host_generate_fn` reads it like a host).
-
-    A request goes to the host as it is; since the collector polls every result the host
-    returns, it hands this channel's results over (by request id) instead of dropping them
-    as unknown. Closing the channel forgets its request ids. The ids must not look like a
-    group's (``g<id>``); the evaluation's are ``eval-<seed>-<i>``.
-    """
-
-    def __init__(self, workers: RolloutWorkers):
-        self._workers = workers
-        self._ids: list[str] = []
-        self.results: queue.Queue[SampleResult] = queue.Queue()
-
-    def submit(self, request: GenerateRequest) -> None:
-        workers = self._workers
-        with workers._inflight_lock:
-            if (
-                request.request_id in workers._group_of
-                or request.request_id in workers._side_routes
-            ):
-                raise ValueError(f"request id {request.request_id!r} is already routed")
-            workers._side_routes[request.request_id] = self
-        self._ids.append(request.request_id)
-        workers.host.submit(request)
-
-    def poll(self, timeout: float | None = None) -> list[SampleResult]:
-        """This channel's finished samples: waits up to ``timeout`` seconds for the first,
-        then takes what else is there. Raises if the rollout threads stopped (nothing would
-        hand results over)."""
-        workers = self._workers
-        workers.raise_if_failed()
-        if workers.lockstep and workers._started:
-            # No collector: drive the host until one of this channel's samples is back.
-            while self.results.empty() and workers.drive():
-                pass
-            timeout = 0
-        elif workers._stop.is_set() or not workers._threads:
-            raise RuntimeError("the rollout threads are not running: no results to hand over")
-        try:
-            out = [self.results.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self.results.get_nowait())
-            except queue.Empty:
-                return out
-
-    def stats(self) -> dict[str, Any]:
-        return self._workers.host.stats()
-
-    def close(self) -> None:
-        with self._workers._inflight_lock:
-            for request_id in self._ids:
-                self._workers._side_routes.pop(request_id, None)
-        self._ids.clear()
-
-    def __enter__(self) -> SideChannel:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()

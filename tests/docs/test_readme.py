@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from a3po_jax.model import assets, checkpoint_io, loader
+from a3po_jax.model import assets, checkpoint_io, gguf_io, loader
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -86,7 +86,7 @@ def tiny_weights(monkeypatch):
 
     monkeypatch.setattr(loader, "load_model", load_model)
     monkeypatch.setattr(checkpoint_io, "load_hf_checkpoint", load_checkpoint)
-    monkeypatch.setattr(checkpoint_io, "load_gguf", load_checkpoint)
+    monkeypatch.setattr(gguf_io, "load_gguf", load_checkpoint)
     monkeypatch.setattr(assets, "load_smollm2", load_smollm2)
     return calls
 

@@ -20,14 +20,14 @@ transformers = pytest.importorskip("transformers")
 from helpers.model_reference import greedy_generate  # noqa: E402
 from helpers.python_snippet import run_snippet  # noqa: E402
 
-from a3po_jax.model import apply, checkpoint_io  # noqa: E402
+from a3po_jax.model import apply, checkpoint_io, gguf_io  # noqa: E402
 from a3po_jax.model.checkpoint_io import (  # noqa: E402
     CheckpointError,
-    load_gguf,
     load_hf_checkpoint,
     load_hf_config,
     save_hf_checkpoint,
 )
+from a3po_jax.model.gguf_io import load_gguf  # noqa: E402
 
 _SMALL = dict(
     vocab_size=96,
@@ -304,8 +304,8 @@ def _write_gguf(model, path, quantised="ffn_up"):
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    gguf_names = {v: k for k, v in checkpoint_io._GGUF_LAYER_TO_HF.items()}
-    gguf_names.update({v: k for k, v in checkpoint_io._GGUF_TO_HF.items()})
+    gguf_names = {v: k for k, v in gguf_io._GGUF_LAYER_TO_HF.items()}
+    gguf_names.update({v: k for k, v in gguf_io._GGUF_TO_HF.items()})
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     for hf_name, w in state.items():
         if hf_name.startswith("model.layers."):
@@ -314,9 +314,9 @@ def _write_gguf(model, path, quantised="ffn_up"):
         else:
             name = gguf_names[hf_name]
         if rest_is(hf_name, "q_proj.weight"):
-            w = checkpoint_io._permute_qk(w, config.num_attention_heads)
+            w = gguf_io._permute_qk(w, config.num_attention_heads)
         elif rest_is(hf_name, "k_proj.weight"):
-            w = checkpoint_io._permute_qk(w, config.num_key_value_heads)
+            w = gguf_io._permute_qk(w, config.num_key_value_heads)
         if quantised in name:
             q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -355,9 +355,9 @@ def test_gguf_unpermutes_qk_and_dequantises(tmp_path):
 
 def test_qk_permutation_roundtrip():
     w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
-    permuted = checkpoint_io._permute_qk(w, 4)
+    permuted = gguf_io._permute_qk(w, 4)
     assert not np.array_equal(permuted, w)
-    np.testing.assert_array_equal(checkpoint_io._unpermute_qk(permuted, 4), w)
+    np.testing.assert_array_equal(gguf_io._unpermute_qk(permuted, 4), w)
     # llama.cpp interleaves: within each head, row 2j comes from rotary half 0, 2j+1 from half 1
     np.testing.assert_array_equal(permuted[1], w[8])
 
@@ -438,7 +438,8 @@ def test_smollm2_greedy_equals_transformers_generate(smollm2):
 _NO_TORCH = """
 import sys
 sys.modules["torch"] = None  # `import torch` raises; transformers sees no torch
-from a3po_jax.model.checkpoint_io import load_gguf, load_hf_checkpoint
+from a3po_jax.model.checkpoint_io import load_hf_checkpoint
+from a3po_jax.model.gguf_io import load_gguf
 config, params = load_hf_checkpoint(sys.argv[1])
 gguf_config, _ = load_gguf(sys.argv[2])
 assert "torch" not in sys.modules or sys.modules["torch"] is None
@@ -534,7 +535,7 @@ def test_smollm2_config_matches_the_gguf_metadata():
         path = assets.smollm2_gguf_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    assert checkpoint_io.gguf_config(gguf.GGUFReader(str(path))) == assets.smollm2_config()
+    assert gguf_io.gguf_config(gguf.GGUFReader(str(path))) == assets.smollm2_config()
 
 
 @pytest.mark.e2e  # the real SmolLM2-135M checkpoint, loaded from its file
