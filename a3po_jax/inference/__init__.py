@@ -17,7 +17,7 @@ Importing this package does not import JetStream (hence TensorFlow) or gRPC: tho
 first use of `JetStreamEngine` / `GrpcInferenceClient`.
 """
 
-from a3po_jax.inference.engine_core import DecodeState, EngineCore, Prefix, SlotSampling
+from a3po_jax.inference.engine.engine_core import DecodeState, EngineCore, Prefix, SlotSampling
 from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import (
@@ -30,8 +30,8 @@ from a3po_jax.inference.types import (
 )
 
 _LAZY = {
-    "GrpcInferenceClient": ("a3po_jax.inference.grpc_client", "GrpcInferenceClient"),
-    "JetStreamEngine": ("a3po_jax.inference.jetstream_engine", "JetStreamEngine"),
+    "GrpcInferenceClient": ("a3po_jax.inference.remote.grpc_client", "GrpcInferenceClient"),
+    "JetStreamEngine": ("a3po_jax.inference.engine.jetstream_engine", "JetStreamEngine"),
 }
 
 

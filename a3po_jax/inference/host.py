@@ -65,8 +65,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import decode_layout, engine_core, weight_sync
-from a3po_jax.inference.engine_core import SlotSampling
+from a3po_jax.inference.engine import decode_layout, engine_core
+from a3po_jax.inference.engine.engine_core import SlotSampling
+from a3po_jax.inference.transfer import weight_sync
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from a3po_jax.inference import weight_transfer
+from a3po_jax.inference.transfer import weight_transfer
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

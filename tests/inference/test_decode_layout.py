@@ -1,4 +1,4 @@
-"""The inference engine's weight layout (`inference/decode_layout.py`) against the model.
+"""The inference engine's weight layout (`inference/engine/decode_layout.py`) against the model.
 
 `apply_decode` and `hidden_states` over `decode_params` must be `model.apply` and
 `model.hidden_states` with the weights laid out otherwise: same logits, caches and lengths
@@ -25,8 +25,8 @@ import pytest
 from helpers.processes import run_file_on_devices
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import decode_layout
-from a3po_jax.inference.decode_layout import (
+from a3po_jax.inference.engine import decode_layout
+from a3po_jax.inference.engine.decode_layout import (
     DecodeParams,
     apply_decode,
     decode_logical_axes,

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from helpers.inference_reference import start_grpc_server, stop_grpc_server
 
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import weight_transfer
-from a3po_jax.inference.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.transfer import weight_transfer
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.soak

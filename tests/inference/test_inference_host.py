@@ -17,7 +17,8 @@ from helpers.inference_reference import (
     scaled_params,
 )
 
-from a3po_jax.inference import HostClosedError, InferenceHost, decode_layout, engine_core
+from a3po_jax.inference import HostClosedError, InferenceHost
+from a3po_jax.inference.engine import decode_layout, engine_core
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 
 BUCKETS = (8, 16)
@@ -558,7 +559,7 @@ def test_compiles_a_handful_of_shapes(params):
     # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16)
     # and number of rows prefilled together (1, 2 or 4: powers of two up to the slots).
     # A fresh capacity (40) so that compilations from other tests do not hide new ones.
-    from a3po_jax.inference import engine_core
+    from a3po_jax.inference.engine import engine_core
 
     jits = {
         "prefill": engine_core._ONE_DEVICE_JITS.prefill_batch,

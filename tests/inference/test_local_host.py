@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from helpers.inference_reference import collect, start_grpc_server, stop_grpc_server
 
-from a3po_jax.inference import weight_transfer
-from a3po_jax.inference.grpc_client import GrpcInferenceClient
-from a3po_jax.inference.local_process import LocalHostProcess
+from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.remote.local_process import LocalHostProcess
+from a3po_jax.inference.transfer import weight_transfer
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 from a3po_jax.model.loader import load_model
 from a3po_jax.training import host_placement

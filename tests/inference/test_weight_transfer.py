@@ -18,10 +18,14 @@ import numpy as np
 import pytest
 from helpers.inference_reference import CFG, collect, recompute_greedy, scaled_params
 
-from a3po_jax.inference import weight_sync, weight_transfer
 from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.transfer import weight_sync, weight_transfer
+from a3po_jax.inference.transfer.weight_transfer import (
+    WeightAuthError,
+    WeightReceiver,
+    WeightSender,
+)
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
-from a3po_jax.inference.weight_transfer import WeightAuthError, WeightReceiver, WeightSender
 
 TOKEN = "weight-token"
 SHARED_ONLY = pytest.mark.skipif(

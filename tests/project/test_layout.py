@@ -6,7 +6,7 @@
 * No import cycle among `a3po_jax` modules.
 * Every module docstring says which layer the module belongs to.
 * The model knows one weight layout, the one it trains: the inference engine's serving
-  layout is defined in `inference/decode_layout.py` only, and no model code reads it.
+  layout is defined in `inference/engine/decode_layout.py` only, and no model code reads it.
 * The module table of the design notes (docs/design.md §5) names only paths that exist,
   and every subpackage and every module of the package is in it.
 
@@ -208,7 +208,7 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
 
 
-DECODE_LAYOUT = "a3po_jax.inference.decode_layout"
+DECODE_LAYOUT = "a3po_jax.inference.engine.decode_layout"
 # What makes up the serving layout: its tree, its builders and runners, its reader.
 DECODE_LAYOUT_NAMES = {
     "DecodeParams",
@@ -238,7 +238,7 @@ def _defined_names(tree: ast.Module) -> set[str]:
 
 
 def test_the_decode_layout_lives_beside_the_inference_code():
-    """The serving layout is defined once, in `inference/decode_layout.py`; nothing in
+    """The serving layout is defined once, in `inference/engine/decode_layout.py`; nothing in
     `model/` imports `inference/` (directly or not), names the layout, or reads its keys
     (a string constant "kernel_t", "qkv" or "gate_up"): adding an architecture means
     touching the model, and the layout follows through its `WeightReader`."""

@@ -73,9 +73,10 @@ from typing import Any
 
 import numpy as np
 
-from a3po_jax.inference import decode_layout, weight_sync
+from a3po_jax.inference.engine import decode_layout
+from a3po_jax.inference.transfer import weight_sync
+from a3po_jax.inference.transfer.weight_sync import TensorSpec
 from a3po_jax.inference.types import HostClosedError, InferenceError
-from a3po_jax.inference.weight_sync import TensorSpec
 
 log = logging.getLogger(__name__)
 

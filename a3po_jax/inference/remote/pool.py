@@ -54,8 +54,8 @@ import threading
 import time
 from typing import Any
 
-from a3po_jax.inference import weight_sync
 from a3po_jax.inference.protocol import Host
+from a3po_jax.inference.transfer import weight_sync
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from a3po_jax.inference.grpc_server import READY_LINE
+from a3po_jax.inference.remote.grpc_server import READY_LINE
 from a3po_jax.inference.types import InferenceError
 
 log = logging.getLogger(__name__)

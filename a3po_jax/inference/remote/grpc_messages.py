@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from a3po_jax.inference import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2 as pb
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, SamplingParams
 
 # Caps on one message: room for a long result (weights travel outside gRPC).

@@ -48,7 +48,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import decode_layout, sampling
+from a3po_jax.inference.engine import decode_layout, sampling
 from a3po_jax.parallel import sharding
 
 Params = Any

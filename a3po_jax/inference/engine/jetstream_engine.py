@@ -41,11 +41,12 @@ try:  # the `jetstream` extra (google-jetstream, with seqio and TensorFlow)
     from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 except ImportError as err:
     raise ImportError(
-        "a3po_jax.inference.jetstream_engine needs JetStream: pip install 'a3po_jax[jetstream]'"
+        "a3po_jax.inference.engine.jetstream_engine needs JetStream: "
+        "pip install 'a3po_jax[jetstream]'"
     ) from err
 
 from a3po_jax import model as model_lib  # noqa: E402
-from a3po_jax.inference import engine_core  # noqa: E402
+from a3po_jax.inference.engine import engine_core  # noqa: E402
 
 # JetStream's pad_tokens only accepts a max_prefill_length from its own bucket list.
 _JETSTREAM_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -36,9 +36,10 @@ from typing import Any
 
 import grpc
 
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference.grpc_messages import (
+from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference.remote.grpc_messages import (
     GRPC_OPTIONS,
     TOKEN_ENV,
     request_from_proto,
@@ -46,9 +47,8 @@ from a3po_jax.inference.grpc_messages import (
     stats_to_proto,
     token_matches,
 )
-from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.transfer.weight_transfer import WeightReceiver
 from a3po_jax.inference.types import HostClosedError
-from a3po_jax.inference.weight_transfer import WeightReceiver
 
 log = logging.getLogger(__name__)
 

@@ -23,16 +23,16 @@ from typing import Any
 
 import grpc
 
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference import weight_transfer
-from a3po_jax.inference.grpc_messages import (
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference.remote.grpc_messages import (
     GRPC_OPTIONS,
     auth_metadata,
     request_to_proto,
     result_from_proto,
     stats_from_proto,
 )
+from a3po_jax.inference.transfer import weight_transfer
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,
