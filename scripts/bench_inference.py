@@ -83,7 +83,7 @@ from bench_common import CONFIGS, describe_machine, matmul_size  # noqa: E402  (
 from a3po_jax import model as model_lib
 from a3po_jax.inference import EngineCore, GenerateRequest, InferenceHost, SamplingParams
 from a3po_jax.inference.engine import decode_layout
-from a3po_jax.inference.engine.engine_core import SlotSampling
+from a3po_jax.inference.engine.steps import SlotSampling
 
 
 def load(model: str, seed: int):

@@ -25,9 +25,10 @@ import signal
 import sys
 import threading
 
-from a3po_jax.inference.host import UPDATE_POLICIES, InferenceHost
+from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.remote import grpc_server
 from a3po_jax.inference.remote.grpc_messages import TOKEN_ENV
+from a3po_jax.inference.update_policy import UPDATE_POLICIES
 
 log = logging.getLogger(__name__)
 
