@@ -231,19 +231,25 @@ def insert(
         lengths=cache.lengths.at[slot].set(prefix.cache.lengths[0]),
     )
     set_at = lambda arr, value: arr.at[slot].set(value[0])
-    state = state.replace(
-        cache=cache,
-        tokens=set_at(state.tokens, token),
-        active=state.active.at[slot].set(True),
-        temperature=set_at(state.temperature, temperature),
-        top_k=set_at(state.top_k, top_k),
-        top_p=set_at(state.top_p, top_p),
-        seed_hi=set_at(state.seed_hi, seed_hi),
-        seed_lo=set_at(state.seed_lo, seed_lo),
-        sample_index=set_at(state.sample_index, sample_index),
-        step=state.step.at[slot].set(1),
-    )
+    sampling_coords = (temperature, top_k, top_p, seed_hi, seed_lo, sample_index)
+    state = _started(state, cache, set_at, token, jnp.ones((1,), jnp.int32), sampling_coords)
     return state, token[0], logprob[0]
+
+
+_SAMPLING_COORDS = ("temperature", "top_k", "top_p", "seed_hi", "seed_lo", "sample_index")
+
+
+def _started(state: DecodeState, cache, set_at, tokens, ones, sampling_coords) -> DecodeState:
+    """`state` with the slots `set_at(array, values)` writes started: active, at step 1,
+    their first tokens pending, their sampling coordinates (in `_SAMPLING_COORDS` order)."""
+    coords = dict(zip(_SAMPLING_COORDS, sampling_coords, strict=True))
+    return state.replace(
+        cache=cache,
+        tokens=set_at(state.tokens, tokens),
+        active=set_at(state.active, ones.astype(jnp.bool_)),
+        step=set_at(state.step, ones),
+        **{name: set_at(getattr(state, name), value) for name, value in coords.items()},
+    )
 
 
 @struct.dataclass
@@ -373,18 +379,8 @@ def insert_batch(
         v=write(state.cache.v, prefixes.cache.v),
         lengths=set_at(state.cache.lengths, prefixes.cache.lengths[rows]),
     )
-    state = state.replace(
-        cache=cache,
-        tokens=set_at(state.tokens, tokens),
-        active=set_at(state.active, jnp.ones((N,), jnp.bool_)),
-        temperature=set_at(state.temperature, temperature),
-        top_k=set_at(state.top_k, top_k),
-        top_p=set_at(state.top_p, top_p),
-        seed_hi=set_at(state.seed_hi, seed_hi),
-        seed_lo=set_at(state.seed_lo, seed_lo),
-        sample_index=set_at(state.sample_index, sample_index),
-        step=set_at(state.step, jnp.ones((N,), jnp.int32)),
-    )
+    sampling_coords = (temperature, top_k, top_p, seed_hi, seed_lo, sample_index)
+    state = _started(state, cache, set_at, tokens, jnp.ones((N,), jnp.int32), sampling_coords)
     # Entry m's outputs go to column slots[m], so the host reads them by slot.
     by_slot = lambda x: jnp.zeros_like(x).at[slots].set(x, mode="drop")
     return state, pack_outputs(by_slot(tokens), by_slot(logprobs))

@@ -210,8 +210,7 @@ class HostPool:
         self._pushed.clear()
         errors: dict[int, BaseException] = {}
         pushes = {
-            i: start_push(self._members, i, staging, staged, tree, version, errors)
-            for i in targets
+            i: start_push(self._members, i, staging, staged, tree, version, errors) for i in targets
         }
 
         def finish() -> None:
