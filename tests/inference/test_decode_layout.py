@@ -590,7 +590,7 @@ def test_the_wire_layout_made_with_numpy_is_decode_params_bit_for_bit(name, out_
 def test_tiled_transposes_cover_every_element(monkeypatch):
     """`fill_serving`'s transposes go tile by tile: with tiles that divide neither side (3
     against 7 x 10), the ragged edge tiles must still land, each element in its place."""
-    monkeypatch.setattr(decode_layout, "_TRANSPOSE_TILE", 3)
+    monkeypatch.setattr(wire_layout, "_TRANSPOSE_TILE", 3)
     src = np.arange(70, dtype=np.float32).reshape(7, 10)
     out = np.full((10, 7), np.nan, np.float32)
     wire_layout.copy_transposed(out, src)
