@@ -1,6 +1,6 @@
 """The inference engine's copy of the weights: one tree per layer, fused and out-major.
 
-Inference layer (host-side shell; the functions are pure JAX). The model (`a3po_jax.model`)
+Inference layer (engine; the functions are pure JAX). The model (`a3po_jax.model`)
 knows one weight layout, the stacked one it trains; this module lays the same weights out for
 serving and runs the model's own pieces over them:
 

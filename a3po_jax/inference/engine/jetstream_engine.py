@@ -1,6 +1,6 @@
 """`JetStreamEngine`: the a3po_jax engine behind JetStream's `Engine` API.
 
-Inference layer (host-side shell).
+Inference layer (engine).
 
 A thin adapter over `engine_core`, so the same model serves under JetStream's stock
 orchestrator and gRPC server (`jetstream.core.orchestrator.Driver`, `server_lib.run`):

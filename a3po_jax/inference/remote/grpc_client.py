@@ -1,6 +1,6 @@
 """Client for an inference host in another process, with `InferenceHost`'s methods.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
     client = GrpcInferenceClient("127.0.0.1:50051", token)   # or .from_token_file(...)
     client.submit(GenerateRequest(...))       # ValueError if the host rejects the request

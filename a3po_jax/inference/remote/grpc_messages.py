@@ -1,6 +1,6 @@
 """Conversions between the host's types and the `inference.proto` messages, and gRPC limits.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
 Shared by `grpc_server.py` and `grpc_client.py` so both sides agree on every field.
 

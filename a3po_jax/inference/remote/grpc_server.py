@@ -1,4 +1,4 @@
-"""Inference layer (shell): an `InferenceHost` served over gRPC (`inference.proto`).
+"""Inference layer (remote): an `InferenceHost` served over gRPC (`inference.proto`).
 
 The command line that starts one is `a3po_jax.cli.serve`:
 

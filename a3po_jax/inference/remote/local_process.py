@@ -1,6 +1,6 @@
 """An inference host in a child process on this machine, on cores of its own.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
     host = LocalHostProcess(model="smollm2", cores=[0], update_policy="drain").start()
     client = GrpcInferenceClient(host.address, host.token)      # as for any remote host

@@ -1,6 +1,6 @@
 """Several inference hosts behind the one-host interface, with failure detection and failover.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
     pool = HostPool([GrpcInferenceClient(a, token) for a in addresses])
     pool.submit(request); pool.poll(timeout=0.2); pool.update_weights(params, version)

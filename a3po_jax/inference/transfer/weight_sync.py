@@ -1,6 +1,6 @@
 """Parameter trees as flat `"/"`-joined names: validation and host staging for weight pushes.
 
-Inference layer (host-side shell).
+Inference layer (transfer).
 
 A weight push is accepted whole or not at all: every tensor of the serving params must come
 with the same name, shape and dtype, and no other tensor may come. Transfers never pickle:
