@@ -26,7 +26,7 @@ import jax
 from bench_common import CONFIGS  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model
-from a3po_jax.inference.engine_core import EngineCore
+from a3po_jax.inference.engine.engine_core import EngineCore
 
 
 def per_call(fn, n: int) -> float:

@@ -81,14 +81,9 @@ import numpy as np
 from bench_common import CONFIGS, describe_machine, matmul_size  # noqa: E402  (scripts/ is on sys.path)
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import (
-    EngineCore,
-    GenerateRequest,
-    InferenceHost,
-    SamplingParams,
-    decode_layout,
-)
-from a3po_jax.inference.engine_core import SlotSampling
+from a3po_jax.inference import EngineCore, GenerateRequest, InferenceHost, SamplingParams
+from a3po_jax.inference.engine import decode_layout
+from a3po_jax.inference.engine.steps import SlotSampling
 
 
 def load(model: str, seed: int):
@@ -464,7 +459,7 @@ def profile_decode_step(config, params, batch: int, window: int, repeats: int) -
     """
     from bench_common import op_profile
 
-    from a3po_jax.inference import sampling
+    from a3po_jax.inference.engine import sampling
 
     c, B = config, batch
     split = decode_layout.decode_params(params, c, out_major=B > 1)  # as `EngineCore` lays it out

@@ -1,7 +1,7 @@
 """Forward, forward+backward and KV-cache decode throughput of the decoder, and its memory.
 
 Decode is timed twice: `apply` over the stacked layers, and `apply_decode` over the per-layer
-weights (`decode_params`, `a3po_jax/inference/decode_layout.py`), which is what the inference
+weights (`decode_params`, `a3po_jax/inference/engine/decode_layout.py`), which is what the inference
 engine runs.
 
     python scripts/bench_model.py --config tiny --batch 8 --seq 128
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from bench_common import CONFIGS  # noqa: E402  (scripts/ is on sys.path)
 
-from a3po_jax.inference.decode_layout import apply_decode, decode_params
+from a3po_jax.inference.engine.decode_layout import apply_decode, decode_params
 from a3po_jax.model import apply, init_kv_cache, init_params
 from a3po_jax.training.metrics import peak_memory
 

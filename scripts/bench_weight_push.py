@@ -50,9 +50,9 @@ import jax
 import numpy as np
 from bench_common import describe_machine  # noqa: E402  (scripts/ is on sys.path)
 
-from a3po_jax.inference.grpc_client import GrpcInferenceClient
-from a3po_jax.inference.local_process import LocalHostProcess
-from a3po_jax.inference.pool import HostPool
+from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.remote.local_process import LocalHostProcess
+from a3po_jax.inference.remote.pool import HostPool
 from a3po_jax.model.loader import load_model
 from a3po_jax.training import host_placement
 

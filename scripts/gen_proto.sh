@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates a3po_jax/inference/inference_pb2{,_grpc}.py from inference.proto.
+# Regenerates a3po_jax/inference/remote/inference_pb2{,_grpc}.py from inference.proto.
 # Needs grpcio-tools 1.66.2 (pip install grpcio-tools==1.66.2, e.g. in a throwaway venv:
 #   python -m venv /tmp/gen && /tmp/gen/bin/pip install grpcio-tools==1.66.2 &&
 #   PYTHON=/tmp/gen/bin/python bash scripts/gen_proto.sh); run from anywhere.
@@ -11,5 +11,5 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 "$PYTHON" -m grpc_tools.protoc -I. \
   --python_out=. --grpc_python_out=. \
-  a3po_jax/inference/inference.proto
-echo "generated a3po_jax/inference/inference_pb2.py and inference_pb2_grpc.py"
+  a3po_jax/inference/remote/inference.proto
+echo "generated a3po_jax/inference/remote/inference_pb2.py and inference_pb2_grpc.py"

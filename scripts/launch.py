@@ -15,7 +15,7 @@ What works today, and what does not (the launcher does not pretend otherwise):
   The trainer shards the model over all its ``--trainer-gpus`` (``system.mesh_*``; FSDP
   over all of them by default). More inference hosts (other nodes) can be added with
   ``system.inference_hosts=a:50051,b:50051``: the trainer spreads requests over them and
-  fails over when one dies (``a3po_jax.inference.pool``).
+  fails over when one dies (``a3po_jax.inference.remote.pool``).
 * ``tpu-pod``: prints and runs (over ``gcloud ... ssh``) the trainer command for every
   worker, with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
   set (``a3po_jax.parallel.distributed.initialize`` reads them: worker 0 talks to the inference host

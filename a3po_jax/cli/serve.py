@@ -10,7 +10,7 @@ for that line). SIGTERM stops it cleanly; with ``--exit-with-parent PID`` it als
 process PID is gone (a trainer that started it and was killed, even with SIGKILL);
 SIGUSR1 prints every thread's stack to stderr (a host that seems stuck). What
 `--model` accepts, how the token is chosen and what the server checks is in
-`a3po_jax.inference.grpc_server`; the update policies are in `a3po_jax.inference.host`.
+`a3po_jax.inference.remote.grpc_server`; the update policies are in `a3po_jax.inference.host`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import signal
 import sys
 import threading
 
-from a3po_jax.inference import grpc_server
-from a3po_jax.inference.grpc_messages import TOKEN_ENV
-from a3po_jax.inference.host import UPDATE_POLICIES, InferenceHost
+from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.remote import grpc_server
+from a3po_jax.inference.remote.grpc_messages import TOKEN_ENV
+from a3po_jax.inference.update_policy import UPDATE_POLICIES
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,29 @@
 """Inference layer (shell): engine, continuous batching, weight updates, gRPC and JetStream.
 
+In layers: the pure, jitted engine (`engine/`), the host around it (`host`, its serving
+loop and update policies), hosts in other processes (`remote/`), and weight pushes to them
+(`transfer/`).
+
 * `protocol`: `Host`, the interface every host below implements (the trainer types on it).
 * `types`: `SamplingParams`, `GenerateRequest`, `SampleResult` (what goes in and out; one
   conversion to the core's `Rollout`), `ErrorKind` (why a sample failed).
-* `sampling`: per-slot temperature / top-k / top-p sampling and behaviour log-probs.
-* `engine_core`: pure-JAX prefill / insert / generate over a fixed number of slots.
-* `decode_layout`: the engine's copy of the weights (per layer, fused, out-major, ordered
-  for tensor parallelism), the decode step and prefill over it, and its shardings.
-* `host`: `InferenceHost`, the in-process serving thread (the embedded default).
-* `grpc_server` / `grpc_client`: the same host in another process (`GrpcInferenceClient`;
-  the command line is `a3po_jax.cli.serve`).
-* `pool`: `HostPool`, several hosts behind one `Host`, with health checks and failover.
-* `jetstream_engine`: `JetStreamEngine`, the engine behind JetStream's `Engine` API.
+* `engine/`: `steps` (pure-JAX prefill / insert / generate over a fixed number of slots),
+  `engine_core` (`EngineCore`, those jitted), `decode_layout` (the engine's copy of the
+  weights and the decode step over it), `sampling`, `jetstream_engine` (`JetStreamEngine`,
+  the engine behind JetStream's `Engine` API).
+* `host`: `InferenceHost`, the in-process serving thread (the embedded default), with
+  `serving_loop`, `update_policy`, `host_records` and `host_metrics`.
+* `remote/`: the same host in another process over gRPC (`GrpcInferenceClient`; the
+  command line is `a3po_jax.cli.serve`), `HostPool` (several hosts behind one `Host`, with
+  health checks and failover), `LocalHostProcess`.
+* `transfer/`: weight pushes to a host outside gRPC (`WeightSender`, `WeightReceiver`).
 
 Importing this package does not import JetStream (hence TensorFlow) or gRPC: those load on
 first use of `JetStreamEngine` / `GrpcInferenceClient`.
 """
 
-from a3po_jax.inference.engine_core import DecodeState, EngineCore, Prefix, SlotSampling
+from a3po_jax.inference.engine.engine_core import EngineCore
+from a3po_jax.inference.engine.steps import DecodeState, Prefix, SlotSampling
 from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.types import (
@@ -30,8 +36,8 @@ from a3po_jax.inference.types import (
 )
 
 _LAZY = {
-    "GrpcInferenceClient": ("a3po_jax.inference.grpc_client", "GrpcInferenceClient"),
-    "JetStreamEngine": ("a3po_jax.inference.jetstream_engine", "JetStreamEngine"),
+    "GrpcInferenceClient": ("a3po_jax.inference.remote.grpc_client", "GrpcInferenceClient"),
+    "JetStreamEngine": ("a3po_jax.inference.engine.jetstream_engine", "JetStreamEngine"),
 }
 
 

@@ -20,7 +20,7 @@
 
 Nothing here imports the host-side shell (rollout, inference, training, cli). The model
 knows one weight layout, the stacked one it trains; the inference engine's serving layout
-lives beside the engine (:mod:`a3po_jax.inference.decode_layout`).
+lives beside the engine (:mod:`a3po_jax.inference.engine.decode_layout`).
 """
 
 from a3po_jax.model.config import ModelConfig, Params

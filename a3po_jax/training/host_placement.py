@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from a3po_jax.inference.pool import HostPool
+from a3po_jax.inference.remote.pool import HostPool
 from a3po_jax.parallel.sharding import make_mesh
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def pin_trainer(host_cores: int) -> list[int]:
 def start_local_host(cfg, *, num_slots: int, prefill_buckets: Sequence[int], max_cache_len: int):
     """A started `LocalHostProcess` for the run's model on its cores (`split_cores`), with
     the update policy the mode needs and the run's serving dtype."""
-    from a3po_jax.inference.local_process import LocalHostProcess
+    from a3po_jax.inference.remote.local_process import LocalHostProcess
 
     host_cores, _ = split_cores(cfg.system.inference_cores)
     return LocalHostProcess(
@@ -85,7 +85,7 @@ def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
     re-issued to the others, and it is taken back (current weights first) when it answers
     again. Every host must be up at start.
     """
-    from a3po_jax.inference.grpc_client import GrpcInferenceClient
+    from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
 
     clients = []
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from a3po_jax.inference import weight_transfer
+from a3po_jax.inference.transfer import shared_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -58,12 +58,12 @@ def test_bench_weight_push_measures_the_push_beside_the_loopback():
     assert first > 0
     # An idle host lays out its share of the layers of a shared-memory push itself.
     share = seconds.pop("  host lays out its share")
-    assert (min(share) > 0) == weight_transfer.SHARED_MEMORY
+    assert (min(share) > 0) == shared_memory.SHARED_MEMORY
     assert all(len(v) == 2 and min(v) > 0 for v in seconds.values())
     assert report["push_gbps"] > 0 and report["loopback_gbps"] > 0
     # Over TCP and, where the platform has it, through shared memory, side by side.
     assert min(seconds["push over TCP (call -> serving)"]) > 0 and report["tcp_over_push"] > 0
-    shared = weight_transfer.SHARED_MEMORY
+    shared = shared_memory.SHARED_MEMORY
     assert report["transport"] == ("shared_memory" if shared else "tcp")
     # The push includes the receive it reports: never faster than its own part.
     assert min(seconds["push (call -> serving)"]) >= min(seconds["  host receive"])

@@ -7,7 +7,7 @@ import pytest
 from helpers.inference_reference import start_grpc_server, stop_grpc_server
 from helpers.trainer_runs import LetterTask, make_cfg
 
-from a3po_jax.inference.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
 from a3po_jax.training.metrics import read_metrics
 from a3po_jax.training.trainer import Trainer, load_policy
 

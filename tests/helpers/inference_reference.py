@@ -88,8 +88,8 @@ def start_grpc_server(token_file, *args):
 
     import pytest
 
-    from a3po_jax.inference.grpc_messages import TOKEN_ENV
-    from a3po_jax.inference.grpc_server import READY_LINE
+    from a3po_jax.inference.remote.grpc_messages import TOKEN_ENV
+    from a3po_jax.inference.remote.grpc_server import READY_LINE
 
     cmd = [
         sys.executable, "-m", "a3po_jax.cli.serve", "--model", "tiny",

@@ -1,4 +1,4 @@
-"""The inference engine's weight layout (`inference/decode_layout.py`) against the model.
+"""The inference engine's weight layout (`inference/engine/decode_layout.py`) against the model.
 
 `apply_decode` and `hidden_states` over `decode_params` must be `model.apply` and
 `model.hidden_states` with the weights laid out otherwise: same logits, caches and lengths
@@ -25,8 +25,8 @@ import pytest
 from helpers.processes import run_file_on_devices
 
 from a3po_jax import model as model_lib
-from a3po_jax.inference import decode_layout
-from a3po_jax.inference.decode_layout import (
+from a3po_jax.inference.engine import decode_layout
+from a3po_jax.inference.engine.decode_layout import (
     DecodeParams,
     apply_decode,
     decode_logical_axes,
@@ -36,6 +36,7 @@ from a3po_jax.inference.decode_layout import (
     lm_head_logits,
     out_major_dot,
 )
+from a3po_jax.inference.transfer import layout as wire_layout
 from a3po_jax.model import ModelConfig, apply, init_kv_cache, init_params
 from a3po_jax.parallel.sharding import INFERENCE_RULES, kv_cache_shardings, make_mesh
 
@@ -576,26 +577,26 @@ def test_the_wire_layout_made_with_numpy_is_decode_params_bit_for_bit(name, out_
     options = {"out_major": out_major, "shards": shards}
     for leaf_name, leaf in split.items():
         out = np.full(leaf.shape, np.nan, leaf.dtype)
-        decode_layout.fill_serving(out, leaf_name, model, **options)
+        wire_layout.fill_serving(out, leaf_name, model, **options)
         np.testing.assert_array_equal(out, np.asarray(leaf), err_msg=leaf_name)
-        source = decode_layout.serving_source(leaf_name, model, **options)
+        source = wire_layout.serving_source(leaf_name, model, **options)
         if source is not None:  # sent as it lies: a view of the model's array, no copy
             assert np.shares_memory(source, model[_model_name(leaf_name)])
     with pytest.raises(ValueError, match="'layers/x/attn' is not a serving tensor"):
-        decode_layout.fill_serving(out, "layers/x/attn", model, **options)
+        wire_layout.fill_serving(out, "layers/x/attn", model, **options)
 
 
 @one_only
 def test_tiled_transposes_cover_every_element(monkeypatch):
     """`fill_serving`'s transposes go tile by tile: with tiles that divide neither side (3
     against 7 x 10), the ragged edge tiles must still land, each element in its place."""
-    monkeypatch.setattr(decode_layout, "_TRANSPOSE_TILE", 3)
+    monkeypatch.setattr(wire_layout, "_TRANSPOSE_TILE", 3)
     src = np.arange(70, dtype=np.float32).reshape(7, 10)
     out = np.full((10, 7), np.nan, np.float32)
-    decode_layout._copy_transposed(out, src)
+    wire_layout.copy_transposed(out, src)
     np.testing.assert_array_equal(out, src.T)
     with pytest.raises(ValueError, match="transpose of"):
-        decode_layout._copy_transposed(np.empty((7, 10), np.float32), src)
+        wire_layout.copy_transposed(np.empty((7, 10), np.float32), src)
 
 
 def _model_name(serving_name: str) -> str:

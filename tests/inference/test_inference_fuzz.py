@@ -10,9 +10,9 @@ import grpc
 import pytest
 from helpers.inference_reference import start_grpc_server, stop_grpc_server
 
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import weight_transfer
-from a3po_jax.inference.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.transfer import framing
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.soak
@@ -92,12 +92,10 @@ def send_to_weight_port(port: int, token: str, payload: bytes, prove_token: bool
     """Sends `payload` to the weight receiver, first proving the token if asked (so the bytes
     reach the manifest parser); returns what the receiver answered before it hung up."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        hello = conn.recv(len(weight_transfer.MAGIC) + 32, socket.MSG_WAITALL)
+        hello = conn.recv(len(framing.MAGIC) + 32, socket.MSG_WAITALL)
         if prove_token:
-            conn.sendall(weight_transfer._mac(token.encode(), hello[len(weight_transfer.MAGIC) :]))
-            kind, length = weight_transfer._FRAME.unpack(
-                conn.recv(weight_transfer._FRAME.size, socket.MSG_WAITALL)
-            )
+            conn.sendall(framing.mac(token.encode(), hello[len(framing.MAGIC) :]))
+            kind, length = framing.FRAME.unpack(conn.recv(framing.FRAME.size, socket.MSG_WAITALL))
             assert kind == b"SPEC"
             conn.recv(length, socket.MSG_WAITALL)
         out = b""

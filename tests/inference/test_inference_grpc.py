@@ -22,11 +22,11 @@ from helpers.inference_reference import (
     stop_grpc_server,
 )
 
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference.grpc_client import GrpcInferenceClient, HostAuthenticationError
-from a3po_jax.inference.grpc_messages import TOKEN_ENV, auth_metadata
-from a3po_jax.inference.grpc_server import resolve_token
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient, HostAuthenticationError
+from a3po_jax.inference.remote.grpc_messages import TOKEN_ENV, auth_metadata
+from a3po_jax.inference.remote.grpc_server import resolve_token
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
 PROMPT = (5, 6, 7, 8, 9, 10)

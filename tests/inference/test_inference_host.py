@@ -17,7 +17,9 @@ from helpers.inference_reference import (
     scaled_params,
 )
 
-from a3po_jax.inference import HostClosedError, InferenceHost, decode_layout, engine_core
+from a3po_jax.inference import HostClosedError, InferenceHost
+from a3po_jax.inference.engine import decode_layout, engine_core
+from a3po_jax.inference.engine import steps as engine_steps
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 
 BUCKETS = (8, 16)
@@ -454,9 +456,9 @@ def test_waiting_prompts_share_one_prefill_and_one_insert(params, monkeypatch):
             h._core, name, lambda *a, _n=name, _r=real, **k: calls.update([_n]) or _r(*a, **k)
         )
     reads = []
-    real_unpack = engine_core.unpack_outputs
+    real_unpack = engine_steps.unpack_outputs
     monkeypatch.setattr(
-        engine_core, "unpack_outputs", lambda p: reads.append(p.shape) or real_unpack(p)
+        engine_steps, "unpack_outputs", lambda p: reads.append(p.shape) or real_unpack(p)
     )
     prompts = {"g-a": PROMPTS["short"], "g-b": (9, 4, 7, 7, 2), "one": PROMPTS["bucket"]}
     for rid, prompt in prompts.items():
@@ -494,9 +496,9 @@ def test_pipelined_loop_dispatches_the_next_step_before_reading_one(params, monk
         return state, packed
 
     monkeypatch.setattr(h._core, "generate_packed", step)
-    real_unpack = engine_core.unpack_outputs
+    real_unpack = engine_steps.unpack_outputs
     monkeypatch.setattr(
-        engine_core, "unpack_outputs", lambda p: events.append(("read", id(p))) or real_unpack(p)
+        engine_steps, "unpack_outputs", lambda p: events.append(("read", id(p))) or real_unpack(p)
     )
     ref = recompute_greedy(params, PROMPTS["short"], 12)
     i = next(i for i in range(2, 12) if ref[i] not in ref[:i])
@@ -558,7 +560,7 @@ def test_compiles_a_handful_of_shapes(params):
     # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16)
     # and number of rows prefilled together (1, 2 or 4: powers of two up to the slots).
     # A fresh capacity (40) so that compilations from other tests do not hide new ones.
-    from a3po_jax.inference import engine_core
+    from a3po_jax.inference.engine import engine_core
 
     jits = {
         "prefill": engine_core._ONE_DEVICE_JITS.prefill_batch,
@@ -683,9 +685,9 @@ def test_insert_batch_writes_each_entry_row_into_its_slot_and_nothing_else(param
     pk, pv = np.asarray(prefixes.cache.k), np.asarray(prefixes.cache.v)
     tb = pk.shape[2]
     entries = [
-        (1, 3, engine_core.SlotSampling()),
-        (0, 0, engine_core.SlotSampling()),
-        (1, 2, engine_core.SlotSampling()),
+        (1, 3, engine_steps.SlotSampling()),
+        (0, 0, engine_steps.SlotSampling()),
+        (1, 2, engine_steps.SlotSampling()),
     ]  # slot 1 stays free
     state, _ = core.insert_batch(prefixes, state, entries)
     want_k, want_v = before_k.copy(), before_v.copy()

@@ -42,7 +42,7 @@ def _child() -> None:
     from jetstream.core import config_lib, orchestrator, server_lib
     from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-    from a3po_jax.inference.jetstream_engine import JetStreamEngine  # sets jax.tree_map
+    from a3po_jax.inference.engine.jetstream_engine import JetStreamEngine  # sets jax.tree_map
 
     engine = JetStreamEngine(
         CFG, scaled_params(0), num_slots=4, max_prefill_length=16, max_cache_len=64,

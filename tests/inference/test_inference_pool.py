@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from a3po_jax.inference.pool import HostPool
 from a3po_jax.inference.protocol import Host
+from a3po_jax.inference.remote.pool import HostPool
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,
@@ -235,7 +235,7 @@ def test_killed_host_work_is_reissued_and_no_sample_is_delivered_twice(caplog):
         for r in reqs:
             pool.submit(r)
         time.sleep(0.12)  # some samples of a's requests are out, the rest are not
-        with caplog.at_level(logging.WARNING, logger="a3po_jax.inference.pool"):
+        with caplog.at_level(logging.WARNING, logger="a3po_jax.inference.remote.pool"):
             a.kill()
             results = collect(pool, 24)
         assert_each_sample_once(results, reqs)
@@ -309,7 +309,7 @@ def test_requests_wait_while_no_host_is_up_and_go_to_the_first_that_returns(capl
     a = FakeHost("a")
     with make_pool([a]) as pool:
         pool.update_weights(PARAMS, 5)
-        with caplog.at_level(logging.WARNING, logger="a3po_jax.inference.pool"):
+        with caplog.at_level(logging.WARNING, logger="a3po_jax.inference.remote.pool"):
             a.kill()
             pool.submit(request(0))  # transport failure: host down, request parked
             time.sleep(0.3)
@@ -386,8 +386,8 @@ def test_a_pool_is_batch_invariant_only_if_every_host_is():
 
 def test_every_host_kind_implements_the_host_protocol():
     # The trainer and the rollout workers are typed against `Host`: no duck typing left.
-    from a3po_jax.inference.grpc_client import GrpcInferenceClient
     from a3po_jax.inference.host import InferenceHost
+    from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
 
     for cls in (InferenceHost, GrpcInferenceClient, HostPool, FakeHost):
         missing = [

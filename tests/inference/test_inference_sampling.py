@@ -1,4 +1,4 @@
-"""Golden-value and invariance tests for a3po_jax.inference.sampling and request types."""
+"""Golden-value and invariance tests for a3po_jax.inference.engine.sampling and request types."""
 
 import functools
 
@@ -9,7 +9,7 @@ import pytest
 
 from a3po_jax.core.types import FINISH_REASONS as CORE_FINISH_REASONS
 from a3po_jax.core.types import Rollout
-from a3po_jax.inference import sampling
+from a3po_jax.inference.engine import sampling
 from a3po_jax.inference.types import (
     FINISH_REASONS,
     ErrorKind,
@@ -295,7 +295,7 @@ def test_to_rollout_is_the_one_conversion_to_the_cores_rollout():
 @pytest.mark.parametrize("kind", list(ErrorKind))
 def test_error_kind_survives_the_grpc_message(kind):
     # The kind travels as its value name in the wire's finish_reason (an exact lookup).
-    from a3po_jax.inference.grpc_messages import result_from_proto, result_to_proto
+    from a3po_jax.inference.remote.grpc_messages import result_from_proto, result_to_proto
 
     request = GenerateRequest("r", (1, 2))
     back = result_from_proto(result_to_proto(error_result(request, 0, kind, "why")))
@@ -327,7 +327,7 @@ def test_package_import_does_not_load_jetstream_or_tensorflow():
 def test_engine_splits_weights_once_per_version():
     from helpers.inference_reference import CFG, scaled_params
 
-    from a3po_jax.inference.engine_core import EngineCore
+    from a3po_jax.inference.engine.engine_core import EngineCore
 
     core = EngineCore(CFG, num_slots=1, capacity=16, prefill_buckets=(8,))
     a, b = scaled_params(0), scaled_params(1)
@@ -347,7 +347,7 @@ def test_engine_lays_the_decode_weights_out_by_its_slot_count():
     engine's."""
     from helpers.inference_reference import CFG, scaled_params
 
-    from a3po_jax.inference.engine_core import EngineCore
+    from a3po_jax.inference.engine.engine_core import EngineCore
     from a3po_jax.inference.host import InferenceHost
 
     params = scaled_params(0)
@@ -385,7 +385,7 @@ def test_engine_step_equals_apply_across_a_weight_swap():
     the old weights after the swap and give other log-probs."""
     from helpers.inference_reference import CFG, scaled_params
 
-    from a3po_jax.inference import engine_core
+    from a3po_jax.inference.engine import engine_core, steps
 
     reference = functools.partial(_reference_step, config=CFG)
 
@@ -393,9 +393,9 @@ def test_engine_step_equals_apply_across_a_weight_swap():
     a, b = scaled_params(0), scaled_params(1)
     state = core.init_decode_state()
     prefix = core.prefill(a, [5, 6, 7])
-    sampled = engine_core.SlotSampling(temperature=0.8, top_k=20, seed=3)
+    sampled = steps.SlotSampling(temperature=0.8, top_k=20, seed=3)
     state, _, _ = core.insert(prefix, state, 0, sampled)
-    state, _, _ = core.insert(prefix, state, 1, engine_core.SlotSampling())  # greedy
+    state, _, _ = core.insert(prefix, state, 1, steps.SlotSampling())  # greedy
     state, _, _ = core.generate(a, state)  # compiles
     compiled = engine_core._ONE_DEVICE_JITS.generate._cache_size()
     for params in [a, a, b, b]:
@@ -417,7 +417,7 @@ def test_engine_step_equals_apply_with_many_slots(tied):
     Either way each step's tokens and log-probs equal `model.apply` + `sample_tokens` on
     [N, V] rows, for greedy slots, sampled slots and one with top-k and top-p."""
     from a3po_jax import model as M
-    from a3po_jax.inference import engine_core
+    from a3po_jax.inference.engine import engine_core, steps
 
     config = M.ModelConfig.tiny(tie_embeddings=tied)
     params = jax.tree.map(
@@ -430,12 +430,12 @@ def test_engine_step_equals_apply_with_many_slots(tied):
     for slot in range(n):
         prefix = core.prefill(params, [5 + slot, 6, 7])
         settings = (
-            engine_core.SlotSampling()  # greedy
+            steps.SlotSampling()  # greedy
             if slot % 2 == 0
-            else engine_core.SlotSampling(temperature=0.9, seed=slot)
+            else steps.SlotSampling(temperature=0.9, seed=slot)
         )
         if slot == 3:
-            settings = engine_core.SlotSampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+            settings = steps.SlotSampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)
         state, _, _ = core.insert(prefix, state, slot, settings)
     for _ in range(4):
         ref_tokens, ref_logprobs = _reference_step(params, state, config=config)
@@ -452,7 +452,7 @@ def test_engine_decode_windows():
     step attending to the whole cache samples."""
     from helpers.inference_reference import CFG, scaled_params
 
-    from a3po_jax.inference import engine_core
+    from a3po_jax.inference.engine import engine_core, steps
 
     core = engine_core.EngineCore(CFG, num_slots=2, capacity=48, prefill_buckets=(8, 16))
     assert core.decode_windows == (8, 16, 32, 48)
@@ -466,8 +466,8 @@ def test_engine_decode_windows():
     params = scaled_params(0)
     state = core.init_decode_state()
     prefix = core.prefill(params, [5, 6, 7, 8, 9])
-    state, _, _ = core.insert(prefix, state, 0, engine_core.SlotSampling(temperature=0.9, seed=2))
-    state, _, _ = core.insert(prefix, state, 1, engine_core.SlotSampling())
+    state, _, _ = core.insert(prefix, state, 0, steps.SlotSampling(temperature=0.9, seed=2))
+    state, _, _ = core.insert(prefix, state, 1, steps.SlotSampling())
     for _ in range(12):  # lengths 5 .. 16: windows 8, then 16, then 32
         longest = int(np.max(state.cache.lengths))
         ref_state = jax.tree.map(jnp.copy, state)

@@ -37,10 +37,10 @@ from helpers.inference_reference import (
 )
 
 from a3po_jax import model as M
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference.grpc_client import GrpcInferenceClient, HostAuthenticationError
-from a3po_jax.inference.grpc_messages import GRPC_OPTIONS, auth_metadata
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient, HostAuthenticationError
+from a3po_jax.inference.remote.grpc_messages import GRPC_OPTIONS, auth_metadata
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.soak

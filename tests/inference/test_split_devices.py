@@ -26,7 +26,7 @@ from helpers.inference_reference import CFG, collect, scaled_params
 from helpers.processes import run_file_on_devices
 from helpers.trainer_runs import LetterTask, make_cfg
 
-from a3po_jax.inference import decode_layout
+from a3po_jax.inference.engine import decode_layout
 from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 from a3po_jax.parallel.sharding import make_mesh

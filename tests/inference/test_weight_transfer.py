@@ -1,4 +1,4 @@
-"""Weight pushes over the host's weight port (`weight_transfer.py`) and the reusable staging
+"""Weight pushes over the host's weight port (`inference/transfer/`) and the reusable staging
 buffers they are copied into (`weight_sync.StagingBuffers`).
 
 An in-process host serves the tiny model behind a `WeightReceiver`; the tests push through
@@ -18,14 +18,17 @@ import numpy as np
 import pytest
 from helpers.inference_reference import CFG, collect, recompute_greedy, scaled_params
 
-from a3po_jax.inference import weight_sync, weight_transfer
 from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.transfer import framing, shared_memory, weight_sync
+from a3po_jax.inference.transfer import receiver as receiver_module
+from a3po_jax.inference.transfer.framing import WeightAuthError
+from a3po_jax.inference.transfer.receiver import WeightReceiver
+from a3po_jax.inference.transfer.sender import WeightSender
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
-from a3po_jax.inference.weight_transfer import WeightAuthError, WeightReceiver, WeightSender
 
 TOKEN = "weight-token"
 SHARED_ONLY = pytest.mark.skipif(
-    not weight_transfer.SHARED_MEMORY, reason="shared-memory pushes need Linux"
+    not shared_memory.SHARED_MEMORY, reason="shared-memory pushes need Linux"
 )
 PROMPT = (5, 6, 7, 8)
 
@@ -82,13 +85,13 @@ def test_receive_buffers_are_reused_only_once_nothing_holds_them(served, monkeyp
     held = host._decode_params
     v1 = {n: np.array(a) for n, a in weight_sync.flatten_params(held).items()}
     allocated = []
-    real_empty, real_shared = weight_sync.aligned_empty, weight_transfer._SharedSet
+    real_empty, real_shared = weight_sync.aligned_empty, receiver_module.SharedSet
     monkeypatch.setattr(
         weight_sync, "aligned_empty", lambda *a: allocated.append(a) or real_empty(*a)
     )
     monkeypatch.setattr(
-        weight_transfer,
-        "_SharedSet",
+        receiver_module,
+        "SharedSet",
         lambda specs, *rest: allocated.extend(specs) or real_shared(specs, *rest),
     )
     fds = []  # open descriptors once the sets exist: a push must not add any
@@ -208,14 +211,14 @@ def test_refusals_name_what_is_wrong_and_change_nothing(served):
     with raw_push(receiver.port) as (conn, specs, layout):
         specs[0] = [specs[0][0], specs[0][1], [1, 2, 3]]
         header = {"version": 7, "layout": layout, "tensors": specs}
-        weight_transfer._send_json(conn, b"PUSH", header)
-        kind, payload = weight_transfer._recv_frame(conn)
+        framing.send_json(conn, b"PUSH", header)
+        kind, payload = framing.recv_frame(conn)
         assert kind == b"ERR " and specs[0][0] in payload.decode() and b"shape" in payload
     # A pusher of another layout (an older one sends the stacked params) is refused by name.
     with raw_push(receiver.port) as (conn, specs, layout):
         header = {"version": 7, "layout": {**layout, "name": "stacked"}, "tensors": specs}
-        weight_transfer._send_json(conn, b"PUSH", header)
-        kind, payload = weight_transfer._recv_frame(conn)
+        framing.send_json(conn, b"PUSH", header)
+        kind, payload = framing.recv_frame(conn)
         assert kind == b"ERR " and b"'stacked'" in payload and b"decode-params-v1" in payload
     # ... and so is a host of another layout, by the pusher, before a byte is sent.
     real_layout = host.serving_layout
@@ -234,8 +237,8 @@ def test_a_push_that_breaks_off_leaves_the_old_weights_and_the_receiver_serving(
     before = greedy(host, "before").tokens
     with raw_push(receiver.port) as (conn, specs, layout):
         header = {"version": 9, "layout": layout, "tensors": specs}
-        weight_transfer._send_json(conn, b"PUSH", header)
-        assert weight_transfer._recv_frame(conn)[0] == b"GO  "
+        framing.send_json(conn, b"PUSH", header)
+        assert framing.recv_frame(conn)[0] == b"GO  "
         conn.sendall(b"\x01" * 1000)  # part of the first tensor, then the pusher dies
     # A later good push still lands; nothing of the broken one was installed meanwhile.
     new = scaled_params(5)
@@ -252,28 +255,28 @@ def test_shared_memory_pushes_need_the_local_socket_and_a_broken_one_changes_not
     # Over TCP the host offers no shared set, and refuses a pusher that asks for one.
     with raw_push(receiver.port) as (conn, specs, layout):
         header = {"version": 3, "layout": layout, "tensors": specs, "transport": "shared_memory"}
-        weight_transfer._send_json(conn, b"PUSH", header)
-        kind, payload = weight_transfer._recv_frame(conn)
+        framing.send_json(conn, b"PUSH", header)
+        kind, payload = framing.recv_frame(conn)
         assert kind == b"ERR " and b"only over the host's local socket" in payload
     # A pusher that gets a shared set, scribbles over part of it and dies before SENT.
     with raw_push(receiver.local_socket) as (conn, specs, layout):
         header = {"version": 3, "layout": layout, "tensors": specs, "transport": "shared_memory"}
-        weight_transfer._send_json(conn, b"PUSH", header)
-        (kind, payload), fds = weight_transfer._recv_frame_with_fds(conn)
+        framing.send_json(conn, b"PUSH", header)
+        (kind, payload), fds = framing.recv_frame_with_fds(conn)
         assert kind == b"GO  " and len(fds) == 2  # the set, and the raw region (an idle host)
-        size = weight_transfer._parse_json(payload, "GO")["size"]
+        size = framing.parse_json(payload, "GO")["size"]
         os.pwrite(fds[0], b"\x7f" * min(size, 4096), 0)
         for fd in fds:
             os.close(fd)
     # ... or dies after copying the raw layers the host lays out, before SENT.
     with raw_push(receiver.local_socket) as (conn, specs, layout):
         header = {"version": 3, "layout": layout, "tensors": specs, "transport": "shared_memory"}
-        weight_transfer._send_json(conn, b"PUSH", header)
-        (kind, payload), fds = weight_transfer._recv_frame_with_fds(conn)
+        framing.send_json(conn, b"PUSH", header)
+        (kind, payload), fds = framing.recv_frame_with_fds(conn)
         for fd in fds:
             os.close(fd)
-        assert weight_transfer._parse_json(payload, "GO")["host_layers"][0] < CFG.n_layers
-        weight_transfer._send_frame(conn, b"RAW ")
+        assert framing.parse_json(payload, "GO")["host_layers"][0] < CFG.n_layers
+        framing.send_frame(conn, b"RAW ")
     assert host.version == 0
     np.testing.assert_array_equal(greedy(host, "broken").tokens, before)
     # A host that is generating lays out nothing itself: its core stays with its samples.
@@ -330,11 +333,11 @@ class raw_push:
             self.conn = socket.create_connection(("127.0.0.1", port), timeout=30)
 
     def __enter__(self):
-        hello = weight_transfer._recv_exact(self.conn, len(weight_transfer.MAGIC) + 32)
-        self.conn.sendall(weight_transfer._mac(TOKEN.encode(), hello[len(weight_transfer.MAGIC) :]))
-        kind, payload = weight_transfer._recv_frame(self.conn)
+        hello = framing.recv_exact(self.conn, len(framing.MAGIC) + 32)
+        self.conn.sendall(framing.mac(TOKEN.encode(), hello[len(framing.MAGIC) :]))
+        kind, payload = framing.recv_frame(self.conn)
         assert kind == b"SPEC"
-        spec = weight_transfer._parse_json(payload, "SPEC")
+        spec = framing.parse_json(payload, "SPEC")
         return self.conn, spec["tensors"], spec["layout"]
 
     def __exit__(self, *exc):

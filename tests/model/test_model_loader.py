@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from a3po_jax.inference import grpc_server
+from a3po_jax.inference.remote import grpc_server
 from a3po_jax.model import ModelConfig, checkpoint_io, init_params
 from a3po_jax.model.char_tokenizer import char_tokenizer
 from a3po_jax.model.loader import TINY_MAX_SEQ_LEN, LoadedModel, load_model

@@ -6,7 +6,9 @@
 * No import cycle among `a3po_jax` modules.
 * Every module docstring says which layer the module belongs to.
 * The model knows one weight layout, the one it trains: the inference engine's serving
-  layout is defined in `inference/decode_layout.py` only, and no model code reads it.
+  layout is defined in `inference/engine/decode_layout.py` only, and no model code reads it.
+* Inside inference/, the jitted engine (`engine/`) and the weight pushes (`transfer/`)
+  reach no host, gRPC or each other's code.
 * The module table of the design notes (docs/design.md §5) names only paths that exist,
   and every subpackage and every module of the package is in it.
 
@@ -208,7 +210,7 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
 
 
-DECODE_LAYOUT = "a3po_jax.inference.decode_layout"
+DECODE_LAYOUT = "a3po_jax.inference.engine.decode_layout"
 # What makes up the serving layout: its tree, its builders and runners, its reader.
 DECODE_LAYOUT_NAMES = {
     "DecodeParams",
@@ -238,7 +240,7 @@ def _defined_names(tree: ast.Module) -> set[str]:
 
 
 def test_the_decode_layout_lives_beside_the_inference_code():
-    """The serving layout is defined once, in `inference/decode_layout.py`; nothing in
+    """The serving layout is defined once, in `inference/engine/decode_layout.py`; nothing in
     `model/` imports `inference/` (directly or not), names the layout, or reads its keys
     (a string constant "kernel_t", "qkv" or "gate_up"): adding an architecture means
     touching the model, and the layout follows through its `WeightReader`."""
@@ -330,3 +332,30 @@ def test_the_readme_layout_table_matches_the_tree():
     )
     unnamed = [m for m in modules if m not in named]
     assert not unnamed, f"modules the module table (docs/design.md) does not name: {unnamed}"
+
+
+def test_the_inference_engine_and_transfer_stand_alone():
+    """Inside inference/: the jitted engine (`engine/`) reaches no host, transport or weight
+    push code, and the weight pushes (`transfer/`) reach no engine, host or gRPC code, directly
+    or transitively (both may use `types`, the model and `parallel/`)."""
+    graph = import_graph()
+    allowed = {
+        "engine": ("a3po_jax.inference.engine", "a3po_jax.inference.types"),
+        "transfer": ("a3po_jax.inference.transfer", "a3po_jax.inference.types"),
+    }
+    violations = []
+    for part, keep in allowed.items():
+        prefix = f"a3po_jax.inference.{part}"
+        for name in sorted(graph):
+            if name != prefix and not name.startswith(prefix + "."):
+                continue
+            chain = path_to(
+                graph,
+                name,
+                lambda m, keep=keep: (
+                    layer(m) == "inference" and m != "a3po_jax.inference" and not m.startswith(keep)
+                ),
+            )
+            if chain:
+                violations.append(" -> ".join(chain))
+    assert not violations, "inference/ layers cross:\n  " + "\n  ".join(violations)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-INFERENCE = ROOT / "a3po_jax" / "inference"
+INFERENCE = ROOT / "a3po_jax" / "inference" / "remote"
 
 # Distributions that pull TensorFlow (google-jetstream through seqio; tfds directly).
 TENSORFLOW_PULLERS = ("tensorflow", "tensorflow-datasets", "google-jetstream", "seqio")

@@ -1,6 +1,6 @@
 """Client for an inference host in another process, with `InferenceHost`'s methods.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
     client = GrpcInferenceClient("127.0.0.1:50051", token)   # or .from_token_file(...)
     client.submit(GenerateRequest(...))       # ValueError if the host rejects the request
@@ -9,7 +9,7 @@ Inference layer (host-side shell).
 
 Each submitted request opens one server-streaming Generate call, read by its own
 background thread into a shared result queue, so `poll` behaves as on the in-process host.
-Weights go over the host's weight port (`weight_transfer.WeightSender`), not over gRPC.
+Weights go over the host's weight port (`transfer.sender.WeightSender`), not over gRPC.
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ from typing import Any
 
 import grpc
 
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference import weight_transfer
-from a3po_jax.inference.grpc_messages import (
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference.remote.grpc_messages import (
     GRPC_OPTIONS,
     auth_metadata,
     request_to_proto,
     result_from_proto,
     stats_from_proto,
 )
+from a3po_jax.inference.transfer.framing import WeightAuthError
+from a3po_jax.inference.transfer.sender import WeightSender
+from a3po_jax.inference.transfer.weight_sync import TensorSpec
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,
@@ -90,7 +92,7 @@ class GrpcInferenceClient:
         self._metadata = auth_metadata(token)
         self._timeout = timeout
         self._weight_timeout = weight_timeout
-        self._sender: weight_transfer.WeightSender | None = None
+        self._sender: WeightSender | None = None
         self.last_push: dict[str, Any] = {}  # the host's report of the last weight push
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.InferenceHostStub(self._channel)
@@ -158,14 +160,14 @@ class GrpcInferenceClient:
             raise ValueError(f"version must be an int, got {version!r}")
         try:
             self.last_push = self._weights().push(params, version)
-        except weight_transfer.WeightAuthError as e:
+        except WeightAuthError as e:
             raise HostAuthenticationError(f"weight push: UNAUTHENTICATED: {e}") from None
 
-    def tensor_specs(self) -> list[weight_transfer.TensorSpec]:
+    def tensor_specs(self) -> list[TensorSpec]:
         """The host's serving tensors (name, dtype, shape), in the order a push sends them."""
         return self._weights().specs()
 
-    def _weights(self) -> weight_transfer.WeightSender:
+    def _weights(self) -> WeightSender:
         """The sender to the host's weight port, asked anew each time (a host restarted on
         the same address has another weight port)."""
         stats = self.stats()
@@ -175,7 +177,7 @@ class GrpcInferenceClient:
             raise InferenceError(f"host {self.address} reports no weight_port")
         sender = self._sender
         if sender is None or sender.port != port or sender.offered_socket != local:
-            self._sender = weight_transfer.WeightSender(
+            self._sender = WeightSender(
                 self.address.rsplit(":", 1)[0].strip("[]"),
                 int(port),
                 self._token,

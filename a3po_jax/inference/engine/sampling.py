@@ -1,6 +1,6 @@
 """Next-token sampling for a batch of decode slots with per-slot settings.
 
-Inference layer (host-side shell).
+Inference layer (engine).
 
 Every setting (temperature, top-k, top-p) is an array over slots, so requests with different
 settings share one compiled step. PRNG keys are derived from (request seed, sample index,

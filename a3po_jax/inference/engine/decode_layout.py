@@ -1,6 +1,6 @@
 """The inference engine's copy of the weights: one tree per layer, fused and out-major.
 
-Inference layer (host-side shell; the functions are pure JAX). The model (`a3po_jax.model`)
+Inference layer (engine; the functions are pure JAX). The model (`a3po_jax.model`)
 knows one weight layout, the stacked one it trains; this module lays the same weights out for
 serving and runs the model's own pieces over them:
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 
 import chex
 import jax
@@ -516,107 +515,3 @@ def decode_shardings(
             )
 
     return placed
-
-
-# ---------------------------------------------------------------------------------------------
-# The layout on the wire: a weight push carries the serving tensors themselves
-
-# The name a host states in its weight port's handshake (`weight_transfer.py`) for the
-# tensors it receives: `DecodeParams`' leaves under their `flatten_params` names. A pusher
-# that lays out something else is refused by this name (change it with the layout).
-WIRE_LAYOUT = "decode-params-v1"
-
-
-def serving_source(
-    name: str, model: Mapping[str, np.ndarray], *, out_major: bool, shards: int
-) -> np.ndarray | None:
-    """The model array (a view, no copy) that serving tensor `name` (a `flatten_params` name
-    of `DecodeParams`) is as it stands, or None for the fused or transposed matrices, which
-    `fill_serving` writes. `model` maps the stacked params' flat names to numpy arrays."""
-    if name == "embed":
-        return model["embed/embedding"]
-    if name == "final_norm":
-        return model["final_norm/scale"]
-    if name == "lm_head":
-        return model["lm_head/kernel"]
-    layer, key = layer_key(name)
-    if key.startswith(("attn/qkv/", "mlp/gate_up/")) or (
-        out_major and key in ("attn/o_proj/kernel_t", "mlp/down_proj/kernel_t")
-    ):
-        return None
-    return model["layers/" + key][layer]
-
-
-def fill_serving(
-    out: np.ndarray, name: str, model: Mapping[str, np.ndarray], *, out_major: bool, shards: int
-) -> None:
-    """Writes serving tensor `name` into `out` from the model's stacked arrays: the same
-    values, in the same order, as `decode_params` lays out (`_decode_layers`), computed with
-    numpy on the pusher's side, so the host receives what its decode step reads."""
-    src = serving_source(name, model, out_major=out_major, shards=shards)
-    if src is not None:
-        np.copyto(out, src, casting="no")
-        return
-    layer, key = layer_key(name)
-
-    def kernel(proj: str) -> np.ndarray:  # layer's [I, O] kernel of `proj`
-        k = model[f"layers/{proj}/kernel"][layer]
-        return k.reshape(-1, k.shape[-1]) if proj == "attn/o_proj" else k.reshape(k.shape[0], -1)
-
-    if key in ("attn/o_proj/kernel_t", "mlp/down_proj/kernel_t"):
-        _copy_transposed(out, kernel(key.rsplit("/", 1)[0]))
-        return
-    if key == "attn/qkv/bias":
-        parts = [model[f"layers/attn/{x}_proj/bias"][layer].reshape(shards, -1) for x in "qkv"]
-        _fill_shard_major(out, [p[s] for s in range(shards) for p in parts], axis=0)
-        return
-    projs = {
-        "attn/qkv": ("attn/q_proj", "attn/k_proj", "attn/v_proj"),
-        "mlp/gate_up": ("mlp/gate_proj", "mlp/up_proj"),
-    }[key.rsplit("/", 1)[0]]
-    pieces = [kernel(p).reshape(-1, shards, kernel(p).shape[1] // shards) for p in projs]
-    blocks = [p[:, s] for s in range(shards) for p in pieces]  # [I, O_j / S] shard by shard
-    if key.endswith("kernel_t"):  # rows: each block transposed, stacked
-        at = 0
-        for block in blocks:
-            _copy_transposed(out[at : at + block.shape[1]], block)
-            at += block.shape[1]
-        if at != out.shape[0]:
-            raise ValueError(f"serving tensor {name!r} of shape {out.shape} got {at} rows")
-    else:  # columns: the blocks side by side
-        _fill_shard_major(out, blocks, axis=1)
-
-
-def _fill_shard_major(out: np.ndarray, blocks: list[np.ndarray], axis: int) -> None:
-    at = 0
-    for block in blocks:
-        n = block.shape[axis]
-        np.copyto(out[at : at + n] if axis == 0 else out[:, at : at + n], block, casting="no")
-        at += n
-    if at != out.shape[axis]:
-        raise ValueError(f"serving tensor of shape {out.shape} got {at} along axis {axis}")
-
-
-# Side of the square tiles `_copy_transposed` copies: a tile's rows and columns both stay in
-# cache, where a whole-matrix transposed copy misses on every strided read (the measured
-# gain over np.copyto(out, src.T) is in docs/log.md).
-_TRANSPOSE_TILE = 128
-
-
-def _copy_transposed(out: np.ndarray, src: np.ndarray) -> None:
-    """out [O, I] = src [I, O] transposed, tile by tile (the same values, copied exactly)."""
-    if out.shape != src.shape[::-1]:
-        raise ValueError(f"cannot write the transpose of {src.shape} into {out.shape}")
-    rows, cols = src.shape
-    t = _TRANSPOSE_TILE
-    for i in range(0, rows, t):
-        for j in range(0, cols, t):
-            np.copyto(out[j : j + t, i : i + t], src[i : i + t, j : j + t].T, casting="no")
-
-
-def layer_key(name: str) -> tuple[int, str]:
-    """ "layers/<i>/<key>" -> (i, key); ValueError for any other name."""
-    parts = name.split("/")
-    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
-        raise ValueError(f"{name!r} is not a serving tensor of DecodeParams")
-    return int(parts[1]), "/".join(parts[2:])

@@ -1,6 +1,6 @@
 """Several inference hosts behind the one-host interface, with failure detection and failover.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
     pool = HostPool([GrpcInferenceClient(a, token) for a in addresses])
     pool.submit(request); pool.poll(timeout=0.2); pool.update_weights(params, version)
@@ -54,8 +54,19 @@ import threading
 import time
 from typing import Any
 
-from a3po_jax.inference import weight_sync
 from a3po_jax.inference.protocol import Host
+from a3po_jax.inference.remote.pool_members import (
+    RETRY_SEP,
+    Member,
+    Tracked,
+    first_contact,
+    join_pushes,
+    min_version,
+    progress_of,
+    staging_for,
+    start_push,
+)
+from a3po_jax.inference.transfer import weight_sync
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,
@@ -66,43 +77,6 @@ from a3po_jax.inference.types import (
 )
 
 log = logging.getLogger(__name__)
-
-_RETRY_SEP = "~retry"
-
-
-@dataclasses.dataclass
-class _Member:
-    """One host of the pool and what the pool knows about it."""
-
-    name: str
-    host: Host
-    healthy: bool = True
-    reason: str = ""  # why it is down
-    outstanding: set[str] = dataclasses.field(default_factory=set)  # request ids on it
-    progress: tuple = ()  # (tokens_generated, samples_done) from its last stats
-    progress_at: float = 0.0  # when that last changed (or work was first assigned)
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # last stats seen
-    version: int | None = None  # weights version last pushed to it
-    failures: int = 0
-    returns: int = 0
-    # Weight pushes to one host go one at a time, in order: a push stuck on a frozen host
-    # must finish (or fail) before the newest weights are sent when it returns.
-    push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """A request the pool has accepted and not yet fully delivered."""
-
-    request: GenerateRequest
-    member: int | None = None  # index of the host it is on; None while parked
-    attempt: int = -1  # submissions so far - 1 (0 = the first)
-    delivered: set[int] = dataclasses.field(default_factory=set)
-
-    @property
-    def wire_id(self) -> str:
-        rid = self.request.request_id
-        return rid if self.attempt == 0 else f"{rid}{_RETRY_SEP}{self.attempt}"
 
 
 class HostPool:
@@ -150,9 +124,9 @@ class HostPool:
         self.hang_timeout_s = float(hang_timeout_s)
         self.max_reissues = max_reissues
         self._close_hosts = close_hosts
-        self._members = [_Member(name, host) for name, host in zip(names, hosts, strict=True)]
+        self._members = [Member(name, host) for name, host in zip(names, hosts, strict=True)]
         self._lock = threading.RLock()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._parked: collections.deque[str] = collections.deque()
         self._results: queue.Queue[SampleResult] = queue.Queue()
         # The newest weights (staged host copy, held; their tree) and version.
@@ -171,31 +145,7 @@ class HostPool:
         self._lost_reasons: collections.Counter = collections.Counter()
 
         # All hosts must agree on the update policy; unreachable ones start down.
-        policies = {}
-        now = time.monotonic()
-        for member in self._members:
-            try:
-                member.stats = dict(member.host.stats())
-            except Exception as err:  # noqa: BLE001 -- any failure means "not reachable"
-                member.healthy = False
-                member.reason = f"unreachable at start: {err}"
-                log.warning("inference host %s is down: %s", member.name, member.reason)
-                continue
-            member.progress = _progress_of(member.stats)
-            member.progress_at = now
-            policies[member.name] = member.stats.get("update_policy")
-        if not policies:
-            raise InferenceError(
-                "no inference host reachable: "
-                + "; ".join(f"{m.name}: {m.reason}" for m in self._members)
-            )
-        if len(set(policies.values())) > 1:
-            raise ValueError(f"inference hosts disagree on update_policy: {policies}")
-        self.update_policy = next(iter(policies.values()))
-        # Reproducible only if every host is (a sample may land on any of them).
-        self.batch_invariant = all(
-            bool(m.stats.get("batch_invariant", False)) for m in self._members if m.name in policies
-        )
+        self.update_policy, self.batch_invariant = first_contact(self._members)
 
         self._threads = [
             threading.Thread(target=self._read, args=(i,), name=f"pool-read-{i}", daemon=True)
@@ -216,8 +166,8 @@ class HostPool:
         """
         if not isinstance(request, GenerateRequest):
             raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
-        if _RETRY_SEP in request.request_id:
-            raise ValueError(f"request_id must not contain {_RETRY_SEP!r}: {request.request_id!r}")
+        if RETRY_SEP in request.request_id:
+            raise ValueError(f"request_id must not contain {RETRY_SEP!r}: {request.request_id!r}")
         # After a background push, no request starts on weights older than it.
         while not self._pushed.wait(0.1):
             if self._closed.is_set():
@@ -227,7 +177,7 @@ class HostPool:
                 raise InferenceError("host pool is closed")
             if request.request_id in self._tracked:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
-            self._tracked[request.request_id] = _Tracked(request)
+            self._tracked[request.request_id] = Tracked(request)
             self._counters["requests"] += 1
             self._counters["samples_requested"] += request.num_samples
         self._dispatch(request.request_id, first=True)
@@ -268,11 +218,13 @@ class HostPool:
             staging.release(previous[0])
         self._pushed.clear()
         errors: dict[int, BaseException] = {}
-        pushes = {i: self._start_push(i, staged, tree, version, errors) for i in targets}
+        pushes = {
+            i: start_push(self._members, i, staging, staged, tree, version, errors) for i in targets
+        }
 
         def finish() -> None:
             try:
-                self._join_pushes(pushes)
+                join_pushes(self._members, pushes)
                 self._push.update(
                     pushes=self._push["pushes"] + 1,
                     push_s=time.perf_counter() - t0,
@@ -307,53 +259,10 @@ class HostPool:
             raise err
 
     def _staging_for(self, params: Any) -> weight_sync.StagingBuffers:
-        """Reusable host buffers in the hosts' dtypes (asked of the first host that says),
-        or the params' own dtypes."""
+        """The pool's staging buffers, made at its first push (`staging_for`)."""
         if self._staging is None:
-            specs = None
-            for member in self._members:
-                if member.healthy and hasattr(member.host, "tensor_specs"):
-                    try:
-                        specs = member.host.tensor_specs()
-                        break
-                    except Exception as err:  # noqa: BLE001 -- ask the next host
-                        log.info("host %s did not give its tensor specs: %s", member.name, err)
-            if specs is None:
-                specs = weight_sync.tensor_specs(params)
-            # One set per host that may hold a stalled push (a push per host at a time), so
-            # staging never waits on a frozen host.
-            self._staging = weight_sync.StagingBuffers(
-                specs, sets=2, max_sets=2 + len(self._members)
-            )
+            self._staging = staging_for(self._members, params)
         return self._staging
-
-    def _start_push(
-        self, index: int, staged, tree: Any, version: int, errors: dict[int, BaseException]
-    ) -> threading.Thread:
-        """Pushes to one host in a thread (holding `staged` meanwhile); a failure goes to
-        ``errors[index]``."""
-        member = self._members[index]
-        self._staging.hold(staged)
-
-        def push() -> None:
-            try:
-                with member.push_lock:
-                    member.host.update_weights(tree, version)
-                    member.version = version
-            except BaseException as err:  # noqa: BLE001 -- sorted out by the caller
-                errors[index] = err
-            finally:
-                self._staging.release(staged)
-
-        thread = threading.Thread(target=push, name=f"pool-push-{index}", daemon=True)
-        thread.start()
-        return thread
-
-    def _join_pushes(self, pushes: dict[int, threading.Thread]) -> None:
-        """Waits for each push, or for its host to be marked down."""
-        for i, thread in pushes.items():
-            while thread.is_alive() and self._members[i].healthy:
-                thread.join(timeout=0.05)
 
     def stats(self) -> dict[str, Any]:
         """Totals over the healthy hosts, from the monitor's last look (never blocks on a host)."""
@@ -363,7 +272,7 @@ class HostPool:
             out: dict[str, Any] = {
                 "update_policy": self.update_policy,
                 "batch_invariant": self.batch_invariant,
-                "version": self._latest[2] if self._latest else _min_version(healthy),
+                "version": self._latest[2] if self._latest else min_version(healthy),
                 "hosts_healthy": len(healthy),
                 "hosts_total": len(self._members),
                 "live": bool(healthy),
@@ -561,7 +470,7 @@ class HostPool:
                 self._on_result(index, result)
 
     def _on_result(self, index: int, result: SampleResult) -> None:
-        request_id, _, attempt = result.request_id.partition(_RETRY_SEP)
+        request_id, _, attempt = result.request_id.partition(RETRY_SEP)
         attempt = int(attempt) if attempt else 0
         transport_failure = False
         with self._lock:
@@ -607,7 +516,7 @@ class HostPool:
         reason = None
         with self._lock:
             member.stats = stats
-            progress = _progress_of(stats)
+            progress = progress_of(stats)
             if progress != member.progress or not member.outstanding:
                 member.progress, member.progress_at = progress, now
             elif now - member.progress_at > self.hang_timeout_s:
@@ -631,7 +540,7 @@ class HostPool:
         if stats.get("live") is False or stats.get("update_policy") != self.update_policy:
             return
         idle = not stats.get("slots_busy") and not stats.get("queue_depth")
-        if _progress_of(stats) == member.progress and not idle:
+        if progress_of(stats) == member.progress and not idle:
             return  # answers, but its old work has not moved: still hung
         while True:
             with self._lock:
@@ -659,7 +568,7 @@ class HostPool:
                 member.reason = ""
                 member.returns += 1
                 member.stats = stats
-                member.progress = _progress_of(stats)
+                member.progress = progress_of(stats)
                 member.progress_at = time.monotonic()
                 member.version = None if latest is None else latest[2]
                 parked = list(self._parked)
@@ -674,12 +583,3 @@ class HostPool:
         )
         for request_id in parked:
             self._dispatch(request_id)
-
-
-def _progress_of(stats: dict[str, Any]) -> tuple:
-    return (stats.get("tokens_generated"), stats.get("samples_done"))
-
-
-def _min_version(members: list[_Member]) -> int:
-    versions = [m.stats.get("version") for m in members if m.stats.get("version") is not None]
-    return min(versions) if versions else -1

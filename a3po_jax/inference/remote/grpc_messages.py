@@ -1,6 +1,6 @@
 """Conversions between the host's types and the `inference.proto` messages, and gRPC limits.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
 Shared by `grpc_server.py` and `grpc_client.py` so both sides agree on every field.
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from a3po_jax.inference import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2 as pb
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, SamplingParams
 
 # Caps on one message: room for a long result (weights travel outside gRPC).
@@ -42,20 +42,22 @@ def token_matches(metadata: Any, token: str) -> bool:
     return hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
 
 
+# Fields that cross the wire as they are, by the same name on both sides (the token tuples
+# become repeated fields and back).
+_REQUEST_FIELDS = ("request_id", "num_samples", "seed")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
+
+
+def _fields(source: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(source, name) for name in names}
+
+
 def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
     s = request.sampling
     return pb.GenerateRequest(
-        request_id=request.request_id,
+        **_fields(request, _REQUEST_FIELDS),
         prompt_tokens=list(request.prompt_tokens),
-        num_samples=request.num_samples,
-        sampling=pb.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_new_tokens=s.max_new_tokens,
-            stop_tokens=list(s.stop_tokens),
-        ),
-        seed=request.seed,
+        sampling=pb.SamplingParams(**_fields(s, _SAMPLING_FIELDS), stop_tokens=list(s.stop_tokens)),
     )
 
 
@@ -65,17 +67,9 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         raise ValueError("sampling is missing from the request")
     s = message.sampling
     return GenerateRequest(
-        request_id=message.request_id,
+        **_fields(message, _REQUEST_FIELDS),
         prompt_tokens=tuple(message.prompt_tokens),
-        num_samples=message.num_samples,
-        sampling=SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_new_tokens=s.max_new_tokens,
-            stop_tokens=tuple(s.stop_tokens),
-        ),
-        seed=message.seed,
+        sampling=SamplingParams(**_fields(s, _SAMPLING_FIELDS), stop_tokens=tuple(s.stop_tokens)),
     )
 
 

@@ -1,11 +1,11 @@
 """Parameter trees as flat `"/"`-joined names: validation and host staging for weight pushes.
 
-Inference layer (host-side shell).
+Inference layer (transfer).
 
 A weight push is accepted whole or not at all: every tensor of the serving params must come
 with the same name, shape and dtype, and no other tensor may come. Transfers never pickle:
 a tensor travels as (name, dtype name, shape) and its raw native (little-endian) bytes
-(`weight_transfer.py`).
+(`sender.py`, `receiver.py`).
 
 Host buffers for pushes are allocated once and reused (`StagingBuffers`): a fresh 0.5 GB
 buffer per push costs a page fault per 4 KiB page on first touch, which on a CPU costs

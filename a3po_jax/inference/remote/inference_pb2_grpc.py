@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from a3po_jax.inference import inference_pb2 as a3po__jax_dot_inference_dot_inference__pb2
+from a3po_jax.inference.remote import inference_pb2 as a3po__jax_dot_inference_dot_remote_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in a3po_jax/inference/inference_pb2_grpc.py depends on'
+        + f' but the generated code in a3po_jax/inference/remote/inference_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class InferenceHostStub(object):
         """
         self.Generate = channel.unary_stream(
                 '/a3po_jax.inference.InferenceHost/Generate',
-                request_serializer=a3po__jax_dot_inference_dot_inference__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=a3po__jax_dot_inference_dot_inference__pb2.SampleResult.FromString,
+                request_serializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.SampleResult.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/a3po_jax.inference.InferenceHost/Health',
-                request_serializer=a3po__jax_dot_inference_dot_inference__pb2.HealthRequest.SerializeToString,
-                response_deserializer=a3po__jax_dot_inference_dot_inference__pb2.HealthResponse.FromString,
+                request_serializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.HealthRequest.SerializeToString,
+                response_deserializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/a3po_jax.inference.InferenceHost/Stats',
-                request_serializer=a3po__jax_dot_inference_dot_inference__pb2.StatsRequest.SerializeToString,
-                response_deserializer=a3po__jax_dot_inference_dot_inference__pb2.StatsResponse.FromString,
+                request_serializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.StatsRequest.SerializeToString,
+                response_deserializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -78,18 +78,18 @@ def add_InferenceHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=a3po__jax_dot_inference_dot_inference__pb2.GenerateRequest.FromString,
-                    response_serializer=a3po__jax_dot_inference_dot_inference__pb2.SampleResult.SerializeToString,
+                    request_deserializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.SampleResult.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=a3po__jax_dot_inference_dot_inference__pb2.HealthRequest.FromString,
-                    response_serializer=a3po__jax_dot_inference_dot_inference__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.HealthRequest.FromString,
+                    response_serializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.HealthResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=a3po__jax_dot_inference_dot_inference__pb2.StatsRequest.FromString,
-                    response_serializer=a3po__jax_dot_inference_dot_inference__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.StatsRequest.FromString,
+                    response_serializer=a3po__jax_dot_inference_dot_remote_dot_inference__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -117,8 +117,8 @@ class InferenceHost(object):
             request,
             target,
             '/a3po_jax.inference.InferenceHost/Generate',
-            a3po__jax_dot_inference_dot_inference__pb2.GenerateRequest.SerializeToString,
-            a3po__jax_dot_inference_dot_inference__pb2.SampleResult.FromString,
+            a3po__jax_dot_inference_dot_remote_dot_inference__pb2.GenerateRequest.SerializeToString,
+            a3po__jax_dot_inference_dot_remote_dot_inference__pb2.SampleResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -144,8 +144,8 @@ class InferenceHost(object):
             request,
             target,
             '/a3po_jax.inference.InferenceHost/Health',
-            a3po__jax_dot_inference_dot_inference__pb2.HealthRequest.SerializeToString,
-            a3po__jax_dot_inference_dot_inference__pb2.HealthResponse.FromString,
+            a3po__jax_dot_inference_dot_remote_dot_inference__pb2.HealthRequest.SerializeToString,
+            a3po__jax_dot_inference_dot_remote_dot_inference__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -171,8 +171,8 @@ class InferenceHost(object):
             request,
             target,
             '/a3po_jax.inference.InferenceHost/Stats',
-            a3po__jax_dot_inference_dot_inference__pb2.StatsRequest.SerializeToString,
-            a3po__jax_dot_inference_dot_inference__pb2.StatsResponse.FromString,
+            a3po__jax_dot_inference_dot_remote_dot_inference__pb2.StatsRequest.SerializeToString,
+            a3po__jax_dot_inference_dot_remote_dot_inference__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-"""Inference layer (shell): an `InferenceHost` served over gRPC (`inference.proto`).
+"""Inference layer (remote): an `InferenceHost` served over gRPC (`inference.proto`).
 
 The command line that starts one is `a3po_jax.cli.serve`:
 
@@ -14,7 +14,7 @@ Security: binds 127.0.0.1 unless told otherwise, and every call but Health needs
 metadata `authorization: Bearer <token>` (compared in constant time). The token is read from
 `--token-file` if that file exists, else from `$A3PO_HOST_TOKEN`, else generated and written
 to `--token-file` (default `~/.cache/a3po_jax/host_token`) with mode 0600. Weights arrive on
-a TCP port of their own (`weight_transfer.WeightReceiver`, reported by Stats as
+a TCP port of their own (`receiver.WeightReceiver`, reported by Stats as
 ``weight_port``) as raw bytes with dtype and shape, never pickled, from a pusher that proves
 it holds the token, and are rejected whole on any mismatch.
 
@@ -36,9 +36,10 @@ from typing import Any
 
 import grpc
 
-from a3po_jax.inference import inference_pb2 as pb
-from a3po_jax.inference import inference_pb2_grpc as pb_grpc
-from a3po_jax.inference.grpc_messages import (
+from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.remote import inference_pb2 as pb
+from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
+from a3po_jax.inference.remote.grpc_messages import (
     GRPC_OPTIONS,
     TOKEN_ENV,
     request_from_proto,
@@ -46,9 +47,8 @@ from a3po_jax.inference.grpc_messages import (
     stats_to_proto,
     token_matches,
 )
-from a3po_jax.inference.host import InferenceHost
+from a3po_jax.inference.transfer.receiver import WeightReceiver
 from a3po_jax.inference.types import HostClosedError
-from a3po_jax.inference.weight_transfer import WeightReceiver
 
 log = logging.getLogger(__name__)
 

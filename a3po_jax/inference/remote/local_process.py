@@ -1,6 +1,6 @@
 """An inference host in a child process on this machine, on cores of its own.
 
-Inference layer (host-side shell).
+Inference layer (remote).
 
     host = LocalHostProcess(model="smollm2", cores=[0], update_policy="drain").start()
     client = GrpcInferenceClient(host.address, host.token)      # as for any remote host
@@ -28,7 +28,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from a3po_jax.inference.grpc_server import READY_LINE
+from a3po_jax.inference.remote.grpc_server import READY_LINE
 from a3po_jax.inference.types import InferenceError
 
 log = logging.getLogger(__name__)

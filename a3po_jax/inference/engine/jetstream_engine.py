@@ -1,6 +1,6 @@
 """`JetStreamEngine`: the a3po_jax engine behind JetStream's `Engine` API.
 
-Inference layer (host-side shell).
+Inference layer (engine).
 
 A thin adapter over `engine_core`, so the same model serves under JetStream's stock
 orchestrator and gRPC server (`jetstream.core.orchestrator.Driver`, `server_lib.run`):
@@ -41,11 +41,12 @@ try:  # the `jetstream` extra (google-jetstream, with seqio and TensorFlow)
     from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 except ImportError as err:
     raise ImportError(
-        "a3po_jax.inference.jetstream_engine needs JetStream: pip install 'a3po_jax[jetstream]'"
+        "a3po_jax.inference.engine.jetstream_engine needs JetStream: "
+        "pip install 'a3po_jax[jetstream]'"
     ) from err
 
 from a3po_jax import model as model_lib  # noqa: E402
-from a3po_jax.inference import engine_core  # noqa: E402
+from a3po_jax.inference.engine import engine_core, steps  # noqa: E402
 
 # JetStream's pad_tokens only accepts a max_prefill_length from its own bucket list.
 _JETSTREAM_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -117,7 +118,7 @@ class JetStreamEngine(engine_api.Engine):
         num_slots: int = 8,
         max_prefill_length: int = 256,
         max_cache_len: int | None = None,
-        sampling: engine_core.SlotSampling | None = None,
+        sampling: steps.SlotSampling | None = None,
         bos_id: int = 1,
         eos_id: int = 2,
         pad_id: int = 0,
@@ -138,7 +139,7 @@ class JetStreamEngine(engine_api.Engine):
         # The weights as the engine serves them: split per layer, the one copy that prefill
         # and the decode step both run on (what `load_params` hands JetStream).
         self._params = self._core.split_params(jax.device_put(params, self._device))
-        self._sampling = sampling or engine_core.SlotSampling()  # greedy
+        self._sampling = sampling or steps.SlotSampling()  # greedy
         self._tokenizer = TokenIdTokenizer(
             bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, hf_tokenizer=hf_tokenizer
         )
@@ -152,7 +153,7 @@ class JetStreamEngine(engine_api.Engine):
     def load_params(self, *args, **kwargs) -> Any:
         return self._params
 
-    def init_decode_state(self, *args, **kwargs) -> engine_core.DecodeState:
+    def init_decode_state(self, *args, **kwargs) -> steps.DecodeState:
         return self._core.init_decode_state()
 
     # ---------------------------------------------------------------- the three steps
@@ -161,22 +162,22 @@ class JetStreamEngine(engine_api.Engine):
         self,
         *,
         params: Any,
-        existing_prefix: engine_core.Prefix | None = None,
+        existing_prefix: steps.Prefix | None = None,
         padded_tokens: jax.Array,
         true_length: int,
-    ) -> engine_core.Prefix:
+    ) -> steps.Prefix:
         if existing_prefix is not None:
             raise NotImplementedError("prefix caching (existing_prefix) is not supported")
         tokens = jnp.asarray(padded_tokens, jnp.int32)  # [Tb], JetStream's bucket
         return self._core.prefill_padded(params, tokens, int(true_length))
 
     def insert(
-        self, prefix: engine_core.Prefix, decode_state: engine_core.DecodeState, slot: int
-    ) -> engine_core.DecodeState:
+        self, prefix: steps.Prefix, decode_state: steps.DecodeState, slot: int
+    ) -> steps.DecodeState:
         with self._counter_lock:
             index = next(self._sample_counter)
         s = self._sampling
-        coords = engine_core.SlotSampling(
+        coords = steps.SlotSampling(
             temperature=s.temperature,
             top_k=s.top_k,
             top_p=s.top_p,
@@ -187,8 +188,8 @@ class JetStreamEngine(engine_api.Engine):
         return state
 
     def generate(
-        self, params: Any, decode_state: engine_core.DecodeState
-    ) -> tuple[engine_core.DecodeState, engine_api.ResultTokens]:
+        self, params: Any, decode_state: steps.DecodeState
+    ) -> tuple[steps.DecodeState, engine_api.ResultTokens]:
         data = self._emit(decode_state, capacity=self._core.capacity)  # [N, 3]
         decode_state, _, _ = self._core.generate(params, decode_state)
         result = engine_api.ResultTokens(
@@ -232,7 +233,7 @@ class JetStreamEngine(engine_api.Engine):
         return None
 
 
-def _emit_pending(state: engine_core.DecodeState, *, capacity: int) -> jax.Array:
+def _emit_pending(state: steps.DecodeState, *, capacity: int) -> jax.Array:
     """[N, 3] int32 rows (token, valid, length) of each slot's pending token.
 
     `length` counts the tokens emitted so far including this one (JetStream ends a slot
