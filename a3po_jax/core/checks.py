@@ -10,8 +10,10 @@ reads the same wherever it comes from.
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,40 @@ def check_choice(
     allowed = tuple(allowed)
     if value not in allowed:
         raise error(f"{name}={value!r} is not one of {', '.join(allowed)}{hint}")
+
+
+def registered(
+    name: str,
+    table: Mapping[str, Any],
+    *,
+    package: str,
+    names: Callable[[], Iterable[str]],
+    what: str,
+    error: type[Exception] = ValueError,
+) -> Any:
+    """``table[name]``, importing the module that registers it first if it is not there yet
+    (``<package>.<name>``, else ``<name>`` on the Python path): how a plugin objective or
+    mode is found by its name alone. Raises ``error`` naming ``what``, the value and
+    ``names()`` (:func:`check_choice`) when no such module registers it."""
+    plain = isinstance(name, str) and name.isidentifier()
+    if name not in table and plain:
+        for module in (f"{package}.{name}", name):
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as err:
+                if err.name != module:  # the module exists and an import inside it failed
+                    raise
+                continue
+            if name in table:
+                break
+    # Only a Python identifier names a module that could register it (and fits in one line).
+    hint = (
+        f" (nor does a module {package}.{name} or {name} on the Python path register it)"
+        if plain
+        else ""
+    )
+    check_choice(what, name, names(), error=error, hint=hint)
+    return table[name]
 
 
 def check_rank(name: str, x: jax.Array, rank: int, what: str) -> None:

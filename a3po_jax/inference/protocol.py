@@ -49,3 +49,16 @@ class Host(Protocol):
 
     def close(self) -> None:
         """Stops serving this caller; unfinished samples come back as errors or are dropped."""
+
+
+class InAnotherProcess:
+    """What a host in another process (a gRPC client, a pool of them) says of itself on the
+    `Host` protocol: it starts with weights of its own, so the trainer pushes its first, and
+    the weights a push replaces are not this process's memory."""
+
+    in_process = False
+
+    def wait_serving(self, version: int, timeout: float) -> bool:
+        """A remote swap is not observed from here: True at once (the host's own update
+        policy orders its requests around the swap)."""
+        return True

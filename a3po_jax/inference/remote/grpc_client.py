@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from a3po_jax.inference.protocol import InAnotherProcess
 from a3po_jax.inference.remote import inference_pb2 as pb
 from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
 from a3po_jax.inference.remote.grpc_messages import (
@@ -61,7 +62,7 @@ def _raise_for(error: grpc.RpcError, what: str):
     raise InferenceError(f"{what} failed: {code.name}: {details}") from None
 
 
-class GrpcInferenceClient:
+class GrpcInferenceClient(InAnotherProcess):
     """The trainer's handle on a remote `InferenceHost` (same methods, same results).
 
     Args:
@@ -142,15 +143,6 @@ class GrpcInferenceClient:
     def poll(self, timeout: float | None = None, max_results: int | None = None):
         """Finished samples of any request, as on `InferenceHost.poll`."""
         return take_results(self._results, timeout, max_results)
-
-    # A host in another process: it starts with weights of its own (the trainer pushes its
-    # first), and its replaced weights are not this process's memory.
-    in_process = False
-
-    def wait_serving(self, version: int, timeout: float) -> bool:
-        """A remote swap is not observed from here: returns True at once (the host's own
-        update policy orders its requests around the swap)."""
-        return True
 
     def update_weights(self, params: Any, version: int) -> None:
         """Sends the weights over the host's weight port; returns once the host installed

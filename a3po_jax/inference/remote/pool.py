@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from a3po_jax.inference.protocol import Host
+from a3po_jax.inference.protocol import Host, InAnotherProcess
 from a3po_jax.inference.remote.pool_members import (
     RETRY_SEP,
     Member,
@@ -79,7 +79,7 @@ from a3po_jax.inference.types import (
 log = logging.getLogger(__name__)
 
 
-class HostPool:
+class HostPool(InAnotherProcess):
     """Inference hosts behind one host interface: placement, health checks and failover.
 
     Args:
@@ -185,15 +185,6 @@ class HostPool:
     def poll(self, timeout: float | None = None, max_results: int | None = None):
         """Finished samples from any host, each sample at most once (as `InferenceHost.poll`)."""
         return take_results(self._results, timeout, max_results)
-
-    # A host in another process: it starts with weights of its own (the trainer pushes its
-    # first), and its replaced weights are not this process's memory.
-    in_process = False
-
-    def wait_serving(self, version: int, timeout: float) -> bool:
-        """A remote swap is not observed from here: returns True at once (the host's own
-        update policy orders its requests around the swap)."""
-        return True
 
     def update_weights(self, params: Any, version: int) -> None:
         """Sends the weights to every healthy host at once. Returns when each has installed

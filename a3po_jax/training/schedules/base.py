@@ -7,13 +7,12 @@ they register in.
 
 from __future__ import annotations
 
-import importlib
 import time
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 
-from a3po_jax.core.checks import check_choice
+from a3po_jax.core.checks import registered
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.rollout.source import RolloutSource
 
@@ -201,20 +200,4 @@ def get(name: str, *, what: str = "system.mode", error: type[Exception] = ValueE
     Raises:
       ``error`` naming ``what``, the value and the registered modes.
     """
-    if name not in _REGISTRY and isinstance(name, str) and name.isidentifier():
-        for module in (f"{_PACKAGE}.{name}", name):
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError as err:
-                if err.name != module:  # the module exists and an import inside it failed
-                    raise
-                continue
-            if name in _REGISTRY:
-                break
-    hint = (
-        f" (nor does a module {_PACKAGE}.{name} or {name} on the Python path register it)"
-        if isinstance(name, str) and name.isidentifier()
-        else ""
-    )
-    check_choice(what, name, names(), error=error, hint=hint)
-    return _REGISTRY[name]
+    return registered(name, _REGISTRY, package=_PACKAGE, names=names, what=what, error=error)
