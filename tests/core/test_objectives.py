@@ -156,7 +156,7 @@ def test_decoupled_ppo_loss_is_the_steps_term_finalized():
 def test_online_dpo_loss_is_the_steps_term_finalized():
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=2, groups_per_step=8),
-        algo=AlgoSection(loss="dpo", dpo_kind="ipo"),
+        algo=AlgoSection(loss="dpo", settings={"dpo": {"kind": "ipo"}}),
         system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)

@@ -19,8 +19,8 @@ Shape letters: P pairs, b rows of a micro-batch (2 per pair), T tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from a3po_jax.core.aggregation import TINY
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
 from a3po_jax.core.objectives.registry import PAIRS, Term, register
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
 from a3po_jax.core.stats import Stats, finalize, masked_pair
 
 Batch = dict[str, jax.Array]
@@ -39,6 +40,18 @@ _DPO_LOSSES = {
     "ipo": lambda h, beta: jnp.square(h - 1.0 / (2.0 * beta)),
 }
 DPO_KINDS: tuple[str, ...] = tuple(_DPO_LOSSES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOSettings:
+    """``algo.dpo.*``: Online DPO's own settings."""
+
+    beta: float = 0.1  # β > 0
+    kind: str = "sigmoid"  # "sigmoid" or "ipo"
+
+    def __post_init__(self):
+        check_number("beta", self.beta, above=0.0)
+        check_choice("kind", self.kind, DPO_KINDS)
 
 
 def sequence_logprobs(logp: jax.Array, mask: jax.Array) -> jax.Array:
@@ -160,10 +173,11 @@ def dpo_term(
     return pair_sums(per_pair, diag, pairs)
 
 
-@register("dpo", needs_reference=True, layout=PAIRS)
-def dpo(cfg: Any) -> Term:
-    """``algo.loss=dpo``: :func:`dpo_term` with ``algo.dpo_beta`` and ``algo.dpo_kind``."""
-    return Term(functools.partial(dpo_term, beta=cfg.algo.dpo_beta, kind=cfg.algo.dpo_kind))
+@register("dpo", settings=DPOSettings, needs_reference=True, layout=PAIRS)
+def dpo(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=dpo``: :func:`dpo_term` with ``algo.dpo.beta`` and ``algo.dpo.kind``."""
+    own = spec.settings
+    return Term(functools.partial(dpo_term, beta=own.beta, kind=own.kind))
 
 
 def online_dpo_loss(

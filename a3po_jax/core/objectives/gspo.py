@@ -29,24 +29,23 @@ behaviour policy enters through w_b, the geometric mean of the token weights π_
 
 ``algo.aggregation`` is not read (GSPO is a sequence mean by construction; the step still
 reduces a KL term in the loss with it, so ``seq_mean_token_mean`` keeps the two alike),
-nor are ``algo.clip_eps*`` (``algo.gspo_clip_low|high`` are its ε) or the weight caps.
+nor are ``algo.clip_eps*`` (``algo.gspo.clip_low|high`` are its ε) or the weight caps.
 
 Shape letters: B sequences (b in a micro-batch), T tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core import prox
 from a3po_jax.core.aggregation import aggregate_sum
 from a3po_jax.core.checks import check_positive, check_rank, check_same_shape
-from a3po_jax.core.objectives.ppo import ProxStaleness, proximal_logp
 from a3po_jax.core.objectives.registry import Term, register
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
 from a3po_jax.core.stats import (
     Stats,
     finalized_loss,
@@ -55,8 +54,6 @@ from a3po_jax.core.stats import (
     masked_min,
     masked_pair,
 )
-
-Batch = dict[str, jax.Array]
 
 # GSPO's loss is a mean over sequences of each sequence's token mean.
 _SEQUENCE_MEAN = functools.partial(aggregate_sum, mode="seq_mean_token_mean")
@@ -189,55 +186,25 @@ def gspo_sums(
     return loss_sum, count, stats
 
 
-def gspo_term(
-    logp: jax.Array,
-    mb: Batch,
-    *,
-    staleness: jax.Array,
-    old_logp: jax.Array | None,
-    ref_logp: jax.Array | None,
-    prox_fn: prox.ProxFn,
-    prox_staleness: ProxStaleness | None = None,
-    clip_low: float,
-    clip_high: float,
-) -> tuple[jax.Array, jax.Array, Stats]:
-    """GSPO on one micro-batch: prox from ``prox_fn`` (A-3PO's d from ``prox_staleness``, as
-    for ``ppo``), then :func:`gspo_sums` (a sequence lies in one micro-batch, so the
-    sequence sums add exactly)."""
-    del ref_logp
-    behav = mb["behav_logp"]
-    prox_logp = proximal_logp(
-        logp, mb, staleness, old_logp, prox_fn=prox_fn, prox_staleness=prox_staleness
-    )
-    return gspo_sums(
-        logp,
-        prox_logp,
-        behav,
-        mb["advantages"],
-        mb["loss_mask"],
-        clip_low=clip_low,
-        clip_high=clip_high,
-        staleness=staleness,
-    )
+@dataclasses.dataclass(frozen=True)
+class GSPOSettings:
+    """``algo.gspo.*``: the sequence ratio's clip (paper §5.1)."""
+
+    clip_low: float = 3e-4  # ε_low in (0, 1)
+    clip_high: float = 4e-4  # ε_high > 0
+
+    def __post_init__(self):
+        check_number("clip_low", self.clip_low, above=0.0, below=1.0)
+        check_number("clip_high", self.clip_high, above=0.0)
 
 
-@register("gspo")
-def gspo(cfg: Any) -> Term:
-    """``algo.loss=gspo``: :func:`gspo_term` with the prox rule (``algo.prox``,
-    ``algo.a3po_zero_staleness``, ``algo.a3po_staleness_unit``, ``system.one_pass_old``)
-    and ``algo.gspo_clip_low|high`` bound once."""
-    a = cfg.algo
-    rule = prox.make_prox_rule(
-        a.prox, zero_staleness=a.a3po_zero_staleness, one_pass_old=cfg.system.one_pass_old
-    )
-    fn = functools.partial(
-        gspo_term,
-        prox_fn=rule.fn,
-        prox_staleness=prox.staleness_for_prox(a.a3po_staleness_unit),
-        clip_low=a.gspo_clip_low,
-        clip_high=a.gspo_clip_high,
-    )
-    return Term(fn, needs_old_pass=rule.needs_old_pass)
+@register("gspo", settings=GSPOSettings)
+def gspo(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=gspo``: :func:`gspo_sums` anchored at the bound prox rule (as for
+    ``ppo``; a sequence lies in one micro-batch, so its sums add exactly), with
+    ``algo.gspo.clip_low|high``."""
+    own = spec.settings
+    return spec.anchored(gspo_sums, clip_low=own.clip_low, clip_high=own.clip_high)
 
 
 def gspo_loss(

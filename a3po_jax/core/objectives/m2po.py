@@ -7,7 +7,7 @@ Zheng, Zhao, Chen, "Prosperity before Collapse: How Far Can Off-Policy RL Reach 
 Data on LLMs?", arXiv 2510.01161 (τ = 0.04 in all their runs). Its Algorithm 1 drops the
 largest (log ρ)² among "all trust-region tokens" until their mean is ≤ τ and then trains
 ℓ = -M ρ A with no ratio clip; implementations disagree on which tokens those are, and the
-authors' own code does not mask at all. ``algo.m2po_reading`` picks one of three:
+authors' own code does not mask at all. ``algo.m2po.reading`` picks one of three:
 
     log ρ_t = sg(logp_t) - behav_t,  v_t = (log ρ_t)²       π_θ/π_behav of token t
     S = {t valid : A_t > 0 and log ρ_t > 0, or A_t < 0 and log ρ_t < 0}
@@ -54,9 +54,10 @@ Shape letters: B sequences (b in a micro-batch), T tokens, L = b·T.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,7 @@ from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
 from a3po_jax.core.objectives.ppo import Aggregate
 from a3po_jax.core.objectives.registry import Term, register
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
 from a3po_jax.core.stats import Stats, finalized_loss, masked_ess, masked_max, masked_pair
 
 Batch = dict[str, jax.Array]
@@ -353,19 +355,26 @@ def m2po_term(
     )
 
 
-@register("m2po")
-def m2po(cfg: Any) -> Term:
-    """``algo.loss=m2po``: :func:`m2po_term` with ``algo.m2po_tau``,
-    ``algo.m2po_reading`` and the aggregation; no prox rule (``algo.prox`` is not read, no
-    recompute pass)."""
-    a = cfg.algo
-    fn = functools.partial(
-        m2po_term,
-        aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
-        tau=a.m2po_tau,
-        reading=a.m2po_reading,
+@dataclasses.dataclass(frozen=True)
+class M2POSettings:
+    """``algo.m2po.*``: the bound and the reading (the module docstring says which is whose)."""
+
+    tau: float = 0.04  # τ > 0 on the mean (log π_θ/π_behav)² of the kept tokens
+    reading: str = "all_tokens_mask"  # a key of READINGS
+
+    def __post_init__(self):
+        check_number("tau", self.tau, above=0.0)
+        check_choice("reading", self.reading, READINGS)
+
+
+@register("m2po", settings=M2POSettings)
+def m2po(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=m2po``: :func:`m2po_term` with ``algo.m2po.tau``, ``algo.m2po.reading``
+    and the aggregation; no prox rule (``algo.prox`` is not read, no recompute pass)."""
+    own = spec.settings
+    return Term(
+        functools.partial(m2po_term, aggregate=spec.aggregate, tau=own.tau, reading=own.reading)
     )
-    return Term(fn)
 
 
 def m2po_loss(
