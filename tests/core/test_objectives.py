@@ -27,6 +27,8 @@ from a3po_jax.training.config import (
     RolloutSection,
     SystemSection,
     TrainConfig,
+    apply_overrides,
+    config_from_dict,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,12 +98,25 @@ def test_a_module_named_by_the_loss_is_imported_and_registers_it(
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "reinforce" not in objectives.names() and "reinforce" not in sys.modules
     try:
-        cfg = TrainConfig(algo=AlgoSection(loss="reinforce", advantage="drgrpo"))
+        cfg = apply_overrides(
+            TrainConfig(),
+            ["algo.loss=reinforce", "algo.advantage=drgrpo", "algo.reinforce.max_advantage=2"],
+        )
         assert objectives.get("reinforce").make.__module__ == "reinforce"
         algo = step_builder.algorithm(cfg, CFG)
+        # Its setting is a config field like any other: saved, loaded, checked by name.
+        assert cfg.algo.reinforce.max_advantage == 2.0
+        saved = json.loads(json.dumps(cfg.to_dict()))
+        assert saved["algo"]["reinforce"] == {"max_advantage": 2.0}
+        assert config_from_dict(saved) == cfg
+        with pytest.raises(ConfigError, match="algo.reinforce.max_advantage must be >= 0"):
+            apply_overrides(cfg, ["algo.reinforce.max_advantage=-1"])
+        with pytest.raises(ConfigError, match="unknown config field 'algo.reinforce.cap'"):
+            apply_overrides(cfg, ["algo.reinforce.cap=1"])
     finally:
         sys.modules.pop("reinforce", None)  # the next import registers it afresh
-    assert algo.loss_term.__name__ == "reinforce_term"
+    assert algo.loss_term.func.__name__ == "reinforce_term"
+    assert algo.loss_term.keywords == {"max_advantage": 2.0}
     assert not algo.needs_reference and not algo.needs_old_pass
 
 
@@ -210,6 +225,7 @@ def test_a_new_objective_module_trains_through_the_cli(tmp_path):
             "experiments/smoke_tiny.py",
             "algo.loss=reinforce",
             "algo.advantage=drgrpo",
+            "algo.reinforce.max_advantage=2",
             "system.mode=sync",
             "steps=2",
             "checkpoint_every=0",
@@ -229,4 +245,5 @@ def test_a_new_objective_module_trains_through_the_cli(tmp_path):
         assert "reinforce/advantage" in record  # the new objective's own metric
         assert "loss/clipfrac" not in record  # and not PPO's
     assert records[0]["optim/grad_norm"] > 0
-    assert json.loads((run_dir / "config.json").read_text())["algo"]["loss"] == "reinforce"
+    saved = json.loads((run_dir / "config.json").read_text())["algo"]
+    assert saved["loss"] == "reinforce" and saved["reinforce"] == {"max_advantage": 2.0}
