@@ -1,4 +1,4 @@
-"""M2PO's three readings (``algo.m2po_reading``, ``a3po_jax/core/objectives/m2po.py``):
+"""M2PO's three readings (``algo.m2po.reading``, ``a3po_jax/core/objectives/m2po.py``):
 golden values by hand, NumPy references of the papers' and the authors' loops written
 here, gradients that are exactly 0 where a token is dropped or clipped, the micro-batch
 rule, the config's refusal. The default reading's own tests are in
