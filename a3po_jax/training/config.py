@@ -11,11 +11,7 @@ Every error names the field and, for choices, the allowed values.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import re
-import traceback
-import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,10 +29,10 @@ from a3po_jax.training.config_values import (  # noqa: F401 (INT_LIMIT..: the co
     _check_address,
     _check_types,
     _choice,
-    _in_range,
     _parse_value,
     _positive,
 )
+from a3po_jax.training.experiment_files import import_experiment, load_config  # noqa: F401
 
 MODES = ("sync", "periodic", "one_step_off", "async")
 # The algorithm choices are the keys of the core's tables: one list, where the code is.
@@ -159,15 +155,6 @@ class RolloutSection:
         _check_types("rollout", self)
         for name in ("group_size", "groups_per_step", "max_new_tokens", "num_slots"):
             _positive("rollout", name, getattr(self, name))
-        for name in ("dynamic_sampling", "overlong_filter", "batch_invariant"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(
-                    f"rollout.{name} must be true or false, got {getattr(self, name)!r}"
-                )
-        if isinstance(self.max_extra_groups, bool) or not isinstance(self.max_extra_groups, int):
-            raise ConfigError(
-                f"rollout.max_extra_groups must be an int, got {self.max_extra_groups!r}"
-            )
         if self.max_extra_groups < -1:
             raise ConfigError(
                 "rollout.max_extra_groups must be >= 0 (or -1 = rollout.groups_per_step), "
@@ -250,8 +237,6 @@ class AlgoSection:
                 "are alternatives: set one of them to 0"
             )
         _choice("algo", "kl_kind", self.kl_kind, KL_KINDS)
-        if not isinstance(self.track_ref_kl, bool):
-            raise ConfigError(f"algo.track_ref_kl must be true or false, got {self.track_ref_kl!r}")
         _positive("algo", "clip_eps", self.clip_eps)
         for name in ("clip_eps_high", "behav_weight_cap", "kl_coef"):
             _positive("algo", name, getattr(self, name), allow_zero=True)
@@ -491,8 +476,6 @@ class TrainConfig:
         _positive("", "eval_prompts", self.eval_prompts)
         _positive("", "eval_samples", self.eval_samples)
         _positive("", "eval_max_new_tokens", self.eval_max_new_tokens, allow_zero=True)
-        if not isinstance(self.evaluate, bool):
-            raise ConfigError(f"evaluate must be true or false, got {self.evaluate!r}")
         if self.evaluates and self.task.split == EVAL_SPLIT:
             raise ConfigError(
                 f"task.split={EVAL_SPLIT!r} trains on the held-out split the evaluation "
@@ -534,7 +517,7 @@ class TrainConfig:
 
 
 # --------------------------------------------------------------------------------------
-# Overrides and experiment files.
+# Overrides and saved configs (experiment files: training/experiment_files.py).
 # --------------------------------------------------------------------------------------
 
 
@@ -603,69 +586,6 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**kwargs)
 
 
-def import_experiment(path: str | Path) -> types.ModuleType:
-    """Import an experiment file as a module (its ``config()``, maybe its ``SWEEP``).
-
-    Raises:
-      ConfigError: the file does not exist, or importing it raised; the message names the
-        file, the error and the line of the experiment file it came from.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"experiment_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ConfigError(
-            f"experiment file {_where(path, err)} failed to import: {_describe(err)}"
-        ) from err
-    return module
-
-
-def _describe(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
-    # AlgoSection(m2po_tau=...) in an old experiment file: name the field's new place.
-    moved = re.search(r"unexpected keyword argument '(\w+)'", text)
-    found = moved and objective_settings.flat(moved.group(1))
-    return text + (f" (now algo.{found[0]}.{found[1]}: docs/losses.md)" if found else "")
-
-
-def _where(path: Path, err: BaseException) -> str:
-    """``'experiments/x.py' line 12``: the innermost line of ``path`` in ``err``'s traceback."""
-    line = None
-    if (
-        isinstance(err, SyntaxError)
-        and err.filename
-        and Path(err.filename).resolve() == path.resolve()
-    ):
-        line = err.lineno  # raised while compiling the file: no frame of it to point at
-    for frame in traceback.extract_tb(err.__traceback__):
-        if Path(frame.filename).resolve() == path.resolve():
-            line = frame.lineno
-    return f"{str(path)!r}" + (f" line {line}" if line else "")
-
-
 def load_experiment(path: str | Path) -> TrainConfig:
-    """Import an experiment file and call its ``config()``.
-
-    Raises:
-      ConfigError: for a missing file, one that fails to import, has no ``config()``, or
-        whose ``config()`` raises or returns something other than a :class:`TrainConfig`.
-    """
-    path = Path(path)
-    module = import_experiment(path)
-    if not hasattr(module, "config"):
-        raise ConfigError(f"experiment file {str(path)!r} has no config() function")
-    try:
-        config = module.config()
-    except ConfigError:
-        raise
-    except Exception as err:
-        raise ConfigError(
-            f"experiment file {_where(path, err)}: config() raised {_describe(err)}"
-        ) from err
-    if not isinstance(config, TrainConfig):
-        raise ConfigError(f"{path}: config() returned {type(config).__name__}, not TrainConfig")
-    return config
+    """An experiment file's ``config()``; a :class:`ConfigError` names the file and line."""
+    return load_config(path, TrainConfig)

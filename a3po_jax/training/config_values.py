@@ -33,16 +33,6 @@ def _name(section: str, name: str) -> str:
     return f"{section}.{name}" if section else name  # top-level fields have no section
 
 
-def _in_range(section: str, name: str, value: float, low: float, high: float | None = None) -> None:
-    """Refuse ``value`` unless it is finite and ``low < value`` (``< high`` when given):
-    an open interval, which ``_positive`` (a closed lower bound) cannot say."""
-    field = _name(section, name)
-    check_finite(field, value, error=ConfigError)  # NaN passes every `<` check silently
-    if not (low < value and (high is None or value < high)):
-        bound = f"> {low}" if high is None else f"in ({low}, {high})"
-        raise ConfigError(f"{field} must be {bound}, got {value!r}")
-
-
 def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
     check_finite(_name(section, name), value, error=ConfigError)  # NaN passes `value < 0`
     if value < 0 or (value == 0 and not allow_zero):
