@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -181,15 +182,10 @@ def dpo(spec: ObjectiveSpec) -> Term:
 
 
 def online_dpo_loss(
-    chosen_logp: jax.Array,
-    rejected_logp: jax.Array,
-    chosen_ref_logp: jax.Array,
-    rejected_ref_logp: jax.Array,
-    *,
-    beta: float,
-    kind: str = "sigmoid",
+    *sequence_logps: jax.Array,
     mask: jax.Array | None = None,
     denominator: jax.Array | float | None = None,
+    **dpo: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Online DPO on pairs of on-line samples ranked by a reward.
 
@@ -204,10 +200,10 @@ def online_dpo_loss(
     (:func:`dpo_term`), divided once.
 
     Args:
-      chosen_logp, rejected_logp: ``[B]`` current sequence log-probs.
-      chosen_ref_logp, rejected_ref_logp: ``[B]`` reference sequence log-probs.
-      beta: β > 0.
-      kind: ``"sigmoid"`` or ``"ipo"``.
+      sequence_logps: ``chosen_logp``, ``rejected_logp`` (``[B]`` current sequence
+        log-probs), ``chosen_ref_logp``, ``rejected_ref_logp`` (``[B]`` the reference's).
+      dpo: ``beta`` (β > 0) and ``kind`` (``"sigmoid"`` or ``"ipo"``) of
+        :func:`online_dpo_per_pair`.
       mask: optional ``[B]`` 1 for pairs that count (e.g. 0 where both samples got the same
         reward, so there is no preference to learn).
       denominator: global number of counted pairs for micro-batching; defaults to the
@@ -217,10 +213,8 @@ def online_dpo_loss(
       ``(loss, metrics)`` with ``dpo/margin_mean`` (mean β·h), ``dpo/accuracy`` (fraction
       with h > 0), ``dpo/chosen_reward`` and ``dpo/rejected_reward`` (β·(logp - ref)).
     """
-    check_same_shape("chosen_logp", chosen_logp, mask=mask)
-    per_pair, diag = online_dpo_per_pair(
-        chosen_logp, rejected_logp, chosen_ref_logp, rejected_ref_logp, beta=beta, kind=kind
-    )
+    check_same_shape("chosen_logp", sequence_logps[0], mask=mask)
+    per_pair, diag = online_dpo_per_pair(*sequence_logps, **dpo)
     pair_mask = jnp.ones_like(per_pair) if mask is None else mask.astype(jnp.float32)
     loss_sum, count, stats = pair_sums(per_pair, diag, pair_mask)
     # A caller-given denominator is the whole batch's count (micro-batch losses then add).

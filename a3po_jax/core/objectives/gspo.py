@@ -43,20 +43,23 @@ import jax
 import jax.numpy as jnp
 
 from a3po_jax.core.aggregation import aggregate_sum
-from a3po_jax.core.checks import check_positive, check_rank, check_same_shape
+from a3po_jax.core.checks import check_positive
+from a3po_jax.core.objectives.ppo import Aggregate, check_token_arrays, token_loss
 from a3po_jax.core.objectives.registry import Term, register
 from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
 from a3po_jax.core.stats import (
     Stats,
-    finalized_loss,
+    combine,
     masked_ess,
     masked_max,
     masked_min,
     masked_pair,
+    staleness_stats,
 )
 
 # GSPO's loss is a mean over sequences of each sequence's token mean.
-_SEQUENCE_MEAN = functools.partial(aggregate_sum, mode="seq_mean_token_mean")
+SEQUENCE_MEAN = "seq_mean_token_mean"
+_SEQUENCE_MEAN = functools.partial(aggregate_sum, mode=SEQUENCE_MEAN)
 
 
 def _sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -89,15 +92,7 @@ def gspo_per_token(
       where masked); ``"clipped"`` ``[B, T]`` 0/1, ``"log_seq_ratio"`` ``[B]`` log s_b,
       ``"seq_weight"`` ``[B]`` w_b, ``"seq_clipped"`` ``[B]`` 0/1 (a token of b clipped).
     """
-    check_rank("logp", logp, 2, "[B, T]")
-    check_same_shape(
-        "logp",
-        logp,
-        prox_logp=prox_logp,
-        behav_logp=behav_logp,
-        advantages=advantages,
-        mask=mask,
-    )
+    check_token_arrays(logp, prox_logp, behav_logp, advantages, mask)
     check_positive("clip_low", clip_low)
     check_positive("clip_high", clip_high)
     if clip_low >= 1:
@@ -137,12 +132,14 @@ def gspo_sums(
     advantages: jax.Array,
     mask: jax.Array,
     *,
-    clip_low: float,
-    clip_high: float,
     staleness: jax.Array | None = None,
+    aggregate: Aggregate = _SEQUENCE_MEAN,
+    **clip: float,
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """:func:`gspo_per_token` as ``(loss_sum, count, stats)`` that add across
-    micro-batches: ``loss_sum`` = Σ_b ℓ_b, ``count`` = sequences with a valid token.
+    micro-batches: ``loss_sum`` = Σ_b ℓ_b, ``count`` = sequences with a valid token;
+    ``clip`` is ``clip_low``, ``clip_high`` of :func:`gspo_per_token`; ``aggregate`` is the
+    sequence mean GSPO is (its public loss hands in the same one).
 
     Returns:
       ``(loss_sum, count, stats)``: ``gspo/seq_clipfrac`` (sequences clipped),
@@ -150,16 +147,8 @@ def gspo_sums(
       ``is/seq_weight_mean|max|min`` (w_b), ``mismatch/ess`` (of w_b on each valid token)
       and, with staleness, ``staleness/mean|max``.
     """
-    per_token, diag = gspo_per_token(
-        logp,
-        prox_logp,
-        behav_logp,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-    )
-    loss_sum, count = _SEQUENCE_MEAN(per_token, mask)
+    per_token, diag = gspo_per_token(logp, prox_logp, behav_logp, advantages, mask, **clip)
+    loss_sum, count = aggregate(per_token, mask)
     rows = jnp.any(mask > 0, axis=-1)  # [b] sequences with a valid token
     s, w = jnp.exp(diag["log_seq_ratio"]), diag["seq_weight"]
     means = {
@@ -168,14 +157,12 @@ def gspo_sums(
         "gspo/seq_ratio_mean": masked_pair(s, rows),
         "is/seq_weight_mean": masked_pair(w, rows),
     }
-    maxima = {"gspo/seq_ratio_max": masked_max(s, rows), "is/seq_weight_max": masked_max(w, rows)}
-    if staleness is not None:
-        d = staleness.astype(jnp.float32)
-        means["staleness/mean"] = masked_pair(d, mask)
-        maxima["staleness/max"] = masked_max(d, mask)
     stats = Stats(
         means=means,
-        maxima=maxima,
+        maxima={
+            "gspo/seq_ratio_max": masked_max(s, rows),
+            "is/seq_weight_max": masked_max(w, rows),
+        },
         minima={
             "gspo/seq_ratio_min": masked_min(s, rows),
             "is/seq_weight_min": masked_min(w, rows),
@@ -183,7 +170,7 @@ def gspo_sums(
         # Token-level, like every objective's mismatch/ess: a sequence weighs its length.
         ess={"mismatch/ess": masked_ess(jnp.broadcast_to(w[:, None], mask.shape), mask)},
     )
-    return loss_sum, count, stats
+    return loss_sum, count, combine(stats, staleness_stats(staleness, mask))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +232,16 @@ def gspo_loss(
       ``gspo/seq_ratio_mean|max|min``, ``is/seq_weight_mean|max|min``, ``mismatch/ess``,
       ``loss/num_tokens`` and, with staleness, ``staleness/mean|max``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    loss_sum, count, stats = gspo_sums(
+    return token_loss(
+        gspo_sums,
         logp,
         prox_logp,
         behav_logp,
         advantages,
         mask,
+        aggregation=SEQUENCE_MEAN,
         clip_low=clip_low,
         clip_high=clip_high,
+        denominator=denominator,
         staleness=staleness,
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)

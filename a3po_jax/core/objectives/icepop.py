@@ -32,23 +32,21 @@ Shape letters: B sequences (b in a micro-batch), T tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
-from a3po_jax.core.checks import check_choice, check_same_shape
 from a3po_jax.core.objectives.ppo import (
     Aggregate,
     Diagnostics,
     decoupled_ppo_per_token,
+    token_loss,
     token_stats,
 )
 from a3po_jax.core.objectives.registry import Term, register
 from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
-from a3po_jax.core.stats import Stats, combine, finalized_loss, masked_pair
+from a3po_jax.core.stats import Stats, combine, masked_pair
 
 
 class IcePopDiagnostics(NamedTuple):
@@ -98,21 +96,13 @@ def icepop_per_token(
 
 
 def icepop_sums(
-    logp: jax.Array,
-    prox_logp: jax.Array,
-    behav_logp: jax.Array,
-    advantages: jax.Array,
-    mask: jax.Array,
-    *,
-    aggregate: Aggregate,
-    staleness: jax.Array | None = None,
-    **hyper: Any,
+    *arrays: jax.Array, aggregate: Aggregate, staleness: jax.Array | None = None, **hyper: Any
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """:func:`icepop_per_token` as ``(loss_sum, count, stats)`` that add across
     micro-batches; ``loss = loss_sum / count``.
 
     Args:
-      logp, prox_logp, behav_logp, advantages, mask: ``[B, T]``.
+      arrays: ``logp``, ``prox_logp``, ``behav_logp``, ``advantages``, ``mask``, ``[B, T]``.
       aggregate: ``(per_token, mask) -> (numerator, count)``.
       staleness: ``[B, T]`` d_t, or None.
       hyper: ``low``, ``high``, ``clip_eps``, ``clip_eps_high``, ``dual_clip``.
@@ -123,7 +113,8 @@ def icepop_sums(
       :func:`a3po_jax.core.objectives.ppo.token_stats` (``mismatch/masked_frac`` is the
       band's) and ``mismatch/ess``.
     """
-    per_token, diag = icepop_per_token(logp, prox_logp, behav_logp, advantages, mask, **hyper)
+    logp, _, behav_logp, _, mask = arrays
+    per_token, diag = icepop_per_token(*arrays, **hyper)
     loss_sum, count = aggregate(per_token, mask)
     own = Stats(
         means={
@@ -173,12 +164,7 @@ def icepop_loss(
     low: float = 0.5,
     high: float = 5.0,
     clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-    aggregation: str = "token_mean",
-    denominator: jax.Array | float | None = None,
-    max_len: int | None = None,
-    staleness: jax.Array | None = None,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """IcePop: decoupled PPO with tokens outside [α, β] of the train/inference ratio dropped.
 
@@ -197,7 +183,9 @@ def icepop_loss(
       logp, prox_logp, behav_logp, advantages, mask: ``[B, T]``; prox and behav carry no
         gradient.
       low, high: α and β, 0 < α ≤ 1 ≤ β, α < β.
-      clip_eps, clip_eps_high, dual_clip: the trust-region clip (ε_low, ε_high, c).
+      clip_eps: ε_low of the trust-region clip.
+      options: each optional: ``clip_eps_high``, ``dual_clip`` (ε_high, c), and
+        ``aggregation``, ``denominator``, ``max_len``, ``staleness`` as below.
       aggregation: one of ``AGGREGATIONS``.
       denominator: global count for micro-batching; defaults to the local count.
       max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
@@ -208,20 +196,15 @@ def icepop_loss(
       (``loss/clipfrac``, ``is/*``, ``mismatch/*`` with ``mismatch/ess``) and
       ``loss/num_tokens``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    loss_sum, count, stats = icepop_sums(
+    return token_loss(
+        icepop_sums,
         logp,
         prox_logp,
         behav_logp,
         advantages,
         mask,
-        aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
-        staleness=staleness,
         low=low,
         high=high,
         clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip,
+        **options,
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)

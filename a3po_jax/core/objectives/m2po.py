@@ -57,17 +57,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
-from a3po_jax.core.objectives.ppo import Aggregate
+from a3po_jax.core.objectives.ppo import Aggregate, token_loss
 from a3po_jax.core.objectives.registry import Term, register
-from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
-from a3po_jax.core.stats import Stats, finalized_loss, masked_ess, masked_max, masked_pair
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number, token_term
+from a3po_jax.core.stats import Stats, combine, masked_ess, masked_max, masked_pair, staleness_stats
 
 Batch = dict[str, jax.Array]
 
@@ -317,42 +316,12 @@ def m2po_sums(
     if "clip_side" in diag:
         means["m2po/clip_side_frac"] = masked_pair(diag["clip_side"], mask)
         means["m2po/m2_clip_side"] = masked_pair(diag["m2"], diag["clip_side"])
-    maxima = {"is/weight_max": masked_max(diag["ratio"], mask)}
-    if staleness is not None:
-        d = staleness.astype(jnp.float32)
-        means["staleness/mean"] = masked_pair(d, mask)
-        maxima["staleness/max"] = masked_max(d, mask)
     stats = Stats(
         means=means,
-        maxima=maxima,
+        maxima={"is/weight_max": masked_max(diag["ratio"], mask)},
         ess={"mismatch/ess": masked_ess(diag["ratio"] * (1.0 - diag["masked"]), mask)},
     )
-    return loss_sum, count, stats
-
-
-def m2po_term(
-    logp: jax.Array,
-    mb: Batch,
-    *,
-    staleness: jax.Array,
-    old_logp: jax.Array | None,
-    ref_logp: jax.Array | None,
-    aggregate: Aggregate,
-    tau: float,
-    reading: str = "all_tokens_mask",
-) -> tuple[jax.Array, jax.Array, Stats]:
-    """M2PO on one micro-batch (its own mask or bound): :func:`m2po_sums` of its arrays."""
-    del old_logp, ref_logp
-    return m2po_sums(
-        logp,
-        mb["behav_logp"],
-        mb["advantages"],
-        mb["loss_mask"],
-        aggregate=aggregate,
-        tau=tau,
-        reading=reading,
-        staleness=staleness,
-    )
+    return loss_sum, count, combine(stats, staleness_stats(staleness, mask))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,11 +338,14 @@ class M2POSettings:
 
 @register("m2po", settings=M2POSettings)
 def m2po(spec: ObjectiveSpec) -> Term:
-    """``algo.loss=m2po``: :func:`m2po_term` with ``algo.m2po.tau``, ``algo.m2po.reading``
-    and the aggregation; no prox rule (``algo.prox`` is not read, no recompute pass)."""
+    """``algo.loss=m2po``: :func:`m2po_sums` of each micro-batch (its own mask or bound)
+    with ``algo.m2po.tau``, ``algo.m2po.reading`` and the aggregation; no prox rule
+    (``algo.prox`` is not read, no recompute pass)."""
     own = spec.settings
     return Term(
-        functools.partial(m2po_term, aggregate=spec.aggregate, tau=own.tau, reading=own.reading)
+        functools.partial(
+            token_term, sums=m2po_sums, aggregate=spec.aggregate, tau=own.tau, reading=own.reading
+        )
     )
 
 
@@ -385,10 +357,7 @@ def m2po_loss(
     *,
     tau: float = 0.04,
     reading: str = "all_tokens_mask",
-    aggregation: str = "token_mean",
-    denominator: jax.Array | float | None = None,
-    max_len: int | None = None,
-    staleness: jax.Array | None = None,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """M2PO: the policy gradient on stale data, with the second moment of the log ratio
     bounded instead of PPO's ε-clip.
@@ -407,7 +376,7 @@ def m2po_loss(
     the data, however stale), A advantages, m the completion mask, τ the bound on M̂₂.
     Zheng, Zhao, Chen, arXiv 2510.01161 (τ = 0.04); the module docstring says which code
     each reading follows. The whole batch is one mask (or one bound) here; the train step
-    builds one per micro-batch (:func:`m2po_term`). This function is ``finalize`` of
+    builds one per micro-batch (:func:`m2po`'s term). This function is ``finalize`` of
     :func:`m2po_sums`.
 
     Args:
@@ -415,6 +384,7 @@ def m2po_loss(
         gradient.
       tau: τ > 0.
       reading: one of ``M2PO_READINGS``.
+      options: each optional: ``aggregation``, ``denominator``, ``max_len``, ``staleness``.
       aggregation: one of ``AGGREGATIONS`` (the paper: ``token_mean``).
       denominator: global count for micro-batching; defaults to the local count.
       max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
@@ -426,16 +396,6 @@ def m2po_loss(
       ``loss/num_tokens``, with staleness ``staleness/mean|max``, and for the clip-side
       readings ``m2po/clip_side_frac``, ``m2po/m2_clip_side``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    loss_sum, count, stats = m2po_sums(
-        logp,
-        behav_logp,
-        advantages,
-        mask,
-        aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
-        tau=tau,
-        reading=reading,
-        staleness=staleness,
+    return token_loss(
+        m2po_sums, logp, behav_logp, advantages, mask, tau=tau, reading=reading, **options
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)

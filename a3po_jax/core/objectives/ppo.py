@@ -14,7 +14,7 @@ One road from the per-token maths to both callers:
 * :func:`decoupled_ppo_sums`: their ``(loss_sum, count, Stats)``, which add across
   micro-batches, minibatches and arriving groups;
 * :func:`ppo`: the train step's term for one micro-batch: the prox rule, then the sums
-  (:func:`a3po_jax.core.objectives.spec.anchored_term`);
+  (:func:`a3po_jax.core.objectives.spec.token_term`);
 * :func:`decoupled_ppo_loss` / :func:`ppo_clip_loss`: the public losses, the sums of a
   whole batch finalized (``loss = loss_sum / count``, metrics divided once).
 
@@ -48,6 +48,7 @@ from a3po_jax.core.stats import (
     masked_max,
     masked_min,
     masked_pair,
+    staleness_stats,
 )
 
 Aggregate = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -65,6 +66,15 @@ _TOKEN_CAPS = {
     ),
 }
 CAP_MODES: tuple[str, ...] = tuple(_TOKEN_CAPS)
+
+
+def check_token_arrays(
+    logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advantages: jax.Array, mask
+) -> None:
+    """The ``[B, T]`` arrays of a token-level objective: rank 2, one shape."""
+    check_rank("logp", logp, 2, "[B, T]")
+    others = {"prox_logp": prox_logp, "behav_logp": behav_logp, "advantages": advantages}
+    check_same_shape("logp", logp, **others, mask=mask)
 
 
 class Diagnostics(NamedTuple):
@@ -124,15 +134,7 @@ def decoupled_ppo_per_token(
       dropped by the cap); ``diagnostics`` a :class:`Diagnostics`, its ``seq_*`` fields set
       with ``seq_correction``.
     """
-    check_rank("logp", logp, 2, "[B, T]")
-    check_same_shape(
-        "logp",
-        logp,
-        prox_logp=prox_logp,
-        behav_logp=behav_logp,
-        advantages=advantages,
-        mask=mask,
-    )
+    check_token_arrays(logp, prox_logp, behav_logp, advantages, mask)
     check_positive("clip_eps", clip_eps)
     check_positive("clip_eps_high", clip_eps_high)
     check_positive("dual_clip", dual_clip, minimum=1.0)
@@ -267,24 +269,18 @@ def token_stats(
       mask: ``[b, T]`` loss mask.
       diag: the per-token diagnostics.
     """
-    d = None if staleness is None else staleness.astype(jnp.float32)
-    means = {
-        "loss/clipfrac": masked_pair(diag.clipped, mask),
-        "loss/dual_clipfrac": masked_pair(diag.dual_clipped, mask),
-        "is/weight_mean": masked_pair(diag.is_weight, mask),
-        "is/capped_frac": masked_pair(diag.capped, mask),
-        "kl/behav_k3": masked_pair(diag.kl_behav_k3, mask),
-    }
-    if d is not None:
-        means["staleness/mean"] = masked_pair(d, mask)
-    maxima = {"is/weight_max": masked_max(diag.is_weight, mask)}
-    if d is not None:
-        maxima["staleness/max"] = masked_max(d, mask)
     stats = Stats(
-        means=means,
-        maxima=maxima,
+        means={
+            "loss/clipfrac": masked_pair(diag.clipped, mask),
+            "loss/dual_clipfrac": masked_pair(diag.dual_clipped, mask),
+            "is/weight_mean": masked_pair(diag.is_weight, mask),
+            "is/capped_frac": masked_pair(diag.capped, mask),
+            "kl/behav_k3": masked_pair(diag.kl_behav_k3, mask),
+        },
+        maxima={"is/weight_max": masked_max(diag.is_weight, mask)},
         minima={"is/weight_min": masked_min(diag.is_weight, mask)},
     )
+    stats = combine(stats, staleness_stats(staleness, mask))
     return combine(stats, mismatch_stats(logp, behav_logp, staleness, mask, diag))
 
 
@@ -390,15 +386,7 @@ def decoupled_ppo_loss(
     mask: jax.Array,
     *,
     clip_eps: float,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-    behav_weight_cap: float | None = None,
-    cap_mode: str = "mask",
-    aggregation: str = "token_mean",
-    denominator: jax.Array | float | None = None,
-    max_len: int | None = None,
-    staleness: jax.Array | None = None,
-    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None = None,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decoupled PPO clip loss with separate behaviour and proximal policies.
 
@@ -428,6 +416,7 @@ def decoupled_ppo_loss(
       advantages: ``[B, T]`` per-token advantages (broadcast sequence advantages yourself).
       mask: ``[B, T]`` 1 for tokens that count.
       clip_eps: ε_low > 0.
+      options: the keywords below, each optional.
       clip_eps_high: ε_high > 0 (DAPO's clip-higher); defaults to ``clip_eps``.
       dual_clip: c > 1 for dual clipping of negative advantages, or None.
       behav_weight_cap: cap > 0 on w_t, or None.
@@ -446,24 +435,36 @@ def decoupled_ppo_loss(
       ``mismatch/*`` metrics of :func:`mismatch_stats` and, with staleness,
       ``staleness/mean|max`` and ``mismatch/k3_kl_fresh|fresh_tokens``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    loss_sum, count, stats = decoupled_ppo_sums(
+    return token_loss(
+        decoupled_ppo_sums,
         logp,
         prox_logp,
         behav_logp,
         advantages,
         mask,
-        aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
-        staleness=staleness,
         clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip,
-        behav_weight_cap=behav_weight_cap,
-        cap_mode=cap_mode,
-        seq_correction=seq_correction,
+        **options,
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)
+
+
+def token_loss(
+    sums: Callable[..., tuple[jax.Array, jax.Array, Stats]],
+    *arrays: jax.Array,
+    aggregation: str = "token_mean",
+    denominator: jax.Array | float | None = None,
+    max_len: int | None = None,
+    staleness: jax.Array | None = None,
+    **hyper: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The public loss of a token-level objective: ``sums(*arrays, aggregate=...,
+    staleness=..., **hyper)`` over the whole batch, finalized (``loss = loss_sum / count``,
+    or over the whole batch's ``denominator``); ``arrays`` start with ``logp`` and end with
+    the mask. ``aggregation`` and ``max_len`` (Dr.GRPO's normaliser) pick the aggregation."""
+    check_same_shape("logp", arrays[0], staleness=staleness)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    aggregate = functools.partial(aggregate_sum, mode=aggregation, max_len=max_len)
+    loss_sum, count, stats = sums(*arrays, aggregate=aggregate, staleness=staleness, **hyper)
+    return finalized_loss(loss_sum, count, stats, arrays[-1], denominator)
 
 
 def ppo_clip_loss(

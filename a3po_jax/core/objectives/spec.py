@@ -12,7 +12,7 @@ objective's ``make(spec)`` reads nothing else:
 * ``spec.aggregate``: the loss aggregation, bound;
 * ``spec.anchor``: the prox rule (:class:`ProxSpec`) bound once into an :class:`Anchor`,
   for the objectives whose trust region is anchored at π_prox (PPO, GSPO, IcePop), whose
-  term is :func:`anchored_term` of their sums (``spec.anchored(sums, ...)``).
+  term is :func:`token_term` of their sums (``spec.anchored(sums, ...)``).
 
 A settings dataclass validates itself in ``__post_init__`` with :func:`check_number` and
 :func:`a3po_jax.core.checks.check_choice`, whose messages start with the field's name (the
@@ -120,7 +120,7 @@ class Anchor:
         return self.fn(logp, mb["behav_logp"], self.staleness(mb, staleness), old_logp)
 
 
-def anchored_term(
+def token_term(
     logp: jax.Array,
     mb: Batch,
     *,
@@ -128,22 +128,17 @@ def anchored_term(
     old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
     sums: Sums,
-    anchor: Anchor,
+    anchor: Anchor | None = None,
     **hyper: Any,
 ) -> tuple[jax.Array, jax.Array, Stats]:
-    """One micro-batch of an objective anchored at π_prox: log π_prox from ``anchor``, then
-    ``sums(logp, prox_logp, behav_logp, advantages, mask, staleness=..., **hyper)`` of its
-    arrays. ``staleness`` is in optimizer updates (the ``staleness/*`` metrics)."""
+    """One micro-batch of a token-level objective: ``sums(logp, prox_logp, behav_logp,
+    advantages, mask, staleness=..., **hyper)`` of its arrays, log π_prox from ``anchor``
+    (None: an objective with no proximal policy, M2PO, whose ``sums`` take no prox_logp).
+    ``staleness`` is in optimizer updates (the ``staleness/*`` metrics)."""
     del ref_logp
-    return sums(
-        logp,
-        anchor(logp, mb, staleness, old_logp),
-        mb["behav_logp"],
-        mb["advantages"],
-        mb["loss_mask"],
-        staleness=staleness,
-        **hyper,
-    )
+    prox_logp = () if anchor is None else (anchor(logp, mb, staleness, old_logp),)
+    arrays = (logp, *prox_logp, mb["behav_logp"], mb["advantages"], mb["loss_mask"])
+    return sums(*arrays, staleness=staleness, **hyper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +162,7 @@ class ObjectiveSpec:
         return Anchor.bind(self.prox)
 
     def anchored(self, sums: Sums, **hyper: Any) -> Term:
-        """The :class:`Term` of an objective anchored at π_prox: :func:`anchored_term` of
+        """The :class:`Term` of an objective anchored at π_prox: :func:`token_term` of
         ``sums`` with the bound prox rule and ``hyper``; an old-policy pass where it needs one."""
-        fn = functools.partial(anchored_term, sums=sums, anchor=self.anchor, **hyper)
+        fn = functools.partial(token_term, sums=sums, anchor=self.anchor, **hyper)
         return Term(fn, needs_old_pass=self.anchor.needs_old_pass)
