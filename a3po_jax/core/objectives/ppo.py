@@ -116,9 +116,8 @@ def decoupled_ppo_per_token(
 ) -> tuple[jax.Array, Diagnostics]:
     """Per-token decoupled PPO loss ℓ_t and per-token diagnostics, nothing reduced.
 
-    The formula, symbols and paper are those of :func:`decoupled_ppo_loss`, which is
-    ``aggregate`` of this function's ℓ. A train step that splits a batch into micro-batches
-    reduces these values once, with ``aggregate_sum``, instead of averaging averages.
+    The formula, symbols and paper are those of :func:`decoupled_ppo_loss` (``aggregate`` of
+    this ℓ); a micro-batched step reduces these values once, not averaging averages.
 
     Args:
       logp, prox_logp, behav_logp, advantages, mask: ``[B, T]`` as for
@@ -138,8 +137,6 @@ def decoupled_ppo_per_token(
     check_positive("clip_eps", clip_eps)
     check_positive("clip_eps_high", clip_eps_high)
     check_positive("dual_clip", dual_clip, minimum=1.0)
-    check_positive("behav_weight_cap", behav_weight_cap)
-    check_choice("cap_mode", cap_mode, CAP_MODES)
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
     valid = mask.astype(bool)
@@ -154,36 +151,8 @@ def decoupled_ppo_per_token(
     log_r = jnp.where(valid, logp - prox, 0.0)
     log_w = jnp.where(valid, prox - behav, 0.0)
     ratio = jnp.exp(log_r)
-    weight = jnp.exp(log_w)
-
-    keep = valid
-    none = jnp.zeros_like(valid)
-    masked = truncated = none
-    seq_diag: dict[str, jax.Array] = {}
-    if seq_correction is not None and behav_weight_cap is not None:
-        raise ValueError(
-            "behav_weight_cap (token-level) and seq_correction (sequence-level) are "
-            "alternatives: set one of them"
-        )
-    if seq_correction is not None:
-        corr = seq_correction(log_w, valid)
-        weight = corr.token_weight
-        keep = valid & corr.seq_keep[:, None]
-        masked = valid & ~corr.seq_keep[:, None]
-        truncated = valid & corr.seq_truncated[:, None]
-        capped = masked | truncated
-        seq_diag = {
-            "seq_log_weight": corr.log_seq_weight,
-            "seq_masked": (~corr.seq_keep).astype(jnp.float32),
-            "seq_truncated": corr.seq_truncated.astype(jnp.float32),
-        }
-    elif behav_weight_cap is not None:
-        capped = (weight > behav_weight_cap) & valid
-        weight, keep, masked, truncated = _TOKEN_CAPS[cap_mode](
-            weight, keep, capped, behav_weight_cap
-        )
-    else:
-        capped = none
+    caps = _capped_weight(log_w, valid, behav_weight_cap, cap_mode, seq_correction)
+    weight, keep, masked, truncated, capped, seq_diag = caps
 
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
@@ -211,6 +180,48 @@ def decoupled_ppo_per_token(
         **seq_diag,
     )
     return per_token, diagnostics
+
+
+def _capped_weight(
+    log_w: jax.Array,
+    valid: jax.Array,
+    behav_weight_cap: float | None,
+    cap_mode: str,
+    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None,
+) -> tuple[Any, ...]:
+    """The weight w_t = exp(log_w) after the token or the sequence cap (or none), as
+    ``(weight, keep, masked, truncated, capped, seq_diag)``: ``[B, T]`` arrays (bool but
+    the weight) and the sequence cap's ``[B]`` diagnostics (a dict, empty without it)."""
+    check_positive("behav_weight_cap", behav_weight_cap)
+    check_choice("cap_mode", cap_mode, CAP_MODES)
+    weight = jnp.exp(log_w)
+    keep = valid
+    none = jnp.zeros_like(valid)
+    masked = truncated = capped = none
+    seq_diag: dict[str, jax.Array] = {}
+    if seq_correction is not None and behav_weight_cap is not None:
+        raise ValueError(
+            "behav_weight_cap (token-level) and seq_correction (sequence-level) are "
+            "alternatives: set one of them"
+        )
+    if seq_correction is not None:
+        corr = seq_correction(log_w, valid)
+        weight = corr.token_weight
+        keep = valid & corr.seq_keep[:, None]
+        masked = valid & ~corr.seq_keep[:, None]
+        truncated = valid & corr.seq_truncated[:, None]
+        capped = masked | truncated
+        seq_diag = {
+            "seq_log_weight": corr.log_seq_weight,
+            "seq_masked": (~corr.seq_keep).astype(jnp.float32),
+            "seq_truncated": corr.seq_truncated.astype(jnp.float32),
+        }
+    elif behav_weight_cap is not None:
+        capped = (weight > behav_weight_cap) & valid
+        weight, keep, masked, truncated = _TOKEN_CAPS[cap_mode](
+            weight, keep, capped, behav_weight_cap
+        )
+    return weight, keep, masked, truncated, capped, seq_diag
 
 
 # --------------------------------------------------------------------------------------
