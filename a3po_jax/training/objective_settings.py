@@ -99,7 +99,7 @@ def normalized(given: Any) -> ObjectiveSettings:
         raise ConfigError(
             f"algo.settings must map objective names to their settings, got {given!r}"
         )
-    built = {str(name): build(name, value) for name, value in given.items()}
+    built = {str(name): build(str(name), value) for name, value in given.items()}
     for name in objectives.names():
         cls = objectives.get(name).settings
         if cls is not None and name not in built:
