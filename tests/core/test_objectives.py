@@ -82,6 +82,13 @@ def test_a_duplicate_name_is_refused_naming_the_owner_and_the_choices(scratch_re
     objectives.register("ppo")(objectives.get("ppo").make)
 
 
+def test_an_objectives_settings_must_be_a_frozen_dataclass(scratch_registry):
+    # The config holds every objective's settings in its frozen algo section.
+    with pytest.raises(TypeError, match="settings of objective 'x' must be a frozen dataclass"):
+        objectives.register("x", settings=dict)
+    assert "x" not in objectives.names()
+
+
 def test_an_unknown_name_is_refused_naming_the_choices(scratch_registry):
     known = "dpo, gspo, icepop, m2po, ppo"
     with pytest.raises(ValueError, match=f"objective='no_such_loss' is not one of {known}"):

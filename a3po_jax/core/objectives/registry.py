@@ -103,10 +103,15 @@ def register(
     sense with (None: any, or it reads no prox); the config refuses the others, naming them.
 
     Raises:
+      TypeError: ``settings`` is not a frozen dataclass.
       ValueError: ``name`` is already registered by another function (the message names
         it and the registered names). Importing the same module again re-registers its own
         function, which is allowed.
     """
+
+    frozen = dataclasses.is_dataclass(settings) and settings.__dataclass_params__.frozen
+    if settings is not None and not frozen:  # the config holds it in a frozen section
+        raise TypeError(f"settings of objective {name!r} must be a frozen dataclass: {settings}")
 
     def decorate(make: Callable[[Any], Term]) -> Callable[[Any], Term]:
         objective = Objective(
