@@ -539,7 +539,7 @@ def test_per_pair_dpo_reduces_to_the_reduced_loss():
     loss, metrics = L.online_dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.5, mask=pairs)
     np.testing.assert_allclose(jnp.sum(per_pair * pairs) / 2.0, loss, rtol=1e-6)
     # h = (logp⁺ - ref⁺) - (logp⁻ - ref⁻): pair 0: 0.5 - (-0.5) = 1; pair 1: 0 - 0.5 = -0.5.
-    np.testing.assert_allclose(diag["margin"][:2], [0.5, -0.25], rtol=1e-6)
+    np.testing.assert_allclose(diag.margin[:2], [0.5, -0.25], rtol=1e-6)
     np.testing.assert_allclose(metrics["dpo/accuracy"], 0.5)
 
 

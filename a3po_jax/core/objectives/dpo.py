@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,15 @@ _DPO_LOSSES = {
     "ipo": lambda h, beta: jnp.square(h - 1.0 / (2.0 * beta)),
 }
 DPO_KINDS: tuple[str, ...] = tuple(_DPO_LOSSES)
+
+
+class PairDiagnostics(NamedTuple):
+    """Per-pair diagnostics of :func:`online_dpo_per_pair`, ``[P]`` float32 each."""
+
+    margin: jax.Array  # β·h
+    accuracy: jax.Array  # 1 where h > 0
+    chosen_reward: jax.Array  # β·(logp⁺ - ref⁺)
+    rejected_reward: jax.Array  # β·(logp⁻ - ref⁻)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +87,7 @@ def online_dpo_per_pair(
     *,
     beta: float,
     kind: str = "sigmoid",
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, PairDiagnostics]:
     """Per-pair Online DPO loss ℓ_i and per-pair diagnostics, nothing reduced.
 
     The formula, symbols and papers are those of :func:`online_dpo_loss`, which is the
@@ -91,9 +100,7 @@ def online_dpo_per_pair(
       kind: ``"sigmoid"`` or ``"ipo"``.
 
     Returns:
-      ``(per_pair, diagnostics)``: ``[P]`` float32 ℓ and ``[P]`` float32 ``"margin"`` (β·h),
-      ``"accuracy"`` (1 where h > 0), ``"chosen_reward"``, ``"rejected_reward"``
-      (β·(logp - ref)).
+      ``(per_pair, diagnostics)``: ``[P]`` float32 ℓ and a :class:`PairDiagnostics`.
     """
     check_rank("chosen_logp", chosen_logp, 1, "[P] sequence log-probs")
     check_same_shape(
@@ -113,17 +120,17 @@ def online_dpo_per_pair(
     h = chosen_ratio - rejected_ratio  # [P]
     per_pair = _DPO_LOSSES[kind](h, beta)
     h_sg = jax.lax.stop_gradient(h)
-    diagnostics = {
-        "margin": beta * h_sg,
-        "accuracy": (h_sg > 0).astype(f32),
-        "chosen_reward": beta * jax.lax.stop_gradient(chosen_ratio),
-        "rejected_reward": beta * jax.lax.stop_gradient(rejected_ratio),
-    }
+    diagnostics = PairDiagnostics(
+        margin=beta * h_sg,
+        accuracy=(h_sg > 0).astype(f32),
+        chosen_reward=beta * jax.lax.stop_gradient(chosen_ratio),
+        rejected_reward=beta * jax.lax.stop_gradient(rejected_ratio),
+    )
     return per_pair, diagnostics
 
 
 def pair_sums(
-    per_pair: jax.Array, diagnostics: dict[str, jax.Array], pair_mask: jax.Array
+    per_pair: jax.Array, diagnostics: PairDiagnostics, pair_mask: jax.Array
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """:func:`online_dpo_per_pair`'s outputs over the pairs that count, as
     ``(loss_sum, count, stats)`` that add across micro-batches; ``loss = loss_sum / count``.
@@ -141,10 +148,10 @@ def pair_sums(
     loss_sum, count = masked_pair(per_pair, pair_mask)
     stats = Stats(
         means={
-            "dpo/margin_mean": masked_pair(diagnostics["margin"], pair_mask),
-            "dpo/accuracy": masked_pair(diagnostics["accuracy"], pair_mask),
-            "dpo/chosen_reward": masked_pair(diagnostics["chosen_reward"], pair_mask),
-            "dpo/rejected_reward": masked_pair(diagnostics["rejected_reward"], pair_mask),
+            "dpo/margin_mean": masked_pair(diagnostics.margin, pair_mask),
+            "dpo/accuracy": masked_pair(diagnostics.accuracy, pair_mask),
+            "dpo/chosen_reward": masked_pair(diagnostics.chosen_reward, pair_mask),
+            "dpo/rejected_reward": masked_pair(diagnostics.rejected_reward, pair_mask),
         },
         totals={"dpo/num_pairs": count},
     )

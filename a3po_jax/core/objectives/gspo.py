@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,15 @@ SEQUENCE_MEAN = "seq_mean_token_mean"
 _SEQUENCE_MEAN = functools.partial(aggregate_sum, mode=SEQUENCE_MEAN)
 
 
+class GSPODiagnostics(NamedTuple):
+    """Diagnostics of :func:`gspo_per_token`, float32."""
+
+    clipped: jax.Array  # [B, T] 0/1: the clip binds
+    log_seq_ratio: jax.Array  # [B] log s_b
+    seq_weight: jax.Array  # [B] w_b
+    seq_clipped: jax.Array  # [B] 0/1: a token of b clipped
+
+
 def _sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     """``[B]`` Σ_t m·x / n_b (0 for a sequence with no valid token)."""
     n = jnp.sum(mask, axis=-1)
@@ -77,7 +87,7 @@ def gspo_per_token(
     *,
     clip_low: float,
     clip_high: float,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, GSPODiagnostics]:
     """Per-token GSPO(-token) loss ℓ_bt and diagnostics, nothing reduced: the loss is the
     mean over sequences of their token means (``seq_mean_token_mean``).
 
@@ -89,8 +99,7 @@ def gspo_per_token(
 
     Returns:
       ``(per_token, diagnostics)``: ``[B, T]`` float32 w_b-weighted clipped terms (0
-      where masked); ``"clipped"`` ``[B, T]`` 0/1, ``"log_seq_ratio"`` ``[B]`` log s_b,
-      ``"seq_weight"`` ``[B]`` w_b, ``"seq_clipped"`` ``[B]`` 0/1 (a token of b clipped).
+      where masked) and a :class:`GSPODiagnostics`.
     """
     check_token_arrays(logp, prox_logp, behav_logp, advantages, mask)
     check_positive("clip_low", clip_low)
@@ -116,12 +125,12 @@ def gspo_per_token(
     w = jnp.exp(log_w)  # [B]
     per_token = jnp.where(valid, w[:, None] * jnp.maximum(unclipped, clipped), 0.0)
     clip_hit = (clipped > unclipped) & valid
-    diagnostics = {
-        "clipped": clip_hit.astype(f32),
-        "log_seq_ratio": jax.lax.stop_gradient(log_s),
-        "seq_weight": w,
-        "seq_clipped": jnp.any(clip_hit, axis=-1).astype(f32),
-    }
+    diagnostics = GSPODiagnostics(
+        clipped=clip_hit.astype(f32),
+        log_seq_ratio=jax.lax.stop_gradient(log_s),
+        seq_weight=w,
+        seq_clipped=jnp.any(clip_hit, axis=-1).astype(f32),
+    )
     return per_token, diagnostics
 
 
@@ -150,10 +159,10 @@ def gspo_sums(
     per_token, diag = gspo_per_token(logp, prox_logp, behav_logp, advantages, mask, **clip)
     loss_sum, count = aggregate(per_token, mask)
     rows = jnp.any(mask > 0, axis=-1)  # [b] sequences with a valid token
-    s, w = jnp.exp(diag["log_seq_ratio"]), diag["seq_weight"]
+    s, w = jnp.exp(diag.log_seq_ratio), diag.seq_weight
     means = {
-        "gspo/seq_clipfrac": masked_pair(diag["seq_clipped"], rows),
-        "loss/clipfrac": masked_pair(diag["clipped"], mask),
+        "gspo/seq_clipfrac": masked_pair(diag.seq_clipped, rows),
+        "loss/clipfrac": masked_pair(diag.clipped, mask),
         "gspo/seq_ratio_mean": masked_pair(s, rows),
         "is/seq_weight_mean": masked_pair(w, rows),
     }

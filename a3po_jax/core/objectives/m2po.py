@@ -222,6 +222,15 @@ def _derived_clip(log_ratio, sq, adv, mask, tau) -> Selection:
     return Selection(mask > 0, jnp.where(clipped, held, log_ratio), clipped, side)
 
 
+class M2PODiagnostics(NamedTuple):
+    """Per-token diagnostics of :func:`m2po_per_token`, ``[B, T]`` float32 each."""
+
+    masked: jax.Array  # 0/1: gradient removed by the reading (dropped or clipped)
+    m2: jax.Array  # (log ρ_t)²
+    ratio: jax.Array  # ρ_t, no gradient
+    clip_side: jax.Array | None = None  # 0/1: in S (the clip-side readings)
+
+
 # (log ρ [B, T], (log ρ)² [B, T], A [B, T], mask [B, T], τ) -> Selection
 READINGS: dict[str, Callable[..., Selection]] = {
     "all_tokens_mask": _all_tokens_mask,
@@ -239,7 +248,7 @@ def m2po_per_token(
     *,
     tau: float,
     reading: str = "all_tokens_mask",
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, M2PODiagnostics]:
     """Per-token M2PO loss ℓ_t and per-token diagnostics, nothing reduced.
 
     The formula, symbols and paper are those of :func:`m2po_loss`.
@@ -251,9 +260,7 @@ def m2po_per_token(
 
     Returns:
       ``(per_token, diagnostics)``: ``[B, T]`` float32 ℓ_t (0 where masked or dropped) and
-      ``[B, T]`` float32 ``"masked"`` (0/1: gradient removed by the reading, a dropped or a
-      clipped token), ``"m2"`` ((log ρ_t)²), ``"ratio"`` (ρ_t, no gradient); the clip-side
-      readings add ``"clip_side"`` (0/1: in S).
+      an :class:`M2PODiagnostics` (``clip_side`` set by the clip-side readings).
     """
     check_rank("logp", logp, 2, "[B, T]")
     check_same_shape("logp", logp, behav_logp=behav_logp, advantages=advantages, mask=mask)
@@ -270,13 +277,13 @@ def m2po_per_token(
     chosen = READINGS[reading](log_ratio, sq, adv, mask, tau)
     # where, not a multiply: a dropped token's gradient is exactly 0, whatever its ratio.
     per_token = jnp.where(chosen.keep, -jnp.exp(chosen.log_ratio) * adv, 0.0)
-    diagnostics = {
-        "masked": chosen.no_grad.astype(f32),
-        "m2": sq,
-        "ratio": jax.lax.stop_gradient(jnp.exp(log_ratio)),
-    }
-    if chosen.clip_side is not None:
-        diagnostics["clip_side"] = chosen.clip_side.astype(f32)
+    clip_side = None if chosen.clip_side is None else chosen.clip_side.astype(f32)
+    diagnostics = M2PODiagnostics(
+        masked=chosen.no_grad.astype(f32),
+        m2=sq,
+        ratio=jax.lax.stop_gradient(jnp.exp(log_ratio)),
+        clip_side=clip_side,
+    )
     return per_token, diagnostics
 
 
@@ -305,21 +312,21 @@ def m2po_sums(
     """
     per_token, diag = m2po_per_token(logp, behav_logp, advantages, mask, tau=tau, reading=reading)
     loss_sum, count = aggregate(per_token, mask)
-    kept = mask * (1.0 - diag["masked"])
+    kept = mask * (1.0 - diag.masked)
     means = {
-        "m2po/masked_frac": masked_pair(diag["masked"], mask),
-        "m2po/m2": masked_pair(diag["m2"], mask),
-        "m2po/m2_kept": masked_pair(diag["m2"], kept),
-        "is/weight_mean": masked_pair(diag["ratio"], mask),
-        "mismatch/masked_frac": masked_pair(diag["masked"], mask),
+        "m2po/masked_frac": masked_pair(diag.masked, mask),
+        "m2po/m2": masked_pair(diag.m2, mask),
+        "m2po/m2_kept": masked_pair(diag.m2, kept),
+        "is/weight_mean": masked_pair(diag.ratio, mask),
+        "mismatch/masked_frac": masked_pair(diag.masked, mask),
     }
-    if "clip_side" in diag:
-        means["m2po/clip_side_frac"] = masked_pair(diag["clip_side"], mask)
-        means["m2po/m2_clip_side"] = masked_pair(diag["m2"], diag["clip_side"])
+    if diag.clip_side is not None:
+        means["m2po/clip_side_frac"] = masked_pair(diag.clip_side, mask)
+        means["m2po/m2_clip_side"] = masked_pair(diag.m2, diag.clip_side)
     stats = Stats(
         means=means,
-        maxima={"is/weight_max": masked_max(diag["ratio"], mask)},
-        ess={"mismatch/ess": masked_ess(diag["ratio"] * (1.0 - diag["masked"]), mask)},
+        maxima={"is/weight_max": masked_max(diag.ratio, mask)},
+        ess={"mismatch/ess": masked_ess(diag.ratio * (1.0 - diag.masked), mask)},
     )
     return loss_sum, count, combine(stats, staleness_stats(staleness, mask))
 
