@@ -146,16 +146,12 @@ def pair_sums(
       ``dpo/num_pairs`` (a total).
     """
     loss_sum, count = masked_pair(per_pair, pair_mask)
-    stats = Stats(
-        means={
-            "dpo/margin_mean": masked_pair(diagnostics.margin, pair_mask),
-            "dpo/accuracy": masked_pair(diagnostics.accuracy, pair_mask),
-            "dpo/chosen_reward": masked_pair(diagnostics.chosen_reward, pair_mask),
-            "dpo/rejected_reward": masked_pair(diagnostics.rejected_reward, pair_mask),
-        },
-        totals={"dpo/num_pairs": count},
-    )
-    return loss_sum, count, stats
+    # dpo/<field>: each diagnostic's mean over counted pairs (the margin's: dpo/margin_mean)
+    means = {
+        f"dpo/{'margin_mean' if name == 'margin' else name}": masked_pair(value, pair_mask)
+        for name, value in diagnostics._asdict().items()
+    }
+    return loss_sum, count, Stats(means=means, totals={"dpo/num_pairs": count})
 
 
 def dpo_term(
