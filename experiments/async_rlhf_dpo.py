@@ -50,7 +50,9 @@ def config() -> TrainConfig:
     return dataclasses.replace(
         parent,
         rollout=dataclasses.replace(parent.rollout, group_size=2, groups_per_step=8, num_slots=16),
-        algo=AlgoSection(loss="dpo", prox="behav", advantage="grpo", dpo_beta=0.1),
+        algo=AlgoSection(
+            loss="dpo", prox="behav", advantage="grpo", settings={"dpo": {"beta": 0.1}}
+        ),
         system=SystemSection(mode="sync", max_staleness=0),
         steps=30,
         run_dir="runs/async_rlhf_dpo",

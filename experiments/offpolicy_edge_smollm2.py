@@ -61,7 +61,10 @@ def config() -> TrainConfig:
             parent.rollout, temperature=1.0, group_size=2, groups_per_step=PROMPTS_PER_STEP
         ),
         algo=dataclasses.replace(
-            parent.algo, num_minibatches=MINIBATCHES, track_ref_kl=True, dpo_beta=0.1
+            parent.algo,
+            num_minibatches=MINIBATCHES,
+            track_ref_kl=True,
+            settings={"dpo": {"beta": 0.1}},
         ),
         system=dataclasses.replace(parent.system, max_staleness=MAX_STALENESS),
         steps=STEPS,

@@ -74,7 +74,7 @@ def config() -> TrainConfig:
             loss="ppo",
             prox="a3po",
             advantage="grpo",
-            dpo_beta=0.1,
+            settings={"dpo": {"beta": 0.1}},
             num_minibatches=MINIBATCHES,
             track_ref_kl=True,
         ),

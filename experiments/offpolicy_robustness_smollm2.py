@@ -54,7 +54,11 @@ def config() -> TrainConfig:
             parent.rollout, group_size=2, groups_per_step=PROMPTS_PER_MINIBATCH
         ),
         algo=dataclasses.replace(
-            parent.algo, loss="ppo", prox="recompute", dpo_beta=0.1, track_ref_kl=True
+            parent.algo,
+            loss="ppo",
+            prox="recompute",
+            settings={"dpo": {"beta": 0.1}},
+            track_ref_kl=True,
         ),
         system=dataclasses.replace(parent.system, mode="sync", max_staleness=0),
         steps=UPDATES + 1,

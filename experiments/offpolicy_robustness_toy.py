@@ -116,7 +116,11 @@ def config() -> TrainConfig:
             parent.rollout, group_size=2, groups_per_step=PROMPTS_PER_MINIBATCH
         ),
         algo=AlgoSection(
-            loss="ppo", prox="recompute", advantage="grpo", dpo_beta=0.1, track_ref_kl=True
+            loss="ppo",
+            prox="recompute",
+            advantage="grpo",
+            settings={"dpo": {"beta": 0.1}},
+            track_ref_kl=True,
         ),
         optim=OptimSection(learning_rate=3e-3),
         system=SystemSection(mode="sync", max_staleness=0),

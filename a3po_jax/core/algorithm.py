@@ -3,11 +3,13 @@
 Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po_jax.parallel``.
 
 :func:`build_algorithm` resolves every name of the validated run configuration against its
-table once: the objective (:mod:`a3po_jax.core.objectives`, which binds its own prox rule
-and hyperparameters), the advantage estimator (:data:`a3po_jax.core.advantages.ESTIMATORS`),
-the aggregation and the KL estimator. The result, an :class:`Algorithm`, holds functions,
-the model's architecture and the batch plan, not names: nothing inside the differentiated
-function compares strings, and the step's functions take the one ``algo`` value.
+table once: the objective (:mod:`a3po_jax.core.objectives`, built from the typed
+:class:`~a3po_jax.core.objectives.spec.ObjectiveSpec` the shell converted once, which binds
+its prox rule and hyperparameters), the advantage estimator
+(:data:`a3po_jax.core.advantages.ESTIMATORS`), the aggregation and the KL estimator. The
+result, an :class:`Algorithm`, holds functions, the model's architecture and the batch
+plan, not names: nothing inside the differentiated function compares strings, and the
+step's functions take the one ``algo`` value.
 """
 
 from __future__ import annotations
@@ -50,21 +52,26 @@ class Algorithm:
 
 
 def build_algorithm(
-    cfg: Any, model_config: model.ModelConfig, plan: BatchPlan | None = None
+    cfg: Any,
+    model_config: model.ModelConfig,
+    plan: BatchPlan | None = None,
+    *,
+    spec: objectives.ObjectiveSpec,
 ) -> Algorithm:
     """The algorithm of a validated run configuration, for the architecture ``model_config``.
 
     Args:
       cfg: a :class:`a3po_jax.training.config.TrainConfig` (validated: its names are known
-        to be in their tables); read are ``cfg.algo``, ``cfg.rollout.temperature`` and what
-        the objective's ``make`` reads.
+        to be in their tables); read are ``cfg.algo``'s loss, advantage, aggregation and KL
+        fields and ``cfg.rollout.temperature``.
       model_config: the policy's architecture.
       plan: the batch plan, computed once by the caller; default ``BatchPlan.from_config``.
+      spec: what the objective's ``make`` builds its term from, converted from ``cfg`` once.
     """
     a = cfg.algo
     plan = BatchPlan.from_config(cfg) if plan is None else plan
     objective = objectives.get(a.loss)
-    term = objective.make(cfg)
+    term = objective.make(spec)
     estimate = advantages.estimator(a.advantage)
     kl_in_loss = kl_in_reward = None
     if a.kl_coef > 0 and a.kl_in_reward:

@@ -72,6 +72,18 @@ def masked_ess(w: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax
     return jnp.sum(w), jnp.sum(jnp.square(w)), jnp.sum(m)
 
 
+def staleness_stats(staleness: jax.Array | None, mask: jax.Array) -> Stats:
+    """``staleness/mean|max`` of ``[b, T]`` d_t over the tokens ``mask`` keeps (none
+    without staleness)."""
+    if staleness is None:
+        return Stats()
+    d = staleness.astype(jnp.float32)
+    return Stats(
+        means={"staleness/mean": masked_pair(d, mask)},
+        maxima={"staleness/max": masked_max(d, mask)},
+    )
+
+
 def combine(a: Stats, b: Stats) -> Stats:
     """Merge two :class:`Stats`: pairs and totals add, maxima max, minima min; a metric in
     only one of them is kept as is."""

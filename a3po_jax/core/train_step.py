@@ -148,26 +148,18 @@ def accumulate_grads(
     params: Params,
     micro_batches: Batch,
     *,
-    version: jax.Array,
     old_logp: jax.Array | None,
     ref_logp: jax.Array | None,
-    algo: Algorithm,
-    step_version: jax.Array | None = None,
-    updates_per_step: int = 1,
+    **step: Any,
 ) -> Accumulated:
-    """Sum of loss-sum gradients over ``[M, b, T]`` micro-batches (a ``lax.scan``);
-    ``step_version`` and ``updates_per_step`` as for :func:`loss_sums`."""
-    grad_fn = jax.value_and_grad(
-        functools.partial(
-            loss_sums, algo=algo, step_version=step_version, updates_per_step=updates_per_step
-        ),
-        has_aux=True,
-    )
+    """Sum of loss-sum gradients over ``[M, b, T]`` micro-batches (a ``lax.scan``), with
+    ``old_logp`` / ``ref_logp`` ``[M, b, T]`` or None; ``step`` holds :func:`loss_sums`'s
+    ``version`` and ``algo`` (and maybe ``step_version``, ``updates_per_step``), the same
+    for every micro-batch."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_sums, **step), has_aux=True)
 
     def one(mb, old, ref):
-        (loss, (count, stats)), grads = grad_fn(
-            params, mb, version=version, old_logp=old, ref_logp=ref
-        )
+        (loss, (count, stats)), grads = grad_fn(params, mb, old_logp=old, ref_logp=ref)
         return Accumulated(grads, jax.lax.stop_gradient(loss), count, stats)
 
     def body(acc, xs):

@@ -11,21 +11,28 @@ Every error names the field and, for choices, the allowed values.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import json
-import threading
-import traceback
-import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from a3po_jax.core import advantages, importance, losses, objectives, prox
 from a3po_jax.core.batch_plan import AUTO, BatchPlan
-from a3po_jax.core.checks import check_choice, check_finite
 from a3po_jax.rollout.queue import CONSUME_ORDERS
-from a3po_jax.training import schedules
+from a3po_jax.training import objective_settings, schedules
+from a3po_jax.training.config_values import (  # noqa: F401 (INT_LIMIT..: the config's names)
+    INT_LIMIT,
+    MAX_SECONDS,
+    MINUS_ONE_FIELDS,
+    ConfigError,
+    _check_address,
+    _check_types,
+    _choice,
+    _parse_value,
+    _positive,
+)
+from a3po_jax.training.experiment_files import import_experiment, load_config  # noqa: F401
 
 # The built-in modes (a3po_jax.training.schedules registers them, and any mode a module adds).
 MODES = schedules.names()
@@ -38,17 +45,11 @@ KL_KINDS = losses.KL_KINDS
 CAP_MODES = losses.CAP_MODES
 SEQ_CAP_MODES = importance.SEQ_CAP_MODES
 SEQ_WEIGHT_FORMS = importance.SEQ_FORMS
-DPO_KINDS = losses.DPO_KINDS
-M2PO_READINGS = objectives.m2po.M2PO_READINGS
 ZERO_STALENESS = prox.ZERO_STALENESS
 UPDATE_POLICIES = ("in_flight", "drain")
 DTYPES = ("float32", "bfloat16")
 # The held-out split a run is evaluated on; training draws from ``task.split``, never this.
 EVAL_SPLIT = "test"
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type, or inconsistent."""
 
 
 def staleness_bound(mode: str, max_staleness: int, num_minibatches: int = 1) -> int:
@@ -72,104 +73,6 @@ def staleness_bound(mode: str, max_staleness: int, num_minibatches: int = 1) -> 
     if num_minibatches < 1:
         raise ConfigError(f"algo.num_minibatches must be >= 1, got {num_minibatches}")
     return schedule.staleness_bound(max_staleness, num_minibatches, error=ConfigError)
-
-
-def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    check_choice(f"{section}.{name}", value, allowed, error=ConfigError)
-
-
-def _name(section: str, name: str) -> str:
-    return f"{section}.{name}" if section else name  # top-level fields have no section
-
-
-def _in_range(section: str, name: str, value: float, low: float, high: float | None = None) -> None:
-    """Refuse ``value`` unless it is finite and ``low < value`` (``< high`` when given):
-    an open interval, which ``_positive`` (a closed lower bound) cannot say."""
-    field = _name(section, name)
-    check_finite(field, value, error=ConfigError)  # NaN passes every `<` check silently
-    if not (low < value and (high is None or value < high)):
-        bound = f"> {low}" if high is None else f"in ({low}, {high})"
-        raise ConfigError(f"{field} must be {bound}, got {value!r}")
-
-
-def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
-    check_finite(_name(section, name), value, error=ConfigError)  # NaN passes `value < 0`
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{_name(section, name)} must be {bound}, got {value!r}")
-
-
-# Every int of a run (steps, sizes, seeds, versions) ends up in int32 arrays or in NumPy's
-# and JAX's seeds: a value outside int32 is a typo, refused rather than wrapped.
-INT_LIMIT = 2**31
-# Numbers are >= 0 (sizes, seeds, rates, coefficients, caps, seconds), or -1 where -1 means
-# "all" or "automatic": in the fields named here and in every field whose default is -1. A
-# field added to a section gets this rule without a line of its own.
-MINUS_ONE_FIELDS = frozenset({"system.mesh_data", "system.mesh_fsdp", "system.mesh_tensor"})
-# Durations (fields named *_s) end up as thread wait timeouts, which refuse longer ones.
-MAX_SECONDS = threading.TIMEOUT_MAX
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _check_types(section: str, obj: Any) -> None:
-    """Every field of the dataclass ``obj`` against its annotation, before any range check:
-    bools are bools, ints are ints (not bools) inside int32, floats are finite numbers,
-    strings are strings, ``tuple[int, ...]`` holds such ints, ``bool | str`` is true, false
-    or "auto". A field added to a section is checked without a line of its own (an
-    experiment file can hand any Python value in)."""
-    for field in dataclasses.fields(obj):
-        hint, value = _hints(type(obj))[field.name], getattr(obj, field.name)
-        where = _name(section, field.name)
-        if hint == tuple[int, ...]:
-            if not isinstance(value, tuple):
-                raise ConfigError(f"{where} must be a tuple of ints, got {value!r}")
-            for item in value:
-                _check_value(where, int, item)
-        elif hint == bool | str:  # a switch with an automatic setting
-            if not (isinstance(value, bool) or (isinstance(value, str) and value == AUTO)):
-                raise ConfigError(f"{where} must be true, false or {AUTO!r}, got {value!r}")
-        elif hint in (bool, int, float, str):
-            _check_value(where, hint, value)
-            if hint in (int, float) and value < 0:
-                minus_one = where in MINUS_ONE_FIELDS or field.default == -1
-                if not (minus_one and value == -1):
-                    allowed = ">= 0 (or -1)" if minus_one else ">= 0"
-                    raise ConfigError(f"{where} must be {allowed}, got {value!r}")
-        elif dataclasses.is_dataclass(hint) and not isinstance(value, hint):
-            raise ConfigError(f"{where} must be a {hint.__name__} section, got {value!r}")
-
-
-def _check_value(where: str, hint: type, value: Any) -> None:
-    kinds = {bool: "a bool (true/false)", int: "an int", float: "a number", str: "a string"}
-    ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
-    if hint is float:  # an int is a float's value too (clip_eps=1), a bool is not
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok:
-        raise ConfigError(f"{where} must be {kinds[hint]}, got {value!r}")
-    if hint is float:
-        check_finite(where, value, error=ConfigError)
-        if where.endswith("_s") and value > MAX_SECONDS:
-            raise ConfigError(f"{where} must be <= {MAX_SECONDS:.0f} seconds, got {value!r}")
-    if hint is int and not -INT_LIMIT <= value < INT_LIMIT:
-        raise ConfigError(f"{where} must fit in int32 (|{where}| < 2**31), got {value!r}")
-    if hint is str and "\x00" in value:
-        raise ConfigError(f"{where} must not contain a NUL character, got {value!r}")
-
-
-def _check_address(address: str) -> None:
-    """One ``system.inference_hosts`` entry: ``host:port`` (empty entries are skipped)."""
-    if not address:
-        return
-    host, _, port = address.rpartition(":")
-    ok_host = host and host.isascii() and host.isprintable() and " " not in host
-    if not (ok_host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(
-            f"system.inference_hosts entry {address!r} is not host:port (port 1-65535)"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,15 +145,6 @@ class RolloutSection:
         _check_types("rollout", self)
         for name in ("group_size", "groups_per_step", "max_new_tokens", "num_slots"):
             _positive("rollout", name, getattr(self, name))
-        for name in ("dynamic_sampling", "overlong_filter", "batch_invariant"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(
-                    f"rollout.{name} must be true or false, got {getattr(self, name)!r}"
-                )
-        if isinstance(self.max_extra_groups, bool) or not isinstance(self.max_extra_groups, int):
-            raise ConfigError(
-                f"rollout.max_extra_groups must be an int, got {self.max_extra_groups!r}"
-            )
         if self.max_extra_groups < -1:
             raise ConfigError(
                 "rollout.max_extra_groups must be >= 0 (or -1 = rollout.groups_per_step), "
@@ -301,21 +195,15 @@ class AlgoSection:
     kl_kind: str = "k3"  # "k1", "k2", "k3"
     kl_in_reward: bool = False  # subtract β·KL from rewards instead of adding it to the loss
     track_ref_kl: bool = False  # log kl/ref_k3 (k3 KL to the initial policy), loss unchanged
-    dpo_beta: float = 0.1  # Online DPO β
-    dpo_kind: str = "sigmoid"  # "sigmoid" or "ipo"
-    m2po_tau: float = 0.04  # M2PO: bound τ on the mean (log π_θ/π_behav)² of the kept tokens
-    # M2PO: "all_tokens_mask" (AReaL), "clip_side_mask" (the final paper's Algorithm 1 over
-    # the tokens PPO's clip can bind) or "derived_clip" (the authors' code: a clip from τ)
-    m2po_reading: str = "all_tokens_mask"
-    gspo_clip_low: float = 3e-4  # GSPO: ε_low of the sequence ratio's clip (paper §5.1)
-    gspo_clip_high: float = 4e-4  # GSPO: ε_high of the sequence ratio's clip (paper §5.1)
-    icepop_low: float = 0.5  # IcePop: α, tokens with π_prox/π_behav < α leave the loss
-    icepop_high: float = 5.0  # IcePop: β, tokens with π_prox/π_behav > β leave the loss
     num_minibatches: int = 1  # optimizer steps per batch (each is one version)
+    # Each objective's own settings by name (algo.m2po.tau=0.02; read as cfg.algo.m2po.tau),
+    # its registered dataclass or a mapping of its fields; the others keep their defaults
+    settings: Mapping[str, Any] = objective_settings.ObjectiveSettings()
 
     def __post_init__(self):
         _check_types("algo", self)
         objective = objectives.get(self.loss, what="algo.loss", error=ConfigError)
+        object.__setattr__(self, "settings", objective_settings.normalized(self.settings))
         _choice("algo", "prox", self.prox, PROX_MODES)
         if objective.prox_rules is not None and self.prox not in objective.prox_rules:
             raise ConfigError(
@@ -339,29 +227,25 @@ class AlgoSection:
                 "are alternatives: set one of them to 0"
             )
         _choice("algo", "kl_kind", self.kl_kind, KL_KINDS)
-        _choice("algo", "dpo_kind", self.dpo_kind, DPO_KINDS)
-        _choice("algo", "m2po_reading", self.m2po_reading, M2PO_READINGS)
-        if not isinstance(self.track_ref_kl, bool):
-            raise ConfigError(f"algo.track_ref_kl must be true or false, got {self.track_ref_kl!r}")
         _positive("algo", "clip_eps", self.clip_eps)
         for name in ("clip_eps_high", "behav_weight_cap", "kl_coef"):
             _positive("algo", name, getattr(self, name), allow_zero=True)
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {self.dual_clip}")
-        _positive("algo", "dpo_beta", self.dpo_beta)
-        _in_range("algo", "m2po_tau", self.m2po_tau, 0.0)
-        _in_range("algo", "gspo_clip_low", self.gspo_clip_low, 0.0, 1.0)
-        _in_range("algo", "gspo_clip_high", self.gspo_clip_high, 0.0)
-        _in_range("algo", "icepop_low", self.icepop_low, 0.0)
-        _in_range("algo", "icepop_high", self.icepop_high, 0.0)
-        # α ≤ 1 ≤ β: a token whose train and inference probabilities agree is always kept.
-        if not (self.icepop_low <= 1.0 <= self.icepop_high and self.icepop_low < self.icepop_high):
-            raise ConfigError(
-                "algo.icepop_low and algo.icepop_high must satisfy icepop_low <= 1 <= "
-                f"icepop_high, icepop_low < icepop_high; got {self.icepop_low} and "
-                f"{self.icepop_high}"
-            )
         _positive("algo", "num_minibatches", self.num_minibatches)
+
+    def __getattr__(self, name: str) -> Any:
+        """``cfg.algo.<objective>``: that objective's settings."""
+        settings = self.__dict__.get("settings", {})
+        if name in settings:
+            return settings[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, then each objective's settings under its name (``config.json``)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del own["settings"]
+        return own | {name: dataclasses.asdict(s) for name, s in self.settings.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,8 +467,6 @@ class TrainConfig:
         _positive("", "eval_prompts", self.eval_prompts)
         _positive("", "eval_samples", self.eval_samples)
         _positive("", "eval_max_new_tokens", self.eval_max_new_tokens, allow_zero=True)
-        if not isinstance(self.evaluate, bool):
-            raise ConfigError(f"evaluate must be true or false, got {self.evaluate!r}")
         if self.evaluates and self.task.split == EVAL_SPLIT:
             raise ConfigError(
                 f"task.split={EVAL_SPLIT!r} trains on the held-out split the evaluation "
@@ -622,47 +504,12 @@ class TrainConfig:
             raise ConfigError(str(err)) from None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"algo": self.algo.to_dict()}
 
 
 # --------------------------------------------------------------------------------------
-# Overrides and experiment files.
+# Overrides and saved configs (experiment files: training/experiment_files.py).
 # --------------------------------------------------------------------------------------
-
-
-def _parse_value(text: str, annotation: Any, where: str) -> Any:
-    origin = typing.get_origin(annotation)
-    if annotation == bool | str:  # a switch: true, false or "auto"
-        if text.lower() == AUTO:
-            return AUTO
-        try:
-            return _parse_value(text, bool, where)
-        except ConfigError:
-            raise ConfigError(f"{where} expects true, false or {AUTO}, got {text!r}") from None
-    if annotation is bool:
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where} expects a bool (true/false), got {text!r}")
-    if annotation is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{where} expects an int, got {text!r}") from None
-    if annotation is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{where} expects a float, got {text!r}") from None
-    if origin is tuple:
-        parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
-        (elem,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
-        return tuple(_parse_value(p.strip(), elem, where) for p in parts)
-    if annotation is str or origin in (types.UnionType, typing.Union):
-        return text
-    raise ConfigError(f"{where}: cannot parse a value of type {annotation}")
 
 
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
@@ -674,6 +521,7 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
     top_hints = typing.get_type_hints(TrainConfig)
     changes: dict[str, dict[str, Any]] = {}
     top_changes: dict[str, Any] = {}
+    own: dict[str, dict[str, Any]] = {}  # objective -> its settings' changes
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.field=value")
@@ -685,15 +533,24 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
                 sections = [k for k, v in top_hints.items() if dataclasses.is_dataclass(v)]
                 raise ConfigError(f"unknown config section {section!r}; sections: {sections}")
             hints = typing.get_type_hints(top_hints[section])
-            if field not in hints:
+            setting = None
+            if section == "algo" and field not in hints:
+                setting = objective_settings.parse_override(field, text)
+            if setting is not None:
+                own.setdefault(setting[0], {})[setting[1]] = setting[2]
+            elif field not in hints:
                 raise ConfigError(
                     f"unknown config field {key!r}; {section} has: {', '.join(hints)}"
                 )
-            changes.setdefault(section, {})[field] = _parse_value(text, hints[field], key)
+            else:
+                changes.setdefault(section, {})[field] = _parse_value(text, hints[field], key)
         else:
             if key not in top_hints or dataclasses.is_dataclass(top_hints[key]):
                 raise ConfigError(f"unknown config field {key!r}")
             top_changes[key] = _parse_value(text, top_hints[key], key)
+    if own:
+        algo = changes.setdefault("algo", {})
+        algo["settings"] = objective_settings.updated(config.algo.settings, own)
     updated = {s: dataclasses.replace(getattr(config, s), **f) for s, f in changes.items()}
     return dataclasses.replace(config, **updated, **top_changes)
 
@@ -708,6 +565,8 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
         hint = top_hints[key]
         if dataclasses.is_dataclass(hint):
             known = {f.name for f in dataclasses.fields(hint)}
+            if hint is AlgoSection:  # each objective's settings, and their flat spellings
+                value = objective_settings.saved_algo(value, known - {"settings"})
             unknown = set(value) - known
             if unknown:
                 raise ConfigError(f"unknown config field(s) {sorted(unknown)} in section {key!r}")
@@ -718,65 +577,6 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**kwargs)
 
 
-def import_experiment(path: str | Path) -> types.ModuleType:
-    """Import an experiment file as a module (its ``config()``, maybe its ``SWEEP``).
-
-    Raises:
-      ConfigError: the file does not exist, or importing it raised; the message names the
-        file, the error and the line of the experiment file it came from.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"experiment_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ConfigError(
-            f"experiment file {_where(path, err)} failed to import: {_describe(err)}"
-        ) from err
-    return module
-
-
-def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
-
-
-def _where(path: Path, err: BaseException) -> str:
-    """``'experiments/x.py' line 12``: the innermost line of ``path`` in ``err``'s traceback."""
-    line = None
-    if (
-        isinstance(err, SyntaxError)
-        and err.filename
-        and Path(err.filename).resolve() == path.resolve()
-    ):
-        line = err.lineno  # raised while compiling the file: no frame of it to point at
-    for frame in traceback.extract_tb(err.__traceback__):
-        if Path(frame.filename).resolve() == path.resolve():
-            line = frame.lineno
-    return f"{str(path)!r}" + (f" line {line}" if line else "")
-
-
 def load_experiment(path: str | Path) -> TrainConfig:
-    """Import an experiment file and call its ``config()``.
-
-    Raises:
-      ConfigError: for a missing file, one that fails to import, has no ``config()``, or
-        whose ``config()`` raises or returns something other than a :class:`TrainConfig`.
-    """
-    path = Path(path)
-    module = import_experiment(path)
-    if not hasattr(module, "config"):
-        raise ConfigError(f"experiment file {str(path)!r} has no config() function")
-    try:
-        config = module.config()
-    except ConfigError:
-        raise
-    except Exception as err:
-        raise ConfigError(
-            f"experiment file {_where(path, err)}: config() raised {_describe(err)}"
-        ) from err
-    if not isinstance(config, TrainConfig):
-        raise ConfigError(f"{path}: config() returned {type(config).__name__}, not TrainConfig")
-    return config
+    """An experiment file's ``config()``; a :class:`ConfigError` names the file and line."""
+    return load_config(path, TrainConfig)

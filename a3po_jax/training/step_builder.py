@@ -2,8 +2,10 @@
 
 Training layer: the trainer's one call into the core's assembly. The config has validated
 every value once (names against their tables, the batch plan, the objective's
-constraints); :func:`a3po_jax.core.algorithm.build_algorithm` reads it as it is, so a new
-hyperparameter is a field of one config section and nothing else.
+constraints and settings); the objective's part is converted here, once, into the core's
+:class:`~a3po_jax.core.objectives.spec.ObjectiveSpec`
+(:func:`a3po_jax.training.objective_settings.objective_spec`), so an objective's new
+hyperparameter is a field of its own settings dataclass and nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from a3po_jax.core.algorithm import Algorithm, build_algorithm
 from a3po_jax.core.batch_plan import BatchPlan
 from a3po_jax.model import ModelConfig
 from a3po_jax.training.config import TrainConfig
+from a3po_jax.training.objective_settings import objective_spec
 
 
 def algorithm(cfg: TrainConfig, model_config: ModelConfig, *, batch_shards: int = 1) -> Algorithm:
@@ -29,7 +32,7 @@ def algorithm(cfg: TrainConfig, model_config: ModelConfig, *, batch_shards: int 
         if batch_shards == 1
         else BatchPlan.from_config(cfg, batch_shards=batch_shards)
     )
-    return build_algorithm(cfg, model_config, plan)
+    return build_algorithm(cfg, model_config, plan, spec=objective_spec(cfg))
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from a3po_jax.cli.train import main
+from a3po_jax.training import objective_settings
 from a3po_jax.training.config import (
     ConfigError,
     TrainConfig,
@@ -234,3 +235,71 @@ def test_importing_the_config_loads_no_optimizer_and_no_train_step():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------------------
+# Each objective's settings, and the flat names they had before.
+# --------------------------------------------------------------------------------------
+
+FLAT = {  # the fields' flat names before they moved to their objective
+    "dpo_beta": ("dpo", "beta"),
+    "dpo_kind": ("dpo", "kind"),
+    "m2po_tau": ("m2po", "tau"),
+    "m2po_reading": ("m2po", "reading"),
+    "gspo_clip_low": ("gspo", "clip_low"),
+    "gspo_clip_high": ("gspo", "clip_high"),
+    "icepop_low": ("icepop", "low"),
+    "icepop_high": ("icepop", "high"),
+}
+
+
+def test_objective_settings_are_nested_fields_that_round_trip():
+    cfg = apply_overrides(TrainConfig(), ["algo.loss=m2po", "algo.m2po.tau=0.02"])
+    assert cfg.algo.m2po.tau == 0.02 and cfg.algo.m2po.reading == "all_tokens_mask"
+    assert cfg.algo.dpo.beta == 0.1  # the others keep their defaults
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    assert saved["algo"]["m2po"] == {"tau": 0.02, "reading": "all_tokens_mask"}
+    assert config_from_dict(saved) == cfg
+    with pytest.raises(ConfigError, match="algo.m2po.tau must be > 0"):
+        apply_overrides(cfg, ["algo.m2po.tau=0"])
+    with pytest.raises(ConfigError, match="unknown config field 'algo.m2po.bogus'"):
+        apply_overrides(cfg, ["algo.m2po.bogus=1"])
+
+
+@pytest.mark.parametrize("flat, new", sorted(FLAT.items()))
+def test_flat_names_still_read_with_a_notice(flat, new, caplog, monkeypatch):
+    name, field = new
+    value = {"dpo_kind": "ipo", "m2po_reading": "derived_clip", "icepop_high": "1.5"}
+    value = value.get(flat, "0.75")
+    monkeypatch.setattr(objective_settings, "_NOTICED", set())  # once per process
+    with caplog.at_level("WARNING"):
+        cfg = apply_overrides(TrainConfig(), [f"algo.{flat}={value}"])
+    assert caplog.messages == [f"algo.{flat} is deprecated: write algo.{name}.{field}"]
+    want = apply_overrides(TrainConfig(), [f"algo.{name}.{field}={value}"])
+    assert cfg == want and getattr(cfg.algo.settings[name], field) != getattr(
+        TrainConfig().algo.settings[name], field
+    )
+    saved = TrainConfig().to_dict()
+    del saved["algo"][name]
+    saved["algo"][flat] = getattr(want.algo.settings[name], field)
+    assert config_from_dict(saved) == want  # a config.json saved before the move
+
+
+def test_a_flat_name_in_an_experiment_file_is_refused_naming_the_new_one(tmp_path):
+    path = tmp_path / "old.py"
+    path.write_text(
+        "from a3po_jax.training.config import AlgoSection, TrainConfig\n"
+        "def config():\n    return TrainConfig(algo=AlgoSection(m2po_tau=0.02))\n"
+    )
+    with pytest.raises(ConfigError, match=r"m2po_tau' \(now algo.m2po.tau"):
+        load_experiment(path)
+
+
+def test_every_committed_run_config_loads_to_its_saved_values():
+    root = Path(__file__).resolve().parents[2] / "results"
+    for path in sorted(root.rglob("config.json")):
+        saved = json.loads(path.read_text())
+        algo = config_from_dict(saved).algo
+        for flat, (name, field) in FLAT.items():
+            if flat in saved["algo"]:
+                assert getattr(algo.settings[name], field) == saved["algo"][flat], (path, flat)

@@ -18,6 +18,7 @@ budgets, derandomized: the whole file runs in well under a minute.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -54,7 +55,8 @@ FUZZ = settings(
 
 
 def _fields() -> dict[str, type]:
-    """Every config field as ``section.field`` (top-level fields bare) with its type."""
+    """Every config field as ``section.field`` (top-level fields bare) with its type; each
+    objective's settings as ``algo.<objective>.<field>``."""
     found = {}
     for name, hint in typing.get_type_hints(TrainConfig).items():
         if dataclasses.is_dataclass(hint):
@@ -62,6 +64,10 @@ def _fields() -> dict[str, type]:
                 found[f"{name}.{field}"] = inner
         else:
             found[name] = hint
+    del found["algo.settings"]
+    for name, own in TrainConfig().algo.settings.items():
+        for field, inner in typing.get_type_hints(type(own)).items():
+            found[f"algo.{name}.{field}"] = inner
     return found
 
 
@@ -77,6 +83,11 @@ def _replace(cfg: TrainConfig, key: str, value) -> TrainConfig:
     """``cfg`` with one field set to a Python value, as an experiment file could set it."""
     if "." not in key:
         return dataclasses.replace(cfg, **{key: value})
+    if key.count(".") == 2:  # algo.<objective>.<field>
+        _, name, field = key.split(".")
+        own = {**dataclasses.asdict(cfg.algo.settings[name]), field: value}
+        every = {**cfg.algo.settings, name: own}
+        return dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, settings=every))
     section, field = key.split(".")
     return dataclasses.replace(
         cfg, **{section: dataclasses.replace(getattr(cfg, section), **{field: value})}
@@ -90,7 +101,8 @@ def _names(key: str, message: str) -> bool:
 def minus_one_means_something(key: str) -> bool:
     """-1 is a value of ``key`` ("all", "automatic"): named, or the field's default."""
     section, _, field = key.rpartition(".")
-    owner = getattr(TrainConfig(), section) if section else TrainConfig()
+    owner = functools.reduce(getattr, section.split("."), TrainConfig()) if section else None
+    owner = owner or TrainConfig()
     return key in MINUS_ONE_FIELDS or getattr(owner, field) == -1
 
 
@@ -134,6 +146,7 @@ def test_the_enumeration_sees_every_section():
     # A guard for the enumeration itself: sections and fields of all kinds are found.
     assert {"algo.clip_eps", "system.rollout_timeout_s", "run_dir", "model.name"} <= set(FIELDS)
     assert "rollout.prompt_buckets" in FIELDS and "steps" in NUMERIC and "run_dir" in PATHS
+    assert {"algo.m2po.tau", "algo.dpo.kind"} <= set(FIELDS)  # each objective's settings
 
 
 # --------------------------------------------------------------------------------------

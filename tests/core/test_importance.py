@@ -69,8 +69,8 @@ def test_sequence_weights_in_the_loss_hand_checked():
     )
     expected = -np.array([[3, 3, 3], [0.25, 0.25, 0], [2.25, 2.25, 0]]) * HAND_MASK
     np.testing.assert_allclose(per_token, expected, rtol=1e-6)
-    np.testing.assert_allclose(diag["truncated"], [[1, 1, 1], [0, 0, 0], [0, 0, 0]])
-    np.testing.assert_allclose(diag["seq_log_weight"], np.log([4.0, 0.25, 2.25]), rtol=1e-6)
+    np.testing.assert_allclose(diag.truncated, [[1, 1, 1], [0, 0, 0], [0, 0, 0]])
+    np.testing.assert_allclose(diag.seq_log_weight, np.log([4.0, 0.25, 2.25]), rtol=1e-6)
     token, _ = losses.decoupled_ppo_per_token(
         prox, prox, behav, adv, jnp.asarray(HAND_MASK), clip_eps=0.2, behav_weight_cap=3.0
     )

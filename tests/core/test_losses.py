@@ -524,9 +524,9 @@ def test_per_token_ppo_reduces_to_the_reduced_loss():
     np.testing.assert_allclose(jnp.sum(per_token) / jnp.sum(mask), loss, rtol=1e-6)
     assert float(jnp.sum(jnp.abs(per_token) * (1 - mask))) == 0.0  # padding contributes 0
     n = jnp.sum(mask)
-    np.testing.assert_allclose(jnp.sum(diag["clipped"] * mask) / n, metrics["loss/clipfrac"])
-    np.testing.assert_allclose(jnp.sum(diag["capped"] * mask) / n, metrics["is/capped_frac"])
-    w = np.asarray(diag["is_weight"])[np.asarray(mask) > 0]
+    np.testing.assert_allclose(jnp.sum(diag.clipped * mask) / n, metrics["loss/clipfrac"])
+    np.testing.assert_allclose(jnp.sum(diag.capped * mask) / n, metrics["is/capped_frac"])
+    w = np.asarray(diag.is_weight)[np.asarray(mask) > 0]
     np.testing.assert_allclose(w.max(), metrics["is/weight_max"], rtol=1e-6)
     np.testing.assert_allclose(w.min(), metrics["is/weight_min"], rtol=1e-6)
 
@@ -539,7 +539,7 @@ def test_per_pair_dpo_reduces_to_the_reduced_loss():
     loss, metrics = L.online_dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.5, mask=pairs)
     np.testing.assert_allclose(jnp.sum(per_pair * pairs) / 2.0, loss, rtol=1e-6)
     # h = (logp⁺ - ref⁺) - (logp⁻ - ref⁻): pair 0: 0.5 - (-0.5) = 1; pair 1: 0 - 0.5 = -0.5.
-    np.testing.assert_allclose(diag["margin"][:2], [0.5, -0.25], rtol=1e-6)
+    np.testing.assert_allclose(diag.margin[:2], [0.5, -0.25], rtol=1e-6)
     np.testing.assert_allclose(metrics["dpo/accuracy"], 0.5)
 
 

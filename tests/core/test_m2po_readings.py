@@ -1,4 +1,4 @@
-"""M2PO's three readings (``algo.m2po_reading``, ``a3po_jax/core/objectives/m2po.py``):
+"""M2PO's three readings (``algo.m2po.reading``, ``a3po_jax/core/objectives/m2po.py``):
 golden values by hand, NumPy references of the papers' and the authors' loops written
 here, gradients that are exactly 0 where a token is dropped or clipped, the micro-batch
 rule, the config's refusal. The default reading's own tests are in
@@ -17,7 +17,7 @@ from helpers.train_step import (
 )
 
 from a3po_jax import model
-from a3po_jax.core import losses
+from a3po_jax.core import losses, objectives
 from a3po_jax.core.objectives import m2po
 from a3po_jax.core.stats import combine, finalize
 from a3po_jax.training import step_builder
@@ -311,7 +311,7 @@ def test_the_derived_bound_is_each_micro_batchs_own():
 def test_micro_batched_step_equals_full_batch(reading):
     # τ high enough that no micro-batch drops or clips a token: each selection is the
     # full batch's, so gradients and metrics add exactly.
-    algo_cfg = AlgoSection(loss="m2po", m2po_tau=1e3, m2po_reading=reading)
+    algo_cfg = AlgoSection(loss="m2po", settings={"m2po": {"tau": 1e3, "reading": reading}})
     cfg = TrainConfig(algo=algo_cfg, system=SystemSection(packed_prompts=False))
     algo = step_builder.algorithm(cfg, CFG)
     params = model.init_params(CFG, jax.random.key(1))
@@ -326,21 +326,22 @@ def test_micro_batched_step_equals_full_batch(reading):
 
 
 def test_the_default_reading_is_the_one_the_module_had():
-    assert AlgoSection().m2po_reading == "all_tokens_mask"
+    assert AlgoSection().m2po.reading == "all_tokens_mask"
     assert m2po.M2PO_READINGS == ("all_tokens_mask", "clip_side_mask", "derived_clip")
     for reading in m2po.M2PO_READINGS:
-        AlgoSection(loss="m2po", m2po_reading=reading)
+        AlgoSection(loss="m2po", settings={"m2po": {"reading": reading}})
 
 
 def test_a_bad_reading_is_refused_naming_the_field():
-    with pytest.raises(ConfigError, match="algo.m2po_reading='v1' is not one of all_tokens_mask"):
-        AlgoSection(loss="m2po", m2po_reading="v1")
+    with pytest.raises(ConfigError, match="algo.m2po.reading='v1' is not one of all_tokens_mask"):
+        AlgoSection(loss="m2po", settings={"m2po": {"reading": "v1"}})
+    with pytest.raises(ValueError, match="reading='v1' is not one of all_tokens_mask"):
+        m2po.M2POSettings(reading="v1")
 
 
 @pytest.mark.parametrize("reading", m2po.M2PO_READINGS)
 def test_the_registered_term_reads_the_reading(reading):
-    cfg = TrainConfig(algo=AlgoSection(loss="m2po", m2po_reading=reading))
-    fn = m2po.m2po(cfg).fn
+    fn = m2po.m2po(objectives.ObjectiveSpec(settings=m2po.M2POSettings(reading=reading))).fn
     mb = {"behav_logp": BEHAV, "advantages": ADV, "loss_mask": ONES}
     got = fn(LOGP, mb, staleness=jnp.zeros((2, 3)), old_logp=None, ref_logp=None)
     want = m2po.m2po_sums(

@@ -27,6 +27,8 @@ from a3po_jax.training.config import (
     RolloutSection,
     SystemSection,
     TrainConfig,
+    apply_overrides,
+    config_from_dict,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +82,13 @@ def test_a_duplicate_name_is_refused_naming_the_owner_and_the_choices(scratch_re
     objectives.register("ppo")(objectives.get("ppo").make)
 
 
+def test_an_objectives_settings_must_be_a_frozen_dataclass(scratch_registry):
+    # The config holds every objective's settings in its frozen algo section.
+    with pytest.raises(TypeError, match="settings of objective 'x' must be a frozen dataclass"):
+        objectives.register("x", settings=dict)
+    assert "x" not in objectives.names()
+
+
 def test_an_unknown_name_is_refused_naming_the_choices(scratch_registry):
     known = "dpo, gspo, icepop, m2po, ppo"
     with pytest.raises(ValueError, match=f"objective='no_such_loss' is not one of {known}"):
@@ -96,12 +105,25 @@ def test_a_module_named_by_the_loss_is_imported_and_registers_it(
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "reinforce" not in objectives.names() and "reinforce" not in sys.modules
     try:
-        cfg = TrainConfig(algo=AlgoSection(loss="reinforce", advantage="drgrpo"))
+        cfg = apply_overrides(
+            TrainConfig(),
+            ["algo.loss=reinforce", "algo.advantage=drgrpo", "algo.reinforce.max_advantage=2"],
+        )
         assert objectives.get("reinforce").make.__module__ == "reinforce"
         algo = step_builder.algorithm(cfg, CFG)
+        # Its setting is a config field like any other: saved, loaded, checked by name.
+        assert cfg.algo.reinforce.max_advantage == 2.0
+        saved = json.loads(json.dumps(cfg.to_dict()))
+        assert saved["algo"]["reinforce"] == {"max_advantage": 2.0}
+        assert config_from_dict(saved) == cfg
+        with pytest.raises(ConfigError, match="algo.reinforce.max_advantage must be >= 0"):
+            apply_overrides(cfg, ["algo.reinforce.max_advantage=-1"])
+        with pytest.raises(ConfigError, match="unknown config field 'algo.reinforce.cap'"):
+            apply_overrides(cfg, ["algo.reinforce.cap=1"])
     finally:
         sys.modules.pop("reinforce", None)  # the next import registers it afresh
-    assert algo.loss_term.__name__ == "reinforce_term"
+    assert algo.loss_term.func.__name__ == "reinforce_term"
+    assert algo.loss_term.keywords == {"max_advantage": 2.0}
     assert not algo.needs_reference and not algo.needs_old_pass
 
 
@@ -156,7 +178,7 @@ def test_decoupled_ppo_loss_is_the_steps_term_finalized():
 def test_online_dpo_loss_is_the_steps_term_finalized():
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=2, groups_per_step=8),
-        algo=AlgoSection(loss="dpo", dpo_kind="ipo"),
+        algo=AlgoSection(loss="dpo", settings={"dpo": {"kind": "ipo"}}),
         system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)
@@ -210,6 +232,7 @@ def test_a_new_objective_module_trains_through_the_cli(tmp_path):
             "experiments/smoke_tiny.py",
             "algo.loss=reinforce",
             "algo.advantage=drgrpo",
+            "algo.reinforce.max_advantage=2",
             "system.mode=sync",
             "steps=2",
             "checkpoint_every=0",
@@ -229,4 +252,5 @@ def test_a_new_objective_module_trains_through_the_cli(tmp_path):
         assert "reinforce/advantage" in record  # the new objective's own metric
         assert "loss/clipfrac" not in record  # and not PPO's
     assert records[0]["optim/grad_norm"] > 0
-    assert json.loads((run_dir / "config.json").read_text())["algo"]["loss"] == "reinforce"
+    saved = json.loads((run_dir / "config.json").read_text())["algo"]
+    assert saved["loss"] == "reinforce" and saved["reinforce"] == {"max_advantage": 2.0}

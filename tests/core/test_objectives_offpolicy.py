@@ -348,7 +348,8 @@ def test_icepop_sums_add_across_micro_batches():
 @pytest.mark.parametrize("loss_name", ["m2po", "gspo", "icepop"])
 def test_each_objective_is_its_public_loss_through_the_step(loss_name):
     cfg = TrainConfig(
-        algo=AlgoSection(loss=loss_name, prox="a3po", icepop_low=0.8), system=UNPACKED
+        algo=AlgoSection(loss=loss_name, prox="a3po", settings={"icepop": {"low": 0.8}}),
+        system=UNPACKED,
     )
     algo = step_builder.algorithm(cfg, CFG)
     assert not algo.needs_old_pass and not algo.needs_reference
@@ -422,31 +423,32 @@ def test_prox_rules_bind_as_for_ppo():
 
 def test_defaults_are_the_papers():
     a = AlgoSection()
-    assert a.m2po_tau == 0.04  # arXiv 2510.01161
-    assert (a.gspo_clip_low, a.gspo_clip_high) == (3e-4, 4e-4)  # arXiv 2507.18071 §5.1
-    assert (a.icepop_low, a.icepop_high) == (0.5, 5.0)  # arXiv 2510.18855
+    assert a.m2po.tau == 0.04  # arXiv 2510.01161
+    assert (a.gspo.clip_low, a.gspo.clip_high) == (3e-4, 4e-4)  # arXiv 2507.18071 §5.1
+    assert (a.icepop.low, a.icepop.high) == (0.5, 5.0)  # arXiv 2510.18855
     assert {"m2po", "gspo", "icepop"} <= set(objectives.names())
 
 
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("m2po_tau", float("nan")),
-        ("m2po_tau", 0.0),
-        ("m2po_tau", float("inf")),
-        ("gspo_clip_low", float("nan")),
-        ("gspo_clip_low", 1.0),
-        ("gspo_clip_high", -1e-4),
-        ("gspo_clip_high", float("inf")),
-        ("icepop_low", float("nan")),
-        ("icepop_low", 1.5),
-        ("icepop_high", float("inf")),
-        ("icepop_high", 0.9),
+        ("m2po.tau", float("nan")),
+        ("m2po.tau", 0.0),
+        ("m2po.tau", float("inf")),
+        ("gspo.clip_low", float("nan")),
+        ("gspo.clip_low", 1.0),
+        ("gspo.clip_high", -1e-4),
+        ("gspo.clip_high", float("inf")),
+        ("icepop.low", float("nan")),
+        ("icepop.low", 1.5),
+        ("icepop.high", float("inf")),
+        ("icepop.high", 0.9),
     ],
 )
 def test_bad_hyperparameters_are_refused_naming_the_field(field, value):
-    with pytest.raises(ConfigError, match=f"algo.{field}"):
-        AlgoSection(**{field: value})
+    name, key = field.split(".")
+    with pytest.raises(ConfigError, match=f"algo.{name}.{key}"):
+        AlgoSection(settings={name: {key: value}})
 
 
 def test_icepop_refuses_prox_behav():
@@ -512,12 +514,12 @@ def test_each_objective_trains_through_the_cli(tmp_path, loss_name, metric):
         ("gspo", dict(prox="a3po"), "gspo/seq_clipfrac", lambda x: 0 < x < 1),
         (
             "icepop",
-            dict(prox="recompute", icepop_low=0.8, icepop_high=1.25),
+            dict(prox="recompute", settings={"icepop": {"low": 0.8, "high": 1.25}}),
             "icepop/masked_frac",
             lambda x: 0 < x < 1,
         ),
         # τ high enough that no micro-batch drops a token: each mask is the full batch's.
-        ("m2po", dict(m2po_tau=1e3), "m2po/masked_frac", lambda x: x == 0),
+        ("m2po", dict(settings={"m2po": {"tau": 1e3}}), "m2po/masked_frac", lambda x: x == 0),
     ],
 )
 def test_micro_batched_step_equals_full_batch(loss_name, extra, metric, exercised):

@@ -310,7 +310,7 @@ def test_algorithm_holds_the_chosen_functions():
         algo = algorithm(make_config(prox=rule))
         assert algo.needs_old_pass == (rule == "recompute")
         assert algo.needs_reference is False and algo.kl_in_loss is None
-        prox_fn = algo.loss_term.keywords["prox_fn"]
+        prox_fn = algo.loss_term.keywords["anchor"].fn  # the prox rule, bound once
         assert getattr(prox_fn, "func", prox_fn) is prox.PROX_RULES[rule].fn
     one_pass = algorithm(make_config(prox="recompute", system={"one_pass_old": True}))
     assert one_pass.needs_old_pass is False

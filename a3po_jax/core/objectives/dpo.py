@@ -19,8 +19,9 @@ Shape letters: P pairs, b rows of a micro-batch (2 per pair), T tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from a3po_jax.core.aggregation import TINY
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
 from a3po_jax.core.objectives.registry import PAIRS, Term, register
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
 from a3po_jax.core.stats import Stats, finalize, masked_pair
 
 Batch = dict[str, jax.Array]
@@ -39,6 +41,27 @@ _DPO_LOSSES = {
     "ipo": lambda h, beta: jnp.square(h - 1.0 / (2.0 * beta)),
 }
 DPO_KINDS: tuple[str, ...] = tuple(_DPO_LOSSES)
+
+
+class PairDiagnostics(NamedTuple):
+    """Per-pair diagnostics of :func:`online_dpo_per_pair`, ``[P]`` float32 each."""
+
+    margin: jax.Array  # β·h
+    accuracy: jax.Array  # 1 where h > 0
+    chosen_reward: jax.Array  # β·(logp⁺ - ref⁺)
+    rejected_reward: jax.Array  # β·(logp⁻ - ref⁻)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOSettings:
+    """``algo.dpo.*``: Online DPO's own settings."""
+
+    beta: float = 0.1  # β > 0
+    kind: str = "sigmoid"  # "sigmoid" or "ipo"
+
+    def __post_init__(self):
+        check_number("beta", self.beta, above=0.0)
+        check_choice("kind", self.kind, DPO_KINDS)
 
 
 def sequence_logprobs(logp: jax.Array, mask: jax.Array) -> jax.Array:
@@ -64,7 +87,7 @@ def online_dpo_per_pair(
     *,
     beta: float,
     kind: str = "sigmoid",
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, PairDiagnostics]:
     """Per-pair Online DPO loss ℓ_i and per-pair diagnostics, nothing reduced.
 
     The formula, symbols and papers are those of :func:`online_dpo_loss`, which is the
@@ -77,9 +100,7 @@ def online_dpo_per_pair(
       kind: ``"sigmoid"`` or ``"ipo"``.
 
     Returns:
-      ``(per_pair, diagnostics)``: ``[P]`` float32 ℓ and ``[P]`` float32 ``"margin"`` (β·h),
-      ``"accuracy"`` (1 where h > 0), ``"chosen_reward"``, ``"rejected_reward"``
-      (β·(logp - ref)).
+      ``(per_pair, diagnostics)``: ``[P]`` float32 ℓ and a :class:`PairDiagnostics`.
     """
     check_rank("chosen_logp", chosen_logp, 1, "[P] sequence log-probs")
     check_same_shape(
@@ -99,17 +120,17 @@ def online_dpo_per_pair(
     h = chosen_ratio - rejected_ratio  # [P]
     per_pair = _DPO_LOSSES[kind](h, beta)
     h_sg = jax.lax.stop_gradient(h)
-    diagnostics = {
-        "margin": beta * h_sg,
-        "accuracy": (h_sg > 0).astype(f32),
-        "chosen_reward": beta * jax.lax.stop_gradient(chosen_ratio),
-        "rejected_reward": beta * jax.lax.stop_gradient(rejected_ratio),
-    }
+    diagnostics = PairDiagnostics(
+        margin=beta * h_sg,
+        accuracy=(h_sg > 0).astype(f32),
+        chosen_reward=beta * jax.lax.stop_gradient(chosen_ratio),
+        rejected_reward=beta * jax.lax.stop_gradient(rejected_ratio),
+    )
     return per_pair, diagnostics
 
 
 def pair_sums(
-    per_pair: jax.Array, diagnostics: dict[str, jax.Array], pair_mask: jax.Array
+    per_pair: jax.Array, diagnostics: PairDiagnostics, pair_mask: jax.Array
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """:func:`online_dpo_per_pair`'s outputs over the pairs that count, as
     ``(loss_sum, count, stats)`` that add across micro-batches; ``loss = loss_sum / count``.
@@ -125,16 +146,12 @@ def pair_sums(
       ``dpo/num_pairs`` (a total).
     """
     loss_sum, count = masked_pair(per_pair, pair_mask)
-    stats = Stats(
-        means={
-            "dpo/margin_mean": masked_pair(diagnostics["margin"], pair_mask),
-            "dpo/accuracy": masked_pair(diagnostics["accuracy"], pair_mask),
-            "dpo/chosen_reward": masked_pair(diagnostics["chosen_reward"], pair_mask),
-            "dpo/rejected_reward": masked_pair(diagnostics["rejected_reward"], pair_mask),
-        },
-        totals={"dpo/num_pairs": count},
-    )
-    return loss_sum, count, stats
+    # dpo/<field>: each diagnostic's mean over counted pairs (the margin's: dpo/margin_mean)
+    means = {
+        f"dpo/{'margin_mean' if name == 'margin' else name}": masked_pair(value, pair_mask)
+        for name, value in diagnostics._asdict().items()
+    }
+    return loss_sum, count, Stats(means=means, totals={"dpo/num_pairs": count})
 
 
 def dpo_term(
@@ -160,22 +177,18 @@ def dpo_term(
     return pair_sums(per_pair, diag, pairs)
 
 
-@register("dpo", needs_reference=True, layout=PAIRS)
-def dpo(cfg: Any) -> Term:
-    """``algo.loss=dpo``: :func:`dpo_term` with ``algo.dpo_beta`` and ``algo.dpo_kind``."""
-    return Term(functools.partial(dpo_term, beta=cfg.algo.dpo_beta, kind=cfg.algo.dpo_kind))
+@register("dpo", settings=DPOSettings, needs_reference=True, layout=PAIRS)
+def dpo(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=dpo``: :func:`dpo_term` with ``algo.dpo.beta`` and ``algo.dpo.kind``."""
+    own = spec.settings
+    return Term(functools.partial(dpo_term, beta=own.beta, kind=own.kind))
 
 
 def online_dpo_loss(
-    chosen_logp: jax.Array,
-    rejected_logp: jax.Array,
-    chosen_ref_logp: jax.Array,
-    rejected_ref_logp: jax.Array,
-    *,
-    beta: float,
-    kind: str = "sigmoid",
+    *sequence_logps: jax.Array,
     mask: jax.Array | None = None,
     denominator: jax.Array | float | None = None,
+    **dpo: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Online DPO on pairs of on-line samples ranked by a reward.
 
@@ -190,10 +203,10 @@ def online_dpo_loss(
     (:func:`dpo_term`), divided once.
 
     Args:
-      chosen_logp, rejected_logp: ``[B]`` current sequence log-probs.
-      chosen_ref_logp, rejected_ref_logp: ``[B]`` reference sequence log-probs.
-      beta: β > 0.
-      kind: ``"sigmoid"`` or ``"ipo"``.
+      sequence_logps: ``chosen_logp``, ``rejected_logp`` (``[B]`` current sequence
+        log-probs), ``chosen_ref_logp``, ``rejected_ref_logp`` (``[B]`` the reference's).
+      dpo: ``beta`` (β > 0) and ``kind`` (``"sigmoid"`` or ``"ipo"``) of
+        :func:`online_dpo_per_pair`.
       mask: optional ``[B]`` 1 for pairs that count (e.g. 0 where both samples got the same
         reward, so there is no preference to learn).
       denominator: global number of counted pairs for micro-batching; defaults to the
@@ -203,10 +216,8 @@ def online_dpo_loss(
       ``(loss, metrics)`` with ``dpo/margin_mean`` (mean β·h), ``dpo/accuracy`` (fraction
       with h > 0), ``dpo/chosen_reward`` and ``dpo/rejected_reward`` (β·(logp - ref)).
     """
-    check_same_shape("chosen_logp", chosen_logp, mask=mask)
-    per_pair, diag = online_dpo_per_pair(
-        chosen_logp, rejected_logp, chosen_ref_logp, rejected_ref_logp, beta=beta, kind=kind
-    )
+    check_same_shape("chosen_logp", sequence_logps[0], mask=mask)
+    per_pair, diag = online_dpo_per_pair(*sequence_logps, **dpo)
     pair_mask = jnp.ones_like(per_pair) if mask is None else mask.astype(jnp.float32)
     loss_sum, count, stats = pair_sums(per_pair, diag, pair_mask)
     # A caller-given denominator is the whole batch's count (micro-batch losses then add).

@@ -29,37 +29,47 @@ behaviour policy enters through w_b, the geometric mean of the token weights π_
 
 ``algo.aggregation`` is not read (GSPO is a sequence mean by construction; the step still
 reduces a KL term in the loss with it, so ``seq_mean_token_mean`` keeps the two alike),
-nor are ``algo.clip_eps*`` (``algo.gspo_clip_low|high`` are its ε) or the weight caps.
+nor are ``algo.clip_eps*`` (``algo.gspo.clip_low|high`` are its ε) or the weight caps.
 
 Shape letters: B sequences (b in a micro-batch), T tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core import prox
 from a3po_jax.core.aggregation import aggregate_sum
-from a3po_jax.core.checks import check_positive, check_rank, check_same_shape
-from a3po_jax.core.objectives.ppo import ProxStaleness, proximal_logp
+from a3po_jax.core.checks import check_positive
+from a3po_jax.core.objectives.ppo import Aggregate, check_token_arrays, token_loss
 from a3po_jax.core.objectives.registry import Term, register
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
 from a3po_jax.core.stats import (
     Stats,
-    finalized_loss,
+    combine,
     masked_ess,
     masked_max,
     masked_min,
     masked_pair,
+    staleness_stats,
 )
 
-Batch = dict[str, jax.Array]
-
 # GSPO's loss is a mean over sequences of each sequence's token mean.
-_SEQUENCE_MEAN = functools.partial(aggregate_sum, mode="seq_mean_token_mean")
+SEQUENCE_MEAN = "seq_mean_token_mean"
+_SEQUENCE_MEAN = functools.partial(aggregate_sum, mode=SEQUENCE_MEAN)
+
+
+class GSPODiagnostics(NamedTuple):
+    """Diagnostics of :func:`gspo_per_token`, float32."""
+
+    clipped: jax.Array  # [B, T] 0/1: the clip binds
+    log_seq_ratio: jax.Array  # [B] log s_b
+    seq_weight: jax.Array  # [B] w_b
+    seq_clipped: jax.Array  # [B] 0/1: a token of b clipped
 
 
 def _sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -77,7 +87,7 @@ def gspo_per_token(
     *,
     clip_low: float,
     clip_high: float,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, GSPODiagnostics]:
     """Per-token GSPO(-token) loss ℓ_bt and diagnostics, nothing reduced: the loss is the
     mean over sequences of their token means (``seq_mean_token_mean``).
 
@@ -89,18 +99,9 @@ def gspo_per_token(
 
     Returns:
       ``(per_token, diagnostics)``: ``[B, T]`` float32 w_b-weighted clipped terms (0
-      where masked); ``"clipped"`` ``[B, T]`` 0/1, ``"log_seq_ratio"`` ``[B]`` log s_b,
-      ``"seq_weight"`` ``[B]`` w_b, ``"seq_clipped"`` ``[B]`` 0/1 (a token of b clipped).
+      where masked) and a :class:`GSPODiagnostics`.
     """
-    check_rank("logp", logp, 2, "[B, T]")
-    check_same_shape(
-        "logp",
-        logp,
-        prox_logp=prox_logp,
-        behav_logp=behav_logp,
-        advantages=advantages,
-        mask=mask,
-    )
+    check_token_arrays(logp, prox_logp, behav_logp, advantages, mask)
     check_positive("clip_low", clip_low)
     check_positive("clip_high", clip_high)
     if clip_low >= 1:
@@ -124,12 +125,12 @@ def gspo_per_token(
     w = jnp.exp(log_w)  # [B]
     per_token = jnp.where(valid, w[:, None] * jnp.maximum(unclipped, clipped), 0.0)
     clip_hit = (clipped > unclipped) & valid
-    diagnostics = {
-        "clipped": clip_hit.astype(f32),
-        "log_seq_ratio": jax.lax.stop_gradient(log_s),
-        "seq_weight": w,
-        "seq_clipped": jnp.any(clip_hit, axis=-1).astype(f32),
-    }
+    diagnostics = GSPODiagnostics(
+        clipped=clip_hit.astype(f32),
+        log_seq_ratio=jax.lax.stop_gradient(log_s),
+        seq_weight=w,
+        seq_clipped=jnp.any(clip_hit, axis=-1).astype(f32),
+    )
     return per_token, diagnostics
 
 
@@ -140,12 +141,14 @@ def gspo_sums(
     advantages: jax.Array,
     mask: jax.Array,
     *,
-    clip_low: float,
-    clip_high: float,
     staleness: jax.Array | None = None,
+    aggregate: Aggregate = _SEQUENCE_MEAN,
+    **clip: float,
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """:func:`gspo_per_token` as ``(loss_sum, count, stats)`` that add across
-    micro-batches: ``loss_sum`` = Σ_b ℓ_b, ``count`` = sequences with a valid token.
+    micro-batches: ``loss_sum`` = Σ_b ℓ_b, ``count`` = sequences with a valid token;
+    ``clip`` is ``clip_low``, ``clip_high`` of :func:`gspo_per_token`; ``aggregate`` is the
+    sequence mean GSPO is (its public loss hands in the same one).
 
     Returns:
       ``(loss_sum, count, stats)``: ``gspo/seq_clipfrac`` (sequences clipped),
@@ -153,32 +156,22 @@ def gspo_sums(
       ``is/seq_weight_mean|max|min`` (w_b), ``mismatch/ess`` (of w_b on each valid token)
       and, with staleness, ``staleness/mean|max``.
     """
-    per_token, diag = gspo_per_token(
-        logp,
-        prox_logp,
-        behav_logp,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-    )
-    loss_sum, count = _SEQUENCE_MEAN(per_token, mask)
+    per_token, diag = gspo_per_token(logp, prox_logp, behav_logp, advantages, mask, **clip)
+    loss_sum, count = aggregate(per_token, mask)
     rows = jnp.any(mask > 0, axis=-1)  # [b] sequences with a valid token
-    s, w = jnp.exp(diag["log_seq_ratio"]), diag["seq_weight"]
+    s, w = jnp.exp(diag.log_seq_ratio), diag.seq_weight
     means = {
-        "gspo/seq_clipfrac": masked_pair(diag["seq_clipped"], rows),
-        "loss/clipfrac": masked_pair(diag["clipped"], mask),
+        "gspo/seq_clipfrac": masked_pair(diag.seq_clipped, rows),
+        "loss/clipfrac": masked_pair(diag.clipped, mask),
         "gspo/seq_ratio_mean": masked_pair(s, rows),
         "is/seq_weight_mean": masked_pair(w, rows),
     }
-    maxima = {"gspo/seq_ratio_max": masked_max(s, rows), "is/seq_weight_max": masked_max(w, rows)}
-    if staleness is not None:
-        d = staleness.astype(jnp.float32)
-        means["staleness/mean"] = masked_pair(d, mask)
-        maxima["staleness/max"] = masked_max(d, mask)
     stats = Stats(
         means=means,
-        maxima=maxima,
+        maxima={
+            "gspo/seq_ratio_max": masked_max(s, rows),
+            "is/seq_weight_max": masked_max(w, rows),
+        },
         minima={
             "gspo/seq_ratio_min": masked_min(s, rows),
             "is/seq_weight_min": masked_min(w, rows),
@@ -186,58 +179,28 @@ def gspo_sums(
         # Token-level, like every objective's mismatch/ess: a sequence weighs its length.
         ess={"mismatch/ess": masked_ess(jnp.broadcast_to(w[:, None], mask.shape), mask)},
     )
-    return loss_sum, count, stats
+    return loss_sum, count, combine(stats, staleness_stats(staleness, mask))
 
 
-def gspo_term(
-    logp: jax.Array,
-    mb: Batch,
-    *,
-    staleness: jax.Array,
-    old_logp: jax.Array | None,
-    ref_logp: jax.Array | None,
-    prox_fn: prox.ProxFn,
-    prox_staleness: ProxStaleness | None = None,
-    clip_low: float,
-    clip_high: float,
-) -> tuple[jax.Array, jax.Array, Stats]:
-    """GSPO on one micro-batch: prox from ``prox_fn`` (A-3PO's d from ``prox_staleness``, as
-    for ``ppo``), then :func:`gspo_sums` (a sequence lies in one micro-batch, so the
-    sequence sums add exactly)."""
-    del ref_logp
-    behav = mb["behav_logp"]
-    prox_logp = proximal_logp(
-        logp, mb, staleness, old_logp, prox_fn=prox_fn, prox_staleness=prox_staleness
-    )
-    return gspo_sums(
-        logp,
-        prox_logp,
-        behav,
-        mb["advantages"],
-        mb["loss_mask"],
-        clip_low=clip_low,
-        clip_high=clip_high,
-        staleness=staleness,
-    )
+@dataclasses.dataclass(frozen=True)
+class GSPOSettings:
+    """``algo.gspo.*``: the sequence ratio's clip (paper §5.1)."""
+
+    clip_low: float = 3e-4  # ε_low in (0, 1)
+    clip_high: float = 4e-4  # ε_high > 0
+
+    def __post_init__(self):
+        check_number("clip_low", self.clip_low, above=0.0, below=1.0)
+        check_number("clip_high", self.clip_high, above=0.0)
 
 
-@register("gspo")
-def gspo(cfg: Any) -> Term:
-    """``algo.loss=gspo``: :func:`gspo_term` with the prox rule (``algo.prox``,
-    ``algo.a3po_zero_staleness``, ``algo.a3po_staleness_unit``, ``system.one_pass_old``)
-    and ``algo.gspo_clip_low|high`` bound once."""
-    a = cfg.algo
-    rule = prox.make_prox_rule(
-        a.prox, zero_staleness=a.a3po_zero_staleness, one_pass_old=cfg.system.one_pass_old
-    )
-    fn = functools.partial(
-        gspo_term,
-        prox_fn=rule.fn,
-        prox_staleness=prox.staleness_for_prox(a.a3po_staleness_unit),
-        clip_low=a.gspo_clip_low,
-        clip_high=a.gspo_clip_high,
-    )
-    return Term(fn, needs_old_pass=rule.needs_old_pass)
+@register("gspo", settings=GSPOSettings)
+def gspo(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=gspo``: :func:`gspo_sums` anchored at the bound prox rule (as for
+    ``ppo``; a sequence lies in one micro-batch, so its sums add exactly), with
+    ``algo.gspo.clip_low|high``."""
+    own = spec.settings
+    return spec.anchored(gspo_sums, clip_low=own.clip_low, clip_high=own.clip_high)
 
 
 def gspo_loss(
@@ -278,15 +241,16 @@ def gspo_loss(
       ``gspo/seq_ratio_mean|max|min``, ``is/seq_weight_mean|max|min``, ``mismatch/ess``,
       ``loss/num_tokens`` and, with staleness, ``staleness/mean|max``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    loss_sum, count, stats = gspo_sums(
+    return token_loss(
+        gspo_sums,
         logp,
         prox_logp,
         behav_logp,
         advantages,
         mask,
+        aggregation=SEQUENCE_MEAN,
         clip_low=clip_low,
         clip_high=clip_high,
+        denominator=denominator,
         staleness=staleness,
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)

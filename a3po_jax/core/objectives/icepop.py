@@ -31,26 +31,30 @@ Shape letters: B sequences (b in a micro-batch), T tokens.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core import prox
-from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
-from a3po_jax.core.checks import check_choice, check_positive, check_same_shape
 from a3po_jax.core.objectives.ppo import (
     Aggregate,
-    ProxStaleness,
+    Diagnostics,
     decoupled_ppo_per_token,
-    proximal_logp,
+    token_loss,
     token_stats,
 )
 from a3po_jax.core.objectives.registry import Term, register
-from a3po_jax.core.stats import Stats, combine, finalized_loss, masked_pair
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number
+from a3po_jax.core.stats import Stats, combine, masked_pair
 
-Batch = dict[str, jax.Array]
+
+class IcePopDiagnostics(NamedTuple):
+    """Per-token diagnostics of :func:`icepop_per_token`, ``[B, T]`` float32 each."""
+
+    token: Diagnostics  # PPO's, with ``masked`` the tokens outside the band
+    below: jax.Array  # 0/1: w_t < α
+    above: jax.Array  # 0/1: w_t > β
 
 
 def icepop_per_token(
@@ -62,71 +66,43 @@ def icepop_per_token(
     *,
     low: float,
     high: float,
-    clip_eps: float,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+    **clip: Any,
+) -> tuple[jax.Array, IcePopDiagnostics]:
     """Per-token IcePop loss ℓ_t and per-token diagnostics, nothing reduced.
 
     The formula, symbols and paper are those of :func:`icepop_loss`.
 
     Args:
       logp, prox_logp, behav_logp, advantages, mask: ``[B, T]`` as for :func:`icepop_loss`.
-      low, high: α and β, 0 < α ≤ 1 ≤ β.
-      clip_eps, clip_eps_high, dual_clip: the trust-region clip, as for
+      low, high: α and β, 0 < α ≤ 1 ≤ β (checked as :class:`IcePopSettings` checks them).
+      clip: ``clip_eps``, ``clip_eps_high``, ``dual_clip``, the trust-region clip of
         :func:`a3po_jax.core.objectives.ppo.decoupled_ppo_per_token`.
 
     Returns:
       ``(per_token, diagnostics)``: ``[B, T]`` float32 ℓ_t (0 where masked or outside the
-      band) and the diagnostics of ``decoupled_ppo_per_token``, with ``"masked"`` now the
-      tokens outside the band and ``"below"`` / ``"above"`` (0/1: w_t < α / w_t > β).
+      band) and an :class:`IcePopDiagnostics`.
     """
-    check_positive("low", low)
-    check_positive("high", high)
-    if not low <= 1.0 <= high or not low < high:
-        raise ValueError(f"IcePop needs low <= 1 <= high and low < high, got {low}, {high}")
-    per_token, diag = decoupled_ppo_per_token(
-        logp,
-        prox_logp,
-        behav_logp,
-        advantages,
-        mask,
-        clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip,
-    )
+    IcePopSettings(low=low, high=high)
+    per_token, diag = decoupled_ppo_per_token(logp, prox_logp, behav_logp, advantages, mask, **clip)
     valid = mask > 0
-    w = diag["is_weight"]  # no cap was applied: w_t = exp(prox_t - behav_t)
+    w = diag.is_weight  # no cap was applied: w_t = exp(prox_t - behav_t)
     below = valid & (w < low)
     above = valid & (w > high)
     # where, not a multiply: a dropped token's gradient is exactly 0, whatever w_t is.
     per_token = jnp.where(below | above, 0.0, per_token)
     f32 = jnp.float32
-    diag = {
-        **diag,
-        "masked": (below | above).astype(f32),
-        "below": below.astype(f32),
-        "above": above.astype(f32),
-    }
-    return per_token, diag
+    token = diag._replace(masked=(below | above).astype(f32))
+    return per_token, IcePopDiagnostics(token, below.astype(f32), above.astype(f32))
 
 
 def icepop_sums(
-    logp: jax.Array,
-    prox_logp: jax.Array,
-    behav_logp: jax.Array,
-    advantages: jax.Array,
-    mask: jax.Array,
-    *,
-    aggregate: Aggregate,
-    staleness: jax.Array | None = None,
-    **hyper: Any,
+    *arrays: jax.Array, aggregate: Aggregate, staleness: jax.Array | None = None, **hyper: Any
 ) -> tuple[jax.Array, jax.Array, Stats]:
     """:func:`icepop_per_token` as ``(loss_sum, count, stats)`` that add across
     micro-batches; ``loss = loss_sum / count``.
 
     Args:
-      logp, prox_logp, behav_logp, advantages, mask: ``[B, T]``.
+      arrays: ``logp``, ``prox_logp``, ``behav_logp``, ``advantages``, ``mask``, ``[B, T]``.
       aggregate: ``(per_token, mask) -> (numerator, count)``.
       staleness: ``[B, T]`` d_t, or None.
       hyper: ``low``, ``high``, ``clip_eps``, ``clip_eps_high``, ``dual_clip``.
@@ -137,71 +113,45 @@ def icepop_sums(
       :func:`a3po_jax.core.objectives.ppo.token_stats` (``mismatch/masked_frac`` is the
       band's) and ``mismatch/ess``.
     """
-    per_token, diag = icepop_per_token(logp, prox_logp, behav_logp, advantages, mask, **hyper)
+    logp, _, behav_logp, _, mask = arrays
+    per_token, diag = icepop_per_token(*arrays, **hyper)
     loss_sum, count = aggregate(per_token, mask)
     own = Stats(
         means={
-            "icepop/masked_frac": masked_pair(diag["masked"], mask),
-            "icepop/below_frac": masked_pair(diag["below"], mask),
-            "icepop/above_frac": masked_pair(diag["above"], mask),
+            "icepop/masked_frac": masked_pair(diag.token.masked, mask),
+            "icepop/below_frac": masked_pair(diag.below, mask),
+            "icepop/above_frac": masked_pair(diag.above, mask),
         }
     )
-    return loss_sum, count, combine(own, token_stats(logp, behav_logp, staleness, mask, diag))
+    return loss_sum, count, combine(own, token_stats(logp, behav_logp, staleness, mask, diag.token))
 
 
-def icepop_term(
-    logp: jax.Array,
-    mb: Batch,
-    *,
-    staleness: jax.Array,
-    old_logp: jax.Array | None,
-    ref_logp: jax.Array | None,
-    prox_fn: prox.ProxFn,
-    prox_staleness: ProxStaleness | None = None,
-    aggregate: Aggregate,
-    **hyper: Any,
-) -> tuple[jax.Array, jax.Array, Stats]:
-    """IcePop on one micro-batch: prox from ``prox_fn`` (A-3PO's d from ``prox_staleness``,
-    as for ``ppo``), then :func:`icepop_sums`."""
-    del ref_logp
-    behav = mb["behav_logp"]
-    prox_logp = proximal_logp(
-        logp, mb, staleness, old_logp, prox_fn=prox_fn, prox_staleness=prox_staleness
-    )
-    return icepop_sums(
-        logp,
-        prox_logp,
-        behav,
-        mb["advantages"],
-        mb["loss_mask"],
-        aggregate=aggregate,
-        staleness=staleness,
-        **hyper,
-    )
+@dataclasses.dataclass(frozen=True)
+class IcePopSettings:
+    """``algo.icepop.*``: the band [α, β] of the train/inference ratio."""
+
+    low: float = 0.5  # α: tokens with π_prox/π_behav < α leave the loss
+    high: float = 5.0  # β: tokens with π_prox/π_behav > β leave the loss
+
+    def __post_init__(self):
+        check_number("low", self.low, above=0.0)
+        check_number("high", self.high, above=0.0)
+        # α ≤ 1 ≤ β: a token whose train and inference probabilities agree is always kept.
+        if not self.low <= 1.0:
+            raise ValueError(f"low must be <= 1 (the band [low, high] holds 1), got {self.low}")
+        if not (self.high >= 1.0 and self.high > self.low):
+            raise ValueError(f"high must be >= 1 and > low={self.low}, got {self.high}")
 
 
-@register("icepop", prox_rules=("recompute", "a3po"))
-def icepop(cfg: Any) -> Term:
-    """``algo.loss=icepop``: :func:`icepop_term` with the prox rule (``algo.prox``,
-    ``algo.a3po_zero_staleness``, ``algo.a3po_staleness_unit``), ``algo.icepop_low`` /
-    ``algo.icepop_high`` (α, β), the clip (``algo.clip_eps``, ``clip_eps_high``,
-    ``dual_clip``) and the aggregation bound once."""
-    a = cfg.algo
-    rule = prox.make_prox_rule(
-        a.prox, zero_staleness=a.a3po_zero_staleness, one_pass_old=cfg.system.one_pass_old
+@register("icepop", settings=IcePopSettings, prox_rules=("recompute", "a3po"))
+def icepop(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=icepop``: :func:`icepop_sums` anchored at the bound prox rule (as for
+    ``ppo``), with ``algo.icepop.low|high`` (α, β), the clip (``algo.clip_eps``,
+    ``clip_eps_high``, ``dual_clip``) and the aggregation."""
+    own = spec.settings
+    return spec.anchored(
+        icepop_sums, aggregate=spec.aggregate, low=own.low, high=own.high, **spec.clip.clip
     )
-    fn = functools.partial(
-        icepop_term,
-        prox_fn=rule.fn,
-        prox_staleness=prox.staleness_for_prox(a.a3po_staleness_unit),
-        aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
-        low=a.icepop_low,
-        high=a.icepop_high,
-        clip_eps=a.clip_eps,
-        clip_eps_high=a.clip_eps_high or None,
-        dual_clip=a.dual_clip or None,
-    )
-    return Term(fn, needs_old_pass=rule.needs_old_pass)
 
 
 def icepop_loss(
@@ -214,12 +164,7 @@ def icepop_loss(
     low: float = 0.5,
     high: float = 5.0,
     clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-    aggregation: str = "token_mean",
-    denominator: jax.Array | float | None = None,
-    max_len: int | None = None,
-    staleness: jax.Array | None = None,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """IcePop: decoupled PPO with tokens outside [α, β] of the train/inference ratio dropped.
 
@@ -238,7 +183,9 @@ def icepop_loss(
       logp, prox_logp, behav_logp, advantages, mask: ``[B, T]``; prox and behav carry no
         gradient.
       low, high: α and β, 0 < α ≤ 1 ≤ β, α < β.
-      clip_eps, clip_eps_high, dual_clip: the trust-region clip (ε_low, ε_high, c).
+      clip_eps: ε_low of the trust-region clip.
+      options: each optional: ``clip_eps_high``, ``dual_clip`` (ε_high, c), and
+        ``aggregation``, ``denominator``, ``max_len``, ``staleness`` as below.
       aggregation: one of ``AGGREGATIONS``.
       denominator: global count for micro-batching; defaults to the local count.
       max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
@@ -249,20 +196,15 @@ def icepop_loss(
       (``loss/clipfrac``, ``is/*``, ``mismatch/*`` with ``mismatch/ess``) and
       ``loss/num_tokens``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    loss_sum, count, stats = icepop_sums(
+    return token_loss(
+        icepop_sums,
         logp,
         prox_logp,
         behav_logp,
         advantages,
         mask,
-        aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
-        staleness=staleness,
         low=low,
         high=high,
         clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip,
+        **options,
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)

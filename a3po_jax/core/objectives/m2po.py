@@ -7,7 +7,7 @@ Zheng, Zhao, Chen, "Prosperity before Collapse: How Far Can Off-Policy RL Reach 
 Data on LLMs?", arXiv 2510.01161 (τ = 0.04 in all their runs). Its Algorithm 1 drops the
 largest (log ρ)² among "all trust-region tokens" until their mean is ≤ τ and then trains
 ℓ = -M ρ A with no ratio clip; implementations disagree on which tokens those are, and the
-authors' own code does not mask at all. ``algo.m2po_reading`` picks one of three:
+authors' own code does not mask at all. ``algo.m2po.reading`` picks one of three:
 
     log ρ_t = sg(logp_t) - behav_t,  v_t = (log ρ_t)²       π_θ/π_behav of token t
     S = {t valid : A_t > 0 and log ρ_t > 0, or A_t < 0 and log ρ_t < 0}
@@ -54,6 +54,7 @@ Shape letters: B sequences (b in a micro-batch), T tokens, L = b·T.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -61,11 +62,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
-from a3po_jax.core.objectives.ppo import Aggregate
+from a3po_jax.core.objectives.ppo import Aggregate, token_loss
 from a3po_jax.core.objectives.registry import Term, register
-from a3po_jax.core.stats import Stats, finalized_loss, masked_ess, masked_max, masked_pair
+from a3po_jax.core.objectives.spec import ObjectiveSpec, check_number, token_term
+from a3po_jax.core.stats import Stats, combine, masked_ess, masked_max, masked_pair, staleness_stats
 
 Batch = dict[str, jax.Array]
 
@@ -221,6 +222,15 @@ def _derived_clip(log_ratio, sq, adv, mask, tau) -> Selection:
     return Selection(mask > 0, jnp.where(clipped, held, log_ratio), clipped, side)
 
 
+class M2PODiagnostics(NamedTuple):
+    """Per-token diagnostics of :func:`m2po_per_token`, ``[B, T]`` float32 each."""
+
+    masked: jax.Array  # 0/1: gradient removed by the reading (dropped or clipped)
+    m2: jax.Array  # (log ρ_t)²
+    ratio: jax.Array  # ρ_t, no gradient
+    clip_side: jax.Array | None = None  # 0/1: in S (the clip-side readings)
+
+
 # (log ρ [B, T], (log ρ)² [B, T], A [B, T], mask [B, T], τ) -> Selection
 READINGS: dict[str, Callable[..., Selection]] = {
     "all_tokens_mask": _all_tokens_mask,
@@ -238,7 +248,7 @@ def m2po_per_token(
     *,
     tau: float,
     reading: str = "all_tokens_mask",
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, M2PODiagnostics]:
     """Per-token M2PO loss ℓ_t and per-token diagnostics, nothing reduced.
 
     The formula, symbols and paper are those of :func:`m2po_loss`.
@@ -250,9 +260,7 @@ def m2po_per_token(
 
     Returns:
       ``(per_token, diagnostics)``: ``[B, T]`` float32 ℓ_t (0 where masked or dropped) and
-      ``[B, T]`` float32 ``"masked"`` (0/1: gradient removed by the reading, a dropped or a
-      clipped token), ``"m2"`` ((log ρ_t)²), ``"ratio"`` (ρ_t, no gradient); the clip-side
-      readings add ``"clip_side"`` (0/1: in S).
+      an :class:`M2PODiagnostics` (``clip_side`` set by the clip-side readings).
     """
     check_rank("logp", logp, 2, "[B, T]")
     check_same_shape("logp", logp, behav_logp=behav_logp, advantages=advantages, mask=mask)
@@ -269,13 +277,13 @@ def m2po_per_token(
     chosen = READINGS[reading](log_ratio, sq, adv, mask, tau)
     # where, not a multiply: a dropped token's gradient is exactly 0, whatever its ratio.
     per_token = jnp.where(chosen.keep, -jnp.exp(chosen.log_ratio) * adv, 0.0)
-    diagnostics = {
-        "masked": chosen.no_grad.astype(f32),
-        "m2": sq,
-        "ratio": jax.lax.stop_gradient(jnp.exp(log_ratio)),
-    }
-    if chosen.clip_side is not None:
-        diagnostics["clip_side"] = chosen.clip_side.astype(f32)
+    clip_side = None if chosen.clip_side is None else chosen.clip_side.astype(f32)
+    diagnostics = M2PODiagnostics(
+        masked=chosen.no_grad.astype(f32),
+        m2=sq,
+        ratio=jax.lax.stop_gradient(jnp.exp(log_ratio)),
+        clip_side=clip_side,
+    )
     return per_token, diagnostics
 
 
@@ -304,68 +312,48 @@ def m2po_sums(
     """
     per_token, diag = m2po_per_token(logp, behav_logp, advantages, mask, tau=tau, reading=reading)
     loss_sum, count = aggregate(per_token, mask)
-    kept = mask * (1.0 - diag["masked"])
+    kept = mask * (1.0 - diag.masked)
     means = {
-        "m2po/masked_frac": masked_pair(diag["masked"], mask),
-        "m2po/m2": masked_pair(diag["m2"], mask),
-        "m2po/m2_kept": masked_pair(diag["m2"], kept),
-        "is/weight_mean": masked_pair(diag["ratio"], mask),
-        "mismatch/masked_frac": masked_pair(diag["masked"], mask),
+        "m2po/masked_frac": masked_pair(diag.masked, mask),
+        "m2po/m2": masked_pair(diag.m2, mask),
+        "m2po/m2_kept": masked_pair(diag.m2, kept),
+        "is/weight_mean": masked_pair(diag.ratio, mask),
+        "mismatch/masked_frac": masked_pair(diag.masked, mask),
     }
-    if "clip_side" in diag:
-        means["m2po/clip_side_frac"] = masked_pair(diag["clip_side"], mask)
-        means["m2po/m2_clip_side"] = masked_pair(diag["m2"], diag["clip_side"])
-    maxima = {"is/weight_max": masked_max(diag["ratio"], mask)}
-    if staleness is not None:
-        d = staleness.astype(jnp.float32)
-        means["staleness/mean"] = masked_pair(d, mask)
-        maxima["staleness/max"] = masked_max(d, mask)
+    if diag.clip_side is not None:
+        means["m2po/clip_side_frac"] = masked_pair(diag.clip_side, mask)
+        means["m2po/m2_clip_side"] = masked_pair(diag.m2, diag.clip_side)
     stats = Stats(
         means=means,
-        maxima=maxima,
-        ess={"mismatch/ess": masked_ess(diag["ratio"] * (1.0 - diag["masked"]), mask)},
+        maxima={"is/weight_max": masked_max(diag.ratio, mask)},
+        ess={"mismatch/ess": masked_ess(diag.ratio * (1.0 - diag.masked), mask)},
     )
-    return loss_sum, count, stats
+    return loss_sum, count, combine(stats, staleness_stats(staleness, mask))
 
 
-def m2po_term(
-    logp: jax.Array,
-    mb: Batch,
-    *,
-    staleness: jax.Array,
-    old_logp: jax.Array | None,
-    ref_logp: jax.Array | None,
-    aggregate: Aggregate,
-    tau: float,
-    reading: str = "all_tokens_mask",
-) -> tuple[jax.Array, jax.Array, Stats]:
-    """M2PO on one micro-batch (its own mask or bound): :func:`m2po_sums` of its arrays."""
-    del old_logp, ref_logp
-    return m2po_sums(
-        logp,
-        mb["behav_logp"],
-        mb["advantages"],
-        mb["loss_mask"],
-        aggregate=aggregate,
-        tau=tau,
-        reading=reading,
-        staleness=staleness,
+@dataclasses.dataclass(frozen=True)
+class M2POSettings:
+    """``algo.m2po.*``: the bound and the reading (the module docstring says which is whose)."""
+
+    tau: float = 0.04  # τ > 0 on the mean (log π_θ/π_behav)² of the kept tokens
+    reading: str = "all_tokens_mask"  # a key of READINGS
+
+    def __post_init__(self):
+        check_number("tau", self.tau, above=0.0)
+        check_choice("reading", self.reading, READINGS)
+
+
+@register("m2po", settings=M2POSettings)
+def m2po(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=m2po``: :func:`m2po_sums` of each micro-batch (its own mask or bound)
+    with ``algo.m2po.tau``, ``algo.m2po.reading`` and the aggregation; no prox rule
+    (``algo.prox`` is not read, no recompute pass)."""
+    own = spec.settings
+    return Term(
+        functools.partial(
+            token_term, sums=m2po_sums, aggregate=spec.aggregate, tau=own.tau, reading=own.reading
+        )
     )
-
-
-@register("m2po")
-def m2po(cfg: Any) -> Term:
-    """``algo.loss=m2po``: :func:`m2po_term` with ``algo.m2po_tau``,
-    ``algo.m2po_reading`` and the aggregation; no prox rule (``algo.prox`` is not read, no
-    recompute pass)."""
-    a = cfg.algo
-    fn = functools.partial(
-        m2po_term,
-        aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
-        tau=a.m2po_tau,
-        reading=a.m2po_reading,
-    )
-    return Term(fn)
 
 
 def m2po_loss(
@@ -376,10 +364,7 @@ def m2po_loss(
     *,
     tau: float = 0.04,
     reading: str = "all_tokens_mask",
-    aggregation: str = "token_mean",
-    denominator: jax.Array | float | None = None,
-    max_len: int | None = None,
-    staleness: jax.Array | None = None,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """M2PO: the policy gradient on stale data, with the second moment of the log ratio
     bounded instead of PPO's ε-clip.
@@ -398,7 +383,7 @@ def m2po_loss(
     the data, however stale), A advantages, m the completion mask, τ the bound on M̂₂.
     Zheng, Zhao, Chen, arXiv 2510.01161 (τ = 0.04); the module docstring says which code
     each reading follows. The whole batch is one mask (or one bound) here; the train step
-    builds one per micro-batch (:func:`m2po_term`). This function is ``finalize`` of
+    builds one per micro-batch (:func:`m2po`'s term). This function is ``finalize`` of
     :func:`m2po_sums`.
 
     Args:
@@ -406,6 +391,7 @@ def m2po_loss(
         gradient.
       tau: τ > 0.
       reading: one of ``M2PO_READINGS``.
+      options: each optional: ``aggregation``, ``denominator``, ``max_len``, ``staleness``.
       aggregation: one of ``AGGREGATIONS`` (the paper: ``token_mean``).
       denominator: global count for micro-batching; defaults to the local count.
       max_len: Dr.GRPO normaliser for ``seq_mean_token_sum_norm``.
@@ -417,16 +403,6 @@ def m2po_loss(
       ``loss/num_tokens``, with staleness ``staleness/mean|max``, and for the clip-side
       readings ``m2po/clip_side_frac``, ``m2po/m2_clip_side``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    loss_sum, count, stats = m2po_sums(
-        logp,
-        behav_logp,
-        advantages,
-        mask,
-        aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
-        tau=tau,
-        reading=reading,
-        staleness=staleness,
+    return token_loss(
+        m2po_sums, logp, behav_logp, advantages, mask, tau=tau, reading=reading, **options
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)

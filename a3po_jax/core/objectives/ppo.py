@@ -13,12 +13,14 @@ One road from the per-token maths to both callers:
 * :func:`decoupled_ppo_per_token`: ℓ_t and per-token diagnostics, unreduced;
 * :func:`decoupled_ppo_sums`: their ``(loss_sum, count, Stats)``, which add across
   micro-batches, minibatches and arriving groups;
-* :func:`ppo_term`: the train step's term for one micro-batch: the prox rule, then the sums;
+* :func:`ppo`: the train step's term for one micro-batch: the prox rule, then the sums
+  (:func:`a3po_jax.core.objectives.spec.token_term`);
 * :func:`decoupled_ppo_loss` / :func:`ppo_clip_loss`: the public losses, the sums of a
   whole batch finalized (``loss = loss_sum / count``, metrics divided once).
 
 The objective ``ppo`` (``algo.loss=ppo``) binds the prox rule (``algo.prox``), the caps and
-the aggregation from the config once, in :func:`ppo`.
+the aggregation from its :class:`~a3po_jax.core.objectives.spec.ObjectiveSpec` once, in
+:func:`ppo`; it has no settings of its own (the clip is ``algo.clip_eps`` and its kin).
 
 Shape letters: B sequences (b in a micro-batch), T tokens.
 """
@@ -27,16 +29,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core import importance, prox
+from a3po_jax.core import importance
 from a3po_jax.core.aggregation import AGGREGATIONS, aggregate_sum
 from a3po_jax.core.checks import check_choice, check_positive, check_rank, check_same_shape
 from a3po_jax.core.importance import SequenceCorrection
 from a3po_jax.core.objectives.registry import Term, register
+from a3po_jax.core.objectives.spec import ObjectiveSpec
 from a3po_jax.core.stats import (
     Stats,
     combine,
@@ -45,9 +48,9 @@ from a3po_jax.core.stats import (
     masked_max,
     masked_min,
     masked_pair,
+    staleness_stats,
 )
 
-Batch = dict[str, jax.Array]
 Aggregate = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 # Token-level cap of the behaviour weight w (Yao et al. 2025, TIS/MIS): over = w > cap
@@ -63,6 +66,33 @@ _TOKEN_CAPS = {
     ),
 }
 CAP_MODES: tuple[str, ...] = tuple(_TOKEN_CAPS)
+
+
+def check_token_arrays(
+    logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advantages: jax.Array, mask
+) -> None:
+    """The ``[B, T]`` arrays of a token-level objective: rank 2, one shape."""
+    check_rank("logp", logp, 2, "[B, T]")
+    others = {"prox_logp": prox_logp, "behav_logp": behav_logp, "advantages": advantages}
+    check_same_shape("logp", logp, **others, mask=mask)
+
+
+class Diagnostics(NamedTuple):
+    """Per-token diagnostics of :func:`decoupled_ppo_per_token`: ``[B, T]`` float32 each,
+    meaningful where the mask is 1 (a pytree: it may cross ``jit``)."""
+
+    clipped: jax.Array  # 0/1: the ε-clip binds
+    dual_clipped: jax.Array  # 0/1: the dual clip binds
+    capped: jax.Array  # 0/1: a cap (token or sequence) acted on the token
+    masked: jax.Array  # 0/1: the token left the loss (a cap, or IcePop's band)
+    truncated: jax.Array  # 0/1: its weight was lowered to the cap
+    is_weight: jax.Array  # the weight the loss applies
+    log_is_weight: jax.Array  # log w_t = prox - behav, before any cap
+    kl_behav_k3: jax.Array  # k3 estimate of KL(π_behav ‖ π_θ)
+    # With a sequence-level correction, [B]: log W_b before the cap, and 0/1 per sequence.
+    seq_log_weight: jax.Array | None = None
+    seq_masked: jax.Array | None = None
+    seq_truncated: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -83,12 +113,11 @@ def decoupled_ppo_per_token(
     behav_weight_cap: float | None = None,
     cap_mode: str = "mask",
     seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, Diagnostics]:
     """Per-token decoupled PPO loss ℓ_t and per-token diagnostics, nothing reduced.
 
-    The formula, symbols and paper are those of :func:`decoupled_ppo_loss`, which is
-    ``aggregate`` of this function's ℓ. A train step that splits a batch into micro-batches
-    reduces these values once, with ``aggregate_sum``, instead of averaging averages.
+    The formula, symbols and paper are those of :func:`decoupled_ppo_loss` (``aggregate`` of
+    this ℓ); a micro-batched step reduces these values once, not averaging averages.
 
     Args:
       logp, prox_logp, behav_logp, advantages, mask: ``[B, T]`` as for
@@ -101,28 +130,13 @@ def decoupled_ppo_per_token(
 
     Returns:
       ``(per_token, diagnostics)``: ``per_token`` ``[B, T]`` float32 ℓ_t (0 where masked or
-      dropped by the cap); ``diagnostics`` maps ``"clipped"``, ``"dual_clipped"``,
-      ``"capped"`` (0/1 per token), ``"masked"`` / ``"truncated"`` (0/1: the token left the
-      loss / its weight was lowered, by either cap), ``"is_weight"`` (the weight used),
-      ``"log_is_weight"`` (log w_t = prox - behav before any cap) and ``"kl_behav_k3"`` to
-      ``[B, T]`` float32 arrays, meaningful where ``mask`` is 1; with ``seq_correction``
-      also ``"seq_log_weight"`` ``[B]`` (log W_b before the cap) and ``"seq_masked"`` /
-      ``"seq_truncated"`` ``[B]`` 0/1.
+      dropped by the cap); ``diagnostics`` a :class:`Diagnostics`, its ``seq_*`` fields set
+      with ``seq_correction``.
     """
-    check_rank("logp", logp, 2, "[B, T]")
-    check_same_shape(
-        "logp",
-        logp,
-        prox_logp=prox_logp,
-        behav_logp=behav_logp,
-        advantages=advantages,
-        mask=mask,
-    )
+    check_token_arrays(logp, prox_logp, behav_logp, advantages, mask)
     check_positive("clip_eps", clip_eps)
     check_positive("clip_eps_high", clip_eps_high)
     check_positive("dual_clip", dual_clip, minimum=1.0)
-    check_positive("behav_weight_cap", behav_weight_cap)
-    check_choice("cap_mode", cap_mode, CAP_MODES)
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
     valid = mask.astype(bool)
@@ -137,12 +151,54 @@ def decoupled_ppo_per_token(
     log_r = jnp.where(valid, logp - prox, 0.0)
     log_w = jnp.where(valid, prox - behav, 0.0)
     ratio = jnp.exp(log_r)
-    weight = jnp.exp(log_w)
+    caps = _capped_weight(log_w, valid, behav_weight_cap, cap_mode, seq_correction)
+    weight, keep, masked, truncated, capped, seq_diag = caps
 
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    pg = jnp.maximum(unclipped, clipped)
+    clip_hit = (clipped > unclipped) & valid
+    dual_hit = jnp.zeros_like(valid)
+    if dual_clip is not None:
+        bound = -dual_clip * adv  # positive where adv < 0
+        dual_hit = (adv < 0) & (pg > bound) & valid
+        pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
+    per_token = jnp.where(keep, weight * pg, 0.0)
+
+    x = behav - logp  # k3 estimator of KL(π_behav ‖ π_θ) on samples from π_behav
+    k3 = jnp.where(valid, jnp.expm1(jnp.where(valid, x, 0.0)) - x, 0.0)
+    f32 = jnp.float32
+    diagnostics = Diagnostics(
+        clipped=clip_hit.astype(f32),
+        dual_clipped=dual_hit.astype(f32),
+        capped=capped.astype(f32),
+        masked=masked.astype(f32),
+        truncated=truncated.astype(f32),
+        is_weight=weight,
+        log_is_weight=log_w,
+        kl_behav_k3=jax.lax.stop_gradient(k3),
+        **seq_diag,
+    )
+    return per_token, diagnostics
+
+
+def _capped_weight(
+    log_w: jax.Array,
+    valid: jax.Array,
+    behav_weight_cap: float | None,
+    cap_mode: str,
+    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None,
+) -> tuple[Any, ...]:
+    """The weight w_t = exp(log_w) after the token or the sequence cap (or none), as
+    ``(weight, keep, masked, truncated, capped, seq_diag)``: ``[B, T]`` arrays (bool but
+    the weight) and the sequence cap's ``[B]`` diagnostics (a dict, empty without it)."""
+    check_positive("behav_weight_cap", behav_weight_cap)
+    check_choice("cap_mode", cap_mode, CAP_MODES)
+    weight = jnp.exp(log_w)
     keep = valid
     none = jnp.zeros_like(valid)
-    masked = truncated = none
-    seq_diag = {}
+    masked = truncated = capped = none
+    seq_diag: dict[str, jax.Array] = {}
     if seq_correction is not None and behav_weight_cap is not None:
         raise ValueError(
             "behav_weight_cap (token-level) and seq_correction (sequence-level) are "
@@ -165,35 +221,7 @@ def decoupled_ppo_per_token(
         weight, keep, masked, truncated = _TOKEN_CAPS[cap_mode](
             weight, keep, capped, behav_weight_cap
         )
-    else:
-        capped = none
-
-    unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
-    pg = jnp.maximum(unclipped, clipped)
-    clip_hit = (clipped > unclipped) & valid
-    dual_hit = jnp.zeros_like(valid)
-    if dual_clip is not None:
-        bound = -dual_clip * adv  # positive where adv < 0
-        dual_hit = (adv < 0) & (pg > bound) & valid
-        pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
-    per_token = jnp.where(keep, weight * pg, 0.0)
-
-    x = behav - logp  # k3 estimator of KL(π_behav ‖ π_θ) on samples from π_behav
-    k3 = jnp.where(valid, jnp.expm1(jnp.where(valid, x, 0.0)) - x, 0.0)
-    f32 = jnp.float32
-    diagnostics = {
-        "clipped": clip_hit.astype(f32),
-        "dual_clipped": dual_hit.astype(f32),
-        "capped": capped.astype(f32),
-        "masked": masked.astype(f32),
-        "truncated": truncated.astype(f32),
-        "is_weight": weight,
-        "log_is_weight": log_w,
-        "kl_behav_k3": jax.lax.stop_gradient(k3),
-        **seq_diag,
-    }
-    return per_token, diagnostics
+    return weight, keep, masked, truncated, capped, seq_diag
 
 
 # --------------------------------------------------------------------------------------
@@ -239,10 +267,10 @@ def token_stats(
     behav_logp: jax.Array,
     staleness: jax.Array | None,
     mask: jax.Array,
-    diag: dict[str, jax.Array],
+    diag: Diagnostics,
 ) -> Stats:
     """The metrics of :func:`decoupled_ppo_sums` from :func:`decoupled_ppo_per_token`'s
-    diagnostics (or diagnostics with the same keys, as IcePop's): ``loss/clipfrac``,
+    diagnostics (or IcePop's, its band as ``masked``): ``loss/clipfrac``,
     ``loss/dual_clipfrac``, ``is/*``, ``kl/behav_k3``, ``staleness/*`` and
     :func:`mismatch_stats`.
 
@@ -252,24 +280,18 @@ def token_stats(
       mask: ``[b, T]`` loss mask.
       diag: the per-token diagnostics.
     """
-    d = None if staleness is None else staleness.astype(jnp.float32)
-    means = {
-        "loss/clipfrac": masked_pair(diag["clipped"], mask),
-        "loss/dual_clipfrac": masked_pair(diag["dual_clipped"], mask),
-        "is/weight_mean": masked_pair(diag["is_weight"], mask),
-        "is/capped_frac": masked_pair(diag["capped"], mask),
-        "kl/behav_k3": masked_pair(diag["kl_behav_k3"], mask),
-    }
-    if d is not None:
-        means["staleness/mean"] = masked_pair(d, mask)
-    maxima = {"is/weight_max": masked_max(diag["is_weight"], mask)}
-    if d is not None:
-        maxima["staleness/max"] = masked_max(d, mask)
     stats = Stats(
-        means=means,
-        maxima=maxima,
-        minima={"is/weight_min": masked_min(diag["is_weight"], mask)},
+        means={
+            "loss/clipfrac": masked_pair(diag.clipped, mask),
+            "loss/dual_clipfrac": masked_pair(diag.dual_clipped, mask),
+            "is/weight_mean": masked_pair(diag.is_weight, mask),
+            "is/capped_frac": masked_pair(diag.capped, mask),
+            "kl/behav_k3": masked_pair(diag.kl_behav_k3, mask),
+        },
+        maxima={"is/weight_max": masked_max(diag.is_weight, mask)},
+        minima={"is/weight_min": masked_min(diag.is_weight, mask)},
     )
+    stats = combine(stats, staleness_stats(staleness, mask))
     return combine(stats, mismatch_stats(logp, behav_logp, staleness, mask, diag))
 
 
@@ -278,7 +300,7 @@ def mismatch_stats(
     behav_logp: jax.Array,
     staleness: jax.Array | None,
     mask: jax.Array,
-    diag: dict[str, jax.Array],
+    diag: Diagnostics,
 ) -> Stats:
     """The train-inference mismatch of one micro-batch, as :class:`Stats` that add.
 
@@ -312,14 +334,14 @@ def mismatch_stats(
     if fresh is not None:
         x = jnp.where(fresh, behav_logp.astype(jnp.float32) - logp.astype(jnp.float32), 0.0)
         k3 = jax.lax.stop_gradient(jnp.expm1(x) - x)
-    log_w = diag["log_is_weight"]
+    log_w = diag.log_is_weight
     w = jnp.exp(log_w)
     rows = jnp.any(valid, axis=-1)  # [b] sequences with a valid token
-    if "seq_log_weight" in diag:  # the sequence-level correction is on
+    if diag.seq_log_weight is not None:  # the sequence-level correction is on
         log_seq, seq_masked, seq_truncated = (
-            diag["seq_log_weight"],
-            diag["seq_masked"],
-            diag["seq_truncated"],
+            diag.seq_log_weight,
+            diag.seq_masked,
+            diag.seq_truncated,
         )
     else:
         log_seq = jnp.sum(jnp.where(valid, log_w, 0.0), axis=-1)
@@ -327,8 +349,8 @@ def mismatch_stats(
     means = {} if fresh is None else {"mismatch/k3_kl_fresh": masked_pair(k3, fresh)}
     means.update(
         {
-            "mismatch/masked_frac": masked_pair(diag["masked"], mask),
-            "mismatch/truncated_frac": masked_pair(diag["truncated"], mask),
+            "mismatch/masked_frac": masked_pair(diag.masked, mask),
+            "mismatch/truncated_frac": masked_pair(diag.truncated, mask),
             "mismatch/seq_masked_frac": masked_pair(seq_masked, rows),
             "mismatch/seq_truncated_frac": masked_pair(seq_truncated, rows),
         }
@@ -346,101 +368,20 @@ def mismatch_stats(
             "mismatch/seq_log_iw_min": masked_min(log_seq, rows),
         },
         histograms={"mismatch/iw": importance.log_weight_histogram(log_w, mask)},
-        ess={"mismatch/ess": masked_ess(diag["is_weight"] * (1.0 - diag["masked"]), mask)},
+        ess={"mismatch/ess": masked_ess(diag.is_weight * (1.0 - diag.masked), mask)},
     )
 
 
 # --------------------------------------------------------------------------------------
-# The train step's term and the objective's registration.
+# The objective's registration: its term is the sums anchored at π_prox (spec.py).
 # --------------------------------------------------------------------------------------
-
-
-ProxStaleness = Callable[[Batch, jax.Array], jax.Array]
-
-
-def proximal_logp(
-    logp: jax.Array,
-    mb: Batch,
-    staleness: jax.Array,
-    old_logp: jax.Array | None,
-    *,
-    prox_fn: prox.ProxFn,
-    prox_staleness: ProxStaleness | None = None,
-) -> jax.Array:
-    """``[b, T]`` log π_prox of a micro-batch from the bound prox rule, A-3PO reading the d
-    of ``prox_staleness`` (:func:`a3po_jax.core.prox.staleness_for_prox`; None: ``staleness``
-    itself, in optimizer updates). The anchor of every objective with a prox rule (PPO,
-    IcePop, GSPO)."""
-    d = staleness if prox_staleness is None else prox_staleness(mb, staleness)
-    return prox_fn(logp, mb["behav_logp"], d, old_logp)
-
-
-def ppo_term(
-    logp: jax.Array,
-    mb: Batch,
-    *,
-    staleness: jax.Array,
-    old_logp: jax.Array | None,
-    ref_logp: jax.Array | None,
-    prox_fn: prox.ProxFn,
-    aggregate: Aggregate,
-    prox_staleness: Callable[[Batch, jax.Array], jax.Array] | None = None,
-    **clip: Any,
-) -> tuple[jax.Array, jax.Array, Stats]:
-    """Decoupled PPO on one micro-batch: prox from ``prox_fn``, then
-    :func:`decoupled_ppo_sums` of the micro-batch's arrays.
-
-    ``staleness`` is in optimizer updates (the ``staleness/*`` metrics); ``prox_staleness``
-    picks the d that A-3PO's α reads (:func:`a3po_jax.core.prox.staleness_for_prox`; None:
-    ``staleness`` itself).
-
-    ``clip`` holds ``clip_eps``, ``clip_eps_high``, ``dual_clip``, ``behav_weight_cap``,
-    ``cap_mode`` and ``seq_correction`` (bound when the step is built, by :func:`ppo`).
-    """
-    del ref_logp
-    prox_logp = proximal_logp(
-        logp, mb, staleness, old_logp, prox_fn=prox_fn, prox_staleness=prox_staleness
-    )
-    return decoupled_ppo_sums(
-        logp,
-        prox_logp,
-        mb["behav_logp"],
-        mb["advantages"],
-        mb["loss_mask"],
-        aggregate=aggregate,
-        staleness=staleness,
-        **clip,
-    )
 
 
 @register("ppo")
-def ppo(cfg: Any) -> Term:
-    """``algo.loss=ppo``: :func:`ppo_term` with the prox rule (``algo.prox``,
-    ``algo.a3po_zero_staleness``, ``algo.a3po_staleness_unit``, ``system.one_pass_old``),
-    the clip, the token or sequence cap and the aggregation of the validated config bound
-    once."""
-    a = cfg.algo
-    rule = prox.make_prox_rule(
-        a.prox, zero_staleness=a.a3po_zero_staleness, one_pass_old=cfg.system.one_pass_old
-    )
-    seq_correction = None
-    if a.seq_weight_cap > 0:
-        seq_correction = importance.make_sequence_correction(
-            a.seq_weight_cap, mode=a.seq_cap_mode, form=a.seq_weight_form
-        )
-    fn = functools.partial(
-        ppo_term,
-        prox_fn=rule.fn,
-        prox_staleness=prox.staleness_for_prox(a.a3po_staleness_unit),
-        aggregate=functools.partial(aggregate_sum, mode=a.aggregation),
-        clip_eps=a.clip_eps,
-        clip_eps_high=a.clip_eps_high or None,
-        dual_clip=a.dual_clip or None,
-        behav_weight_cap=a.behav_weight_cap or None,
-        cap_mode=a.cap_mode,
-        seq_correction=seq_correction,
-    )
-    return Term(fn, needs_old_pass=rule.needs_old_pass)
+def ppo(spec: ObjectiveSpec) -> Term:
+    """``algo.loss=ppo``: :func:`decoupled_ppo_sums` anchored at the bound prox rule
+    (``spec.anchor``), with the clip, the token or sequence cap and the aggregation."""
+    return spec.anchored(decoupled_ppo_sums, aggregate=spec.aggregate, **spec.clip.clip_and_caps)
 
 
 # --------------------------------------------------------------------------------------
@@ -456,15 +397,7 @@ def decoupled_ppo_loss(
     mask: jax.Array,
     *,
     clip_eps: float,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-    behav_weight_cap: float | None = None,
-    cap_mode: str = "mask",
-    aggregation: str = "token_mean",
-    denominator: jax.Array | float | None = None,
-    max_len: int | None = None,
-    staleness: jax.Array | None = None,
-    seq_correction: Callable[[jax.Array, jax.Array], SequenceCorrection] | None = None,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decoupled PPO clip loss with separate behaviour and proximal policies.
 
@@ -485,7 +418,7 @@ def decoupled_ppo_loss(
     clipped objective against the behaviour policy (``ppo_clip_loss``). The per-token ℓ and
     diagnostics, unreduced, are :func:`decoupled_ppo_per_token`; this function is
     ``finalize`` of :func:`decoupled_ppo_sums`, the same sums the train step adds across
-    micro-batches (:func:`ppo_term`), divided once.
+    micro-batches (:func:`ppo`'s term), divided once.
 
     Args:
       logp: ``[B, T]`` current log-probs.
@@ -494,6 +427,7 @@ def decoupled_ppo_loss(
       advantages: ``[B, T]`` per-token advantages (broadcast sequence advantages yourself).
       mask: ``[B, T]`` 1 for tokens that count.
       clip_eps: ε_low > 0.
+      options: the keywords below, each optional.
       clip_eps_high: ε_high > 0 (DAPO's clip-higher); defaults to ``clip_eps``.
       dual_clip: c > 1 for dual clipping of negative advantages, or None.
       behav_weight_cap: cap > 0 on w_t, or None.
@@ -512,24 +446,36 @@ def decoupled_ppo_loss(
       ``mismatch/*`` metrics of :func:`mismatch_stats` and, with staleness,
       ``staleness/mean|max`` and ``mismatch/k3_kl_fresh|fresh_tokens``.
     """
-    check_same_shape("logp", logp, staleness=staleness)
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    loss_sum, count, stats = decoupled_ppo_sums(
+    return token_loss(
+        decoupled_ppo_sums,
         logp,
         prox_logp,
         behav_logp,
         advantages,
         mask,
-        aggregate=functools.partial(aggregate_sum, mode=aggregation, max_len=max_len),
-        staleness=staleness,
         clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip,
-        behav_weight_cap=behav_weight_cap,
-        cap_mode=cap_mode,
-        seq_correction=seq_correction,
+        **options,
     )
-    return finalized_loss(loss_sum, count, stats, mask, denominator)
+
+
+def token_loss(
+    sums: Callable[..., tuple[jax.Array, jax.Array, Stats]],
+    *arrays: jax.Array,
+    aggregation: str = "token_mean",
+    denominator: jax.Array | float | None = None,
+    max_len: int | None = None,
+    staleness: jax.Array | None = None,
+    **hyper: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The public loss of a token-level objective: ``sums(*arrays, aggregate=...,
+    staleness=..., **hyper)`` over the whole batch, finalized (``loss = loss_sum / count``,
+    or over the whole batch's ``denominator``); ``arrays`` start with ``logp`` and end with
+    the mask. ``aggregation`` and ``max_len`` (Dr.GRPO's normaliser) pick the aggregation."""
+    check_same_shape("logp", arrays[0], staleness=staleness)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    aggregate = functools.partial(aggregate_sum, mode=aggregation, max_len=max_len)
+    loss_sum, count, stats = sums(*arrays, aggregate=aggregate, staleness=staleness, **hyper)
+    return finalized_loss(loss_sum, count, stats, arrays[-1], denominator)
 
 
 def ppo_clip_loss(

@@ -5,17 +5,22 @@ Core layer (pure): imports only ``a3po_jax.core``, ``a3po_jax.model`` and ``a3po
 An objective module registers itself when imported (Tunix's ``rl/function_registry.py``
 does the same for its losses)::
 
-    @register("reinforce")
-    def reinforce(cfg) -> Term:
-        return Term(reinforce_term)
+    @register("reinforce", settings=ReinforceSettings)
+    def reinforce(spec) -> Term:
+        return Term(functools.partial(reinforce_term, cap=spec.settings.max_advantage))
 
-``make(cfg)`` runs once, when the step is built, with the validated run configuration; it
-binds the objective's hyperparameters (read from ``cfg.algo``) and returns the
-:class:`Term` the differentiated function calls. The registration also says what the step
-must prepare: a frozen reference's log-probs (``needs_reference``) and the batch layout
-(:data:`ROWS`, or :data:`PAIRS` for a pairwise loss such as Online DPO); and, for an
-objective that is meaningless under some prox rules, the ``algo.prox`` values it accepts
-(``prox_rules``; the config refuses the others before anything loads).
+``make(spec)`` runs once, when the step is built, with the
+:class:`~a3po_jax.core.objectives.spec.ObjectiveSpec` the shell converted from the validated
+run configuration; it binds the objective's hyperparameters (its own ``spec.settings``, an
+instance of the frozen dataclass it registered, and the shared ``spec.clip``,
+``spec.aggregate``, ``spec.anchor``) and returns the :class:`Term` the differentiated
+function calls. The settings dataclass validates itself when built; its fields are
+``algo.<name>.<field>`` in the run configuration, which holds one instance per objective.
+The registration also says what the step must prepare: a frozen reference's log-probs
+(``needs_reference``) and the batch layout (:data:`ROWS`, or :data:`PAIRS` for a pairwise
+loss such as Online DPO); and, for an objective that is meaningless under some prox rules,
+the ``algo.prox`` values it accepts (``prox_rules``; the config refuses the others before
+anything loads).
 
 :func:`get` finds an objective by name. A name not registered yet is looked for as a
 module, first ``a3po_jax.core.objectives.<name>`` and then ``<name>`` on the Python path,
@@ -26,13 +31,12 @@ lives, and ``algo.loss=<name>`` selects it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
-from a3po_jax.core.checks import check_choice
+from a3po_jax.core.checks import registered
 from a3po_jax.core.stats import Stats
 
 Batch = dict[str, jax.Array]
@@ -66,7 +70,8 @@ class Objective:
     """A registered training objective."""
 
     name: str  # the algo.loss value that selects it
-    make: Callable[[Any], Term]  # (validated run config) -> Term, called once per build
+    make: Callable[[Any], Term]  # (ObjectiveSpec) -> Term, called once per build
+    settings: type | None = None  # its frozen settings dataclass (algo.<name>.*); None: none
     needs_reference: bool = False  # the term reads ref_logp (a frozen reference's pass)
     layout: BatchLayout = ROWS
     prox_rules: tuple[str, ...] | None = None  # algo.prox values it accepts; None: any
@@ -84,24 +89,37 @@ _PACKAGE = __name__.rsplit(".", 1)[0]  # a3po_jax.core.objectives
 def register(
     name: str,
     *,
+    settings: type | None = None,
     needs_reference: bool = False,
     layout: BatchLayout = ROWS,
     prox_rules: tuple[str, ...] | None = None,
 ) -> Callable[[Callable[[Any], Term]], Callable[[Any], Term]]:
     """Decorator registering ``make`` as the objective ``name``.
 
-    ``prox_rules`` lists the ``algo.prox`` values the objective makes sense with (None:
-    any, or it reads no prox); the config refuses the others, naming them.
+    ``settings`` is the objective's own frozen dataclass of hyperparameters (every field with
+    a default; ``__post_init__`` refuses a bad value naming the field), handed to ``make``
+    as ``spec.settings``. ``prox_rules`` lists the ``algo.prox`` values the objective makes
+    sense with (None: any, or it reads no prox); the config refuses the others, naming them.
 
     Raises:
+      TypeError: ``settings`` is not a frozen dataclass.
       ValueError: ``name`` is already registered by another function (the message names
         it and the registered names). Importing the same module again re-registers its own
         function, which is allowed.
     """
 
+    frozen = dataclasses.is_dataclass(settings) and settings.__dataclass_params__.frozen
+    if settings is not None and not frozen:  # the config holds it in a frozen section
+        raise TypeError(f"settings of objective {name!r} must be a frozen dataclass: {settings}")
+
     def decorate(make: Callable[[Any], Term]) -> Callable[[Any], Term]:
         objective = Objective(
-            name, make, needs_reference=needs_reference, layout=layout, prox_rules=prox_rules
+            name,
+            make,
+            settings=settings,
+            needs_reference=needs_reference,
+            layout=layout,
+            prox_rules=prox_rules,
         )
         known = _REGISTRY.get(name)
         if known is not None and known.origin != objective.origin:
@@ -132,21 +150,4 @@ def get(name: str, *, what: str = "objective", error: type[Exception] = ValueErr
     Raises:
       ``error`` naming ``what``, the value and the registered names.
     """
-    if name not in _REGISTRY and name.isidentifier():
-        for module in (f"{_PACKAGE}.{name}", name):
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError as err:
-                if err.name != module:  # the module exists and an import inside it failed
-                    raise
-                continue
-            if name in _REGISTRY:
-                break
-    # Only a Python identifier names a module that could register it (and fits in one line).
-    hint = (
-        f" (nor does a module {_PACKAGE}.{name} or {name} on the Python path register it)"
-        if name.isidentifier()
-        else ""
-    )
-    check_choice(what, name, names(), error=error, hint=hint)
-    return _REGISTRY[name]
+    return registered(name, _REGISTRY, package=_PACKAGE, names=names, what=what, error=error)
