@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from a3po_jax.analysis.evaluation import EVAL_SPLIT, EvalSpec, evaluate, host_generate_fn
 from a3po_jax.tasks import make_task, render_prompt
 from a3po_jax.training.config import ConfigError, ModelSection, config_from_dict
+from a3po_jax.training.config_values import json_object
 
 PROG = "python -m a3po_jax.cli.evaluate"
 # What is scored without a run: docs/tasks.md's SmolLM2 figure (2-term, 1-digit chain_sum).
@@ -133,12 +134,7 @@ def _check_task_options(args: argparse.Namespace) -> None:
     """``--task-options`` must be a JSON object; it is kept in its canonical JSON form."""
     if args.task_options is None:
         return
-    try:
-        options = json.loads(args.task_options)
-    except json.JSONDecodeError as err:
-        raise _Refused(f"--task-options is not valid JSON: {err}") from err
-    if not isinstance(options, dict):
-        raise _Refused(f"--task-options must be a JSON object, got {args.task_options!r}")
+    options = json_object("--task-options", args.task_options, error=_Refused)
     args.task_options = json.dumps(options)
 
 

@@ -9,6 +9,7 @@ no second host and no second copy of the weights. The scoring itself is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,10 +17,11 @@ from typing import Any
 from a3po_jax.inference.protocol import Host
 
 
+@dataclasses.dataclass
 class HeldOutEvaluation:
     """Scores the served weights of a run on its task's held-out split.
 
-    Args:
+    Attributes:
       cfg: the run's config (``eval_prompts``, ``eval_budget``, ``eval_samples``, the
         rollout temperature).
       task, tokenizer, stop_tokens: the run's task, tokenizer and end tokens.
@@ -29,23 +31,13 @@ class HeldOutEvaluation:
         built once, at the first evaluation, and pushed each later version.
     """
 
-    def __init__(
-        self,
-        cfg: Any,
-        task: Any,
-        tokenizer: Any,
-        stop_tokens: tuple[int, ...],
-        *,
-        workers: Any = None,
-        replay_host: Callable[[Any, int], Host] | None = None,
-    ):
-        self.cfg = cfg
-        self.task = task
-        self.tokenizer = tokenizer
-        self.stop_tokens = stop_tokens
-        self.workers = workers
-        self._make_replay_host = replay_host
-        self._replay_host: Host | None = None
+    cfg: Any
+    task: Any
+    tokenizer: Any
+    stop_tokens: tuple[int, ...]
+    workers: Any = None
+    replay_host: Callable[[Any, int], Host] | None = None
+    _replay_host: Host | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __call__(self, params: Any, version: int) -> dict[str, float]:
         """``eval/*`` of version ``version`` (:func:`evaluation_metrics`) and ``time/eval_s``.
@@ -59,7 +51,7 @@ class HeldOutEvaluation:
             channel = self.workers.side_channel()
         else:
             if self._replay_host is None:
-                self._replay_host = self._make_replay_host(params, version)
+                self._replay_host = self.replay_host(params, version)
             else:
                 self._replay_host.update_weights(params, version)
             channel = contextlib.nullcontext(self._replay_host)

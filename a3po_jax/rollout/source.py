@@ -8,32 +8,18 @@ once for both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from a3po_jax.core.types import RolloutGroup
 
 
 class RolloutSource(Protocol):
-    """What the trainer and its schedule use of where the groups come from."""
+    """What the trainer and its schedule use of where the groups come from (by name)."""
 
     queue: Any  # the queue the groups wait in (its ``counters()``)
 
-    def start(self) -> None:
-        """Starts producing (threads, or nothing in a replay)."""
-
-    def raise_if_failed(self) -> None:
-        """Re-raises the failure of a background thread, if any."""
-
-    def get_batch(
-        self,
-        num_groups: int,
-        *,
-        trainer_version: int,
-        timeout: float | None,
-        interrupted: Callable[[], bool] | None = None,
-    ) -> list[RolloutGroup]:
-        """``num_groups`` whole groups (fewer when dynamic sampling left slots empty)."""
+    def close(self, reason: str = "trainer finished") -> None:
+        """Stops producing."""
 
     def consumed(self, groups: list[RolloutGroup], **kwargs: Any) -> None:
         """The trainer trained (or skipped) ``groups`` at a step: the ledger's events."""
@@ -41,14 +27,21 @@ class RolloutSource(Protocol):
     def discard(self, num_groups: int) -> None:
         """Gives back the admissions of a batch that was not trained."""
 
+    def get_batch(self, num_groups: int, *, trainer_version: int, **wait: Any) -> list:
+        """``num_groups`` whole groups (fewer when dynamic sampling left slots empty);
+        ``wait`` is the queue's ``timeout`` and ``interrupted``."""
+
     def notify_version(self, version: int) -> None:
         """The trainer's version moved on: the producer may admit more."""
 
-    def state(self) -> dict:
-        """What a checkpoint saves to resume from."""
+    def raise_if_failed(self) -> None:
+        """Re-raises the failure of a background thread, if any."""
 
     def restore(self, state: dict, *, version: int, **kwargs: Any) -> None:
         """Resumes from a checkpoint's ``state``."""
 
-    def close(self, reason: str = "trainer finished") -> None:
-        """Stops producing."""
+    def start(self) -> None:
+        """Starts producing (threads, or nothing in a replay)."""
+
+    def state(self) -> dict:
+        """What a checkpoint saves to resume from."""

@@ -184,24 +184,13 @@ class RolloutWorkers:
         if self._error is not None:
             raise RuntimeError("a rollout thread failed") from self._error
 
-    def get_batch(
-        self,
-        num_groups: int,
-        *,
-        trainer_version: int,
-        timeout: float | None,
-        interrupted: Callable[[], bool] | None = None,
-    ) -> list[RolloutGroup]:
-        """``num_groups`` whole groups from the queue; a worker's failure is raised here.
-        ``interrupted`` (asked while waiting) ends the wait with `WaitInterrupted`."""
+    def get_batch(self, num_groups: int, **wait: Any) -> list[RolloutGroup]:
+        """``num_groups`` whole groups from the queue (`RolloutQueue.get_batch`, which
+        ``wait`` goes to: ``trainer_version``, ``timeout``, ``interrupted``); a worker's
+        failure is raised here."""
         self.raise_if_failed()
         try:
-            return self.queue.get_batch(
-                num_groups,
-                trainer_version=trainer_version,
-                timeout=timeout,
-                interrupted=interrupted,
-            )
+            return self.queue.get_batch(num_groups, **wait)
         except QueueClosed:
             self.raise_if_failed()
             raise

@@ -31,6 +31,7 @@ from a3po_jax.training.config_values import (  # noqa: F401 (INT_LIMIT..: the co
     _choice,
     _parse_value,
     _positive,
+    json_object,
 )
 from a3po_jax.training.experiment_files import import_experiment, load_config  # noqa: F401
 
@@ -109,12 +110,7 @@ class TaskSection:
         for name in ("name", "split"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"task.{name} must not be empty")
-        try:
-            opts = json.loads(self.options)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"task.options is not valid JSON: {err}") from None
-        if not isinstance(opts, dict):
-            raise ConfigError(f"task.options must be a JSON object, got {self.options!r}")
+        json_object("task.options", self.options)
 
     @property
     def kwargs(self) -> dict[str, Any]:

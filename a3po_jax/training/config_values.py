@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import threading
 import types
 import typing
@@ -103,6 +104,18 @@ def _check_value(where: str, hint: type, value: Any) -> None:
         raise ConfigError(f"{where} must fit in int32 (|{where}| < 2**31), got {value!r}")
     if hint is str and "\x00" in value:
         raise ConfigError(f"{where} must not contain a NUL character, got {value!r}")
+
+
+def json_object(where: str, text: str, *, error: type[Exception] = ConfigError) -> dict:
+    """``text`` parsed as a JSON object (task options); ``error`` naming ``where`` if it is
+    not valid JSON or not an object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{where} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise error(f"{where} must be a JSON object, got {text!r}")
+    return value
 
 
 def _check_address(address: str) -> None:
