@@ -250,6 +250,7 @@ def test_eval_spec_from_run_config():
     assert changed.max_new_tokens == 3 and notes == ["max_new_tokens: 7 -> 3"]
 
 
+@pytest.mark.e2e  # the evaluate command whole: the run's model, a host, the scoring
 def test_cli_scores_a_run_on_its_own_task_and_budget(tmp_path, capsys):
     import json
 

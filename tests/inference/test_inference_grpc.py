@@ -29,6 +29,8 @@ from a3po_jax.inference.remote.grpc_messages import TOKEN_ENV, auth_metadata
 from a3po_jax.inference.remote.grpc_server import resolve_token
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
+pytestmark = pytest.mark.e2e  # starts a gRPC server process (tests/helpers: start_grpc_server)
+
 PROMPT = (5, 6, 7, 8, 9, 10)
 
 
