@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.processes import train_tiny
 from helpers.train_step import staleness_batch
 
 from a3po_jax import model
@@ -211,12 +210,6 @@ def test_online_dpo_loss_is_the_steps_term_finalized():
 # --------------------------------------------------------------------------------------
 
 
-def _a3po_train() -> list[str]:
-    """The installed ``a3po-train`` entry point (beside this Python), else the module."""
-    script = Path(sys.executable).with_name("a3po-train")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "a3po_jax.cli.train"]
-
-
 @pytest.mark.e2e
 def test_a_new_objective_module_trains_through_the_cli(tmp_path):
     """The recipe: write one module that registers ``reinforce``, put it on the Python path,
@@ -225,27 +218,16 @@ def test_a_new_objective_module_trains_through_the_cli(tmp_path):
     plugins.mkdir()
     (plugins / "reinforce.py").write_text(REINFORCE)
     run_dir = tmp_path / "run"
-    path = os.pathsep.join([str(plugins), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [
-            *_a3po_train(),
-            "experiments/smoke_tiny.py",
-            "algo.loss=reinforce",
-            "algo.advantage=drgrpo",
-            "algo.reinforce.max_advantage=2",
-            "system.mode=sync",
-            "steps=2",
-            "checkpoint_every=0",
-            f"run_dir={run_dir}",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    records = train_tiny(
+        run_dir,
+        "algo.loss=reinforce",
+        "algo.advantage=drgrpo",
+        "algo.reinforce.max_advantage=2",
+        "system.mode=sync",
+        "steps=2",
+        "checkpoint_every=0",
+        plugins=plugins,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for record in records:
         assert math.isfinite(record["loss/total"]) and record["step/skipped"] == 0

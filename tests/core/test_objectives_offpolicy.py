@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.processes import train_tiny
 from helpers.train_step import (
     accumulated_in_micro_batches,
     assert_same_accumulation,
@@ -464,11 +462,6 @@ def test_icepop_refuses_prox_behav():
 # --------------------------------------------------------------------------------------
 
 
-def _a3po_train() -> list[str]:
-    script = Path(sys.executable).with_name("a3po-train")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "a3po_jax.cli.train"]
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "loss_name, metric",
@@ -476,25 +469,9 @@ def _a3po_train() -> list[str]:
 )
 def test_each_objective_trains_through_the_cli(tmp_path, loss_name, metric):
     run_dir = tmp_path / "run"
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [
-            *_a3po_train(),
-            "experiments/smoke_tiny.py",
-            f"algo.loss={loss_name}",
-            "system.mode=sync",
-            "steps=2",
-            "checkpoint_every=0",
-            f"run_dir={run_dir}",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    records = train_tiny(
+        run_dir, f"algo.loss={loss_name}", "system.mode=sync", "steps=2", "checkpoint_every=0"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for record in records:
         assert math.isfinite(record["loss/total"]) and record["step/skipped"] == 0

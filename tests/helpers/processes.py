@@ -1,6 +1,7 @@
 """Child processes of the tests: a free loopback port, a CPU environment with N virtual
 devices, and a test file re-run on N devices."""
 
+import json
 import os
 import socket
 import subprocess
@@ -9,7 +10,7 @@ import sys
 from a3po_jax.parallel import distributed
 from helpers.paths import REPO
 
-__all__ = ["REPO", "cpu_env", "free_port", "run_file_on_devices"]
+__all__ = ["REPO", "cpu_env", "free_port", "run_file_on_devices", "train_tiny"]
 
 
 def free_port() -> int:
@@ -58,3 +59,24 @@ def run_file_on_devices(test_file: str, devices: int, keyword: str, **env: str) 
     assert result.returncode == 0, output
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, output
+
+
+def train_tiny(run_dir, *overrides: str, plugins=None) -> list[dict]:
+    """``a3po-train experiments/smoke_tiny.py OVERRIDES run_dir=RUN_DIR`` in a child process
+    (the installed entry point beside this Python, else the module), with ``plugins`` (a
+    folder of modules) on the Python path; asserts it exits 0 and returns its records."""
+    script = os.path.join(os.path.dirname(sys.executable), "a3po-train")
+    command = [script] if os.path.exists(script) else [sys.executable, "-m", "a3po_jax.cli.train"]
+    path = [str(plugins)] if plugins is not None else []
+    path += [str(REPO), os.environ.get("PYTHONPATH", "")]
+    proc = subprocess.run(
+        [*command, "experiments/smoke_tiny.py", *overrides, f"run_dir={run_dir}"],
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(path)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers.processes import train_tiny
 
 from a3po_jax.training import schedules
 from a3po_jax.training.config import ConfigError, SystemSection, TrainConfig, staleness_bound
@@ -160,12 +159,6 @@ def test_the_recipes_module_registers_its_mode_when_named(tmp_path, monkeypatch,
     assert cfg.staleness_bound == 2 and cfg.system.effective_update_policy == "drain"
 
 
-def _a3po_train() -> list[str]:
-    """The installed ``a3po-train`` entry point (beside this Python), else the module."""
-    script = Path(sys.executable).with_name("a3po-train")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "a3po_jax.cli.train"]
-
-
 @pytest.mark.e2e
 def test_a_new_mode_module_trains_through_the_cli(tmp_path):
     """The recipe: write one module that registers ``two_step_off``, put it on the Python
@@ -174,24 +167,9 @@ def test_a_new_mode_module_trains_through_the_cli(tmp_path):
     plugins.mkdir()
     (plugins / "two_step_off.py").write_text(RECIPE)
     run_dir = tmp_path / "run"
-    path = os.pathsep.join([str(plugins), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [
-            *_a3po_train(),
-            "experiments/smoke_tiny.py",
-            "system.mode=two_step_off",
-            "steps=4",
-            "checkpoint_every=0",
-            f"run_dir={run_dir}",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    records = train_tiny(
+        run_dir, "system.mode=two_step_off", "steps=4", "checkpoint_every=0", plugins=plugins
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 4
     assert all(record["staleness/max"] <= 2 for record in records)  # η = 3k - 1, k = 1
     assert all(record["step/skipped"] == 0 for record in records)
