@@ -26,7 +26,8 @@ What it shows: whether the methods of experiments/offpolicy_lab_toy.py separate 
 Parent:   experiments/quickstart_a3po.py (model, task, packing, evaluation of 128 test
           questions at 128 tokens); changes: temperature 1.0, 2 samples × 16 prompts per
           step, N = 4 minibatches per batch, η = 8 updates, 24 steps, no checkpoints,
-          track_ref_kl, per SWEEP the method (offpolicy_lab_toy.METHODS) and the seed.
+          track_ref_kl, per SWEEP the method (offpolicy_lab_toy.METHODS and M2PO's two other
+          readings) and the seed.
 """
 
 import dataclasses
@@ -39,7 +40,12 @@ MINIBATCHES = 4  # optimizer updates per generated batch
 MAX_STALENESS = 8  # η in optimizer updates: about two batches
 STEPS = 24
 PROMPTS_PER_STEP = 16  # 32 samples per generated batch, 8 per update
-METHODS = TOY.METHODS
+# The toy lab's methods, and M2PO's two other readings (losses.md: M2PO), as options.
+METHODS = {
+    **TOY.METHODS,
+    "m2po_clip_side": {"algo.loss": "m2po", "algo.m2po.reading": "clip_side_mask"},
+    "m2po_derived_clip": {"algo.loss": "m2po", "algo.m2po.reading": "derived_clip"},
+}
 SEEDS = (0, 1, 2)
 PILOT_SEEDS = (0, 1)
 # The points the pilot tries, in order: this file's settings, a learning rate 3x higher, then
