@@ -578,7 +578,10 @@ def test_the_edge_sweeps_pilot_is_naive_ppo_on_the_main_jobs_held_out_task(tmp_p
     path = ROOT / "experiments" / "offpolicy_edge_smollm2.py"
     edge = import_experiment(path)
     runs = {run.name: run for run in load_sweep(path)}
-    assert len(runs) == 27 and set(edge.PILOT) <= set(runs)
+    assert len(runs) == 11 * 3 and set(edge.PILOT) <= set(runs)  # 11 methods, 3 seeds
+    # M2PO's three readings are three runs of each seed.
+    readings = {resolve(path, runs[n], tmp_path)[0].algo.m2po.reading for n in runs if "m2po" in n}
+    assert readings == {"all_tokens_mask", "clip_side_mask", "derived_clip"}
     for name in edge.PILOT:
         cfg, _ = resolve(path, runs[name], tmp_path)
         assert cfg.algo.prox == "behav" and cfg.algo.loss == "ppo"
