@@ -40,13 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from a3po_jax.core import row_masks
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batch_plan import BatchPlan, make_batch
+from a3po_jax.core.batch_plan import BatchPlan, ShapeRewards, StepBatch, make_batch
 from a3po_jax.core.batching import TrainBatch
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
 from a3po_jax.parallel import distributed
-from a3po_jax.rollout import filters
 from a3po_jax.rollout.evaluation import HeldOutEvaluation, evaluation_line
 from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.queue import RolloutQueue, RolloutTimeout, WaitInterrupted
@@ -193,49 +193,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ what schedules use
 
-    def batch_arrays(
-        self, groups: list[RolloutGroup], plan: BatchPlan
-    ) -> tuple[TrainBatch, dict[str, np.ndarray]]:
-        """The padded batch (for metrics) and the arrays the jitted step reads, in the
-        plan's layout (:func:`a3po_jax.core.batch_plan.make_batch`), with KL-in-reward's
-        shaped rewards and advantages when the algorithm charges the KL to the reward.
+    def step_batch(self, groups: list[RolloutGroup], plan: BatchPlan) -> StepBatch:
+        """The final batch of ``groups`` in ``plan``'s layout, in one pass
+        (:func:`a3po_jax.core.batch_plan.make_batch`): a short batch (dynamic sampling left
+        slots empty) filled with masked filler copies, KL-in-reward's shaped rewards and
+        advantages when the algorithm charges the KL to the reward, and with
+        ``rollout.overlong_filter`` truncated samples masked.
 
         With ``system.groups_per_row`` > 1 and one minibatch, packing reorders the groups to
-        balance its rows, and the returned batch (advantages, versions, the metrics'
-        staleness) follows that order.
-
-        A short batch (dynamic sampling left slots empty) is filled up to the plan's groups
-        with masked filler copies, and with ``rollout.overlong_filter`` truncated samples
-        get loss mask 0 (:mod:`a3po_jax.rollout.filters`)."""
-        filled = filters.fill_short_batch(groups, plan.groups)
-        batch, arrays = make_batch(filled, plan)
-        if self._kl_in_reward is not None:
-            # KL in the reward: R_i ← R_i − β Σ_t KL_t, then the advantages of those rewards
-            # (core.train_step.kl_in_reward); the step then reads the new advantages.
-            rewards, adv = self._kl_in_reward(
-                self.state.params, self.ref_params, _to_device(arrays), jnp.asarray(batch.rewards)
-            )
-            batch.rewards = np.asarray(rewards, np.float32)
-            batch.advantages = arrays["advantages"] = np.asarray(adv, np.float32)
-        # Last: the masks zero the final advantages too (a truncated sample's KL still
-        # shapes its own reward, hence its group's baseline).
-        masked = filters.mask_rows(
-            batch,
-            arrays,
-            filled,
+        balance its rows, and the batch (advantages, versions, the metrics' staleness)
+        follows that order."""
+        made = make_batch(
+            row_masks.fill_short_batch(groups, plan.groups),
+            plan,
             overlong_filter=self.cfg.rollout.overlong_filter,
-            dpo_pairs=plan.layout.pairs,
+            shape_rewards=self._shape_rewards(),
         )
-        self.book.overlong_masked += masked["overlong_masked"]
-        return batch, arrays
+        self.book.overlong_masked += made.overlong_masked
+        return made
+
+    def _shape_rewards(self) -> ShapeRewards | None:
+        """KL in the reward at the current weights: R_i ← R_i − β Σ_t KL_t and the
+        advantages of those rewards (:func:`a3po_jax.core.train_step.kl_in_reward`)."""
+        if self._kl_in_reward is None:
+            return None
+        params, ref = self.state.params, self.ref_params
+        return lambda arrays, rewards: self._kl_in_reward(
+            params, ref, _to_device(arrays), jnp.asarray(rewards)
+        )
 
     def train_on(self, groups: list[RolloutGroup]) -> tuple[TrainBatch, dict]:
         """Dispatches the jitted step on the batch of ``groups`` (not waited for)."""
-        batch, arrays = self.batch_arrays(groups, self.plan)
+        made = self.step_batch(groups, self.plan)
         self.state, metrics = self._train_step(
-            self.state, self._step_input(arrays), self.ref_params
+            self.state, self._step_input(made.arrays), self.ref_params
         )
-        return batch, metrics
+        return made.batch, metrics
 
     def stop_while_waiting(self) -> Callable[[], bool] | None:
         """What a wait for rollouts asks to end early: this process's SIGTERM flag (one

@@ -41,7 +41,6 @@ from helpers.paths import REPO
 pytest.importorskip("pandas")
 
 from a3po_jax.analysis import offpolicy, tables  # noqa: E402
-from a3po_jax.training.config import import_experiment  # noqa: E402
 from a3po_jax.analysis.runs import (  # noqa: E402
     EFFECTIVE_STALENESS,
     PHASES,
@@ -53,6 +52,7 @@ from a3po_jax.analysis.runs import (  # noqa: E402
     mean_over_steps,
     median_over_steps,
 )
+from a3po_jax.training.config import import_experiment  # noqa: E402
 
 PAGE = REPO / "docs" / "results.md"
 RESULTS = REPO / "results"
@@ -716,7 +716,9 @@ def edge_method_rows(point: Path) -> list[dict[str, str]]:
         prefix, seed = run.name.rsplit("_seed-", 1)
         assert prefix in EDGE_METHODS, f"{run}: a method the edge table does not name"
         by_method.setdefault(prefix, []).append({"seed": int(seed), **edge_end(run)})
-    ends = {m: [r["end"] for r in sorted(rs, key=lambda r: r["seed"])] for m, rs in by_method.items()}
+    ends = {
+        m: [r["end"] for r in sorted(rs, key=lambda r: r["seed"])] for m, rs in by_method.items()
+    }
     rows = []
     for prefix, label in EDGE_METHODS.items():
         if prefix not in by_method:
@@ -728,7 +730,10 @@ def edge_method_rows(point: Path) -> list[dict[str, str]]:
             "held-out pass@1 at 24, by seed": ", ".join(f"{r['end']:.3f}" for r in seeds),
             "finished at 24, by seed": ", ".join(f"{100 * r['finished']:.0f} %" for r in seeds),
         }
-        for other, column in (("prox-behav", "against naive PPO"), ("prox-recompute", "against recompute")):
+        for other, column in (
+            ("prox-behav", "against naive PPO"),
+            ("prox-recompute", "against recompute"),
+        ):
             row[column] = "—" if other == prefix else separation(ends[prefix], ends[other])
         rows.append(row)
     return rows
