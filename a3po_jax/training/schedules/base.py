@@ -201,6 +201,6 @@ def get(name: str, *, what: str = "system.mode", error: type[Exception] = ValueE
     (``a3po_jax.training.schedules.<name>``, else ``<name>`` on the Python path).
 
     Raises:
-      ``error`` naming ``what``, the value and the registered modes.
+      Exception: ``error``, naming ``what``, the value and the registered modes.
     """
     return registered(name, _REGISTRY, package=_PACKAGE, names=names, what=what, error=error)
