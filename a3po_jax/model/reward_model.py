@@ -108,9 +108,7 @@ def init_reward_model(
 
     policy = load_model(name, seed=seed, **numerics)
     key = jax.random.fold_in(jax.random.key(seed), 1)  # not the tiny trunk's own init key
-    config, params = reward_params_from_policy(
-        policy.params, policy.config, key, head_std=head_std
-    )
+    config, params = reward_params_from_policy(policy.params, policy.config, key, head_std=head_std)
     return RewardModel(config, params, policy.tokenizer, _pad_id(policy.tokenizer), name)
 
 
