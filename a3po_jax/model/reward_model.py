@@ -98,8 +98,8 @@ def init_reward_model(
     `name` is a sequence-classification checkpoint directory, that checkpoint as it is.
 
     Raises:
-      FileNotFoundError naming the model when `name` is none of these.
-      CheckpointError for a checkpoint that does not fit.
+      FileNotFoundError: naming the model when `name` is none of these.
+      CheckpointError: for a checkpoint that does not fit.
     """
     numerics = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat)
     if is_reward_checkpoint(name):
@@ -156,8 +156,8 @@ def read_reward_config_json(path: str | os.PathLike) -> dict[str, Any]:
     """`path/config.json` of a reward checkpoint, checked to be one.
 
     Raises:
-      CheckpointError naming the path: no config.json, not JSON, not a
-      sequence-classification architecture, or more than one label.
+      CheckpointError: naming the path: no config.json, not JSON, not a
+        sequence-classification architecture, or more than one label.
     """
     config_file = pathlib.Path(path) / "config.json"
     try:
@@ -200,8 +200,8 @@ def load_reward_checkpoint(
     files when `with_tokenizer`) without torch.
 
     Raises:
-      CheckpointError naming the path for anything that is not a one-label Llama / Qwen2 /
-      Qwen3 sequence-classification checkpoint with every tensor in place.
+      CheckpointError: naming the path, for anything that is not a one-label Llama /
+        Qwen2 / Qwen3 sequence-classification checkpoint with every tensor in place.
     """
     path = pathlib.Path(path)
     raw = read_reward_config_json(path)

@@ -41,9 +41,10 @@ def load_preference_pairs(path: str | os.PathLike) -> list[PreferencePair]:
     """Every pair of the file, in file order.
 
     Raises:
-      FileNotFoundError for a missing file; ValueError ``"<file>:<line>: field <name> ..."``
-      for the first malformed line (not JSON, not an object, a field missing or of the
-      wrong type, a bad chat message, chosen equal to rejected).
+      FileNotFoundError: for a missing file.
+      ValueError: ``"<file>:<line>: field <name> ..."`` for the first malformed line (not
+        JSON, not an object, a field missing or of the wrong type, a bad chat message,
+        chosen equal to rejected).
     """
     pairs = []
     with open(path, "rb") as f:

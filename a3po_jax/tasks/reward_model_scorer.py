@@ -174,9 +174,10 @@ def load_reward_scorer(
       batch_size: rows per forward pass.
       param_dtype: the weights' dtype on the device.
     Raises:
-      ValueError naming `path` for a missing or unreadable path, a checkpoint that is not
-      a reward model, a reward model without tokenizer files (when none is given), or
-      (saying "tokenizer mismatch") a `tokenizer` whose vocabulary differs from the saved one.
+      ValueError: naming `path`, for a missing or unreadable path, a checkpoint that is
+        not a reward model, a reward model without tokenizer files (when none is given),
+        or (saying "tokenizer mismatch") a `tokenizer` whose vocabulary differs from the
+        saved one.
     """
     where = f"reward model {os.fspath(path)!r}"
     directory = pathlib.Path(path).expanduser()
