@@ -271,44 +271,50 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
         }
 
     settings = _settings(args, pairs_sha)
-    manager = CheckpointManager(
+    with CheckpointManager(
         out / CHECKPOINTS,
         max_to_keep=2,
         save_interval_steps=args.checkpoint_every,
         async_save=False,
-    )
-    start = 0
-    if args.resume and manager.latest_step() is not None:
-        saved = manager.read_extra()
-        if saved.get("settings") != settings:
-            changed = sorted(k for k in settings if settings[k] != saved.get("settings", {}).get(k))
-            raise _Refused(
-                f"--resume: {out / CHECKPOINTS} was trained with other settings ({changed})"
-            )
-        state, extra, start = restore_train_state(manager, state)
-        before = extra["held_out_before"]
-        print(f"resumed from step {start} of {manager.directory}", file=sys.stderr)
-    else:
-        before = held_out(state.params)
-    _print_held_out("before training", before)
+    ) as manager:
+        start = 0
+        if args.resume and manager.latest_step() is not None:
+            saved = manager.read_extra()
+            if saved.get("settings") != settings:
+                changed = sorted(
+                    k for k in settings if settings[k] != saved.get("settings", {}).get(k)
+                )
+                raise _Refused(
+                    f"--resume: {out / CHECKPOINTS} was trained with other settings ({changed})"
+                )
+            if manager.latest_step() > args.steps:
+                raise _Refused(
+                    f"--resume: {out / CHECKPOINTS} is at step {manager.latest_step()}, past "
+                    f"--steps {args.steps}"
+                )
+            state, extra, start = restore_train_state(manager, state)
+            before = extra["held_out_before"]
+            print(f"resumed from step {start} of {manager.directory}", file=sys.stderr)
+        else:
+            before = held_out(state.params)
+        _print_held_out("before training", before)
 
-    metrics, t0 = {}, time.perf_counter()
-    for step in range(start, args.steps):
-        state, metrics = step_fn(state, train_batch(step))
-        done = step + 1
-        if done % args.log_every == 0 or done == args.steps:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            print(
-                f"step {done}/{args.steps}  loss {m['loss/bradley_terry']:.4f}  "
-                f"accuracy {m['reward/pair_accuracy']:.3f}  margin {m['reward/margin']:+.3f}  "
-                f"grad_norm {m['optim/grad_norm']:.3g}  "
-                f"({time.perf_counter() - t0:.1f} s)",
-                flush=True,
-            )
-        extra = {"settings": settings, "held_out_before": before}
-        if manager.should_save(done) or done == args.steps:
-            save_train_state(manager, done, state, extra=extra, force=True)
-    manager.close()
+        metrics, t0 = {}, time.perf_counter()
+        for step in range(start, args.steps):
+            state, metrics = step_fn(state, train_batch(step))
+            done = step + 1
+            if done % args.log_every == 0 or done == args.steps:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                print(
+                    f"step {done}/{args.steps}  loss {m['loss/bradley_terry']:.4f}  "
+                    f"accuracy {m['reward/pair_accuracy']:.3f}  margin {m['reward/margin']:+.3f}  "
+                    f"grad_norm {m['optim/grad_norm']:.3g}  "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
+            extra = {"settings": settings, "held_out_before": before}
+            if manager.should_save(done) or done == args.steps:
+                save_train_state(manager, done, state, extra=extra, force=True)
     after = held_out(state.params)
     _print_held_out("after training", after)
 

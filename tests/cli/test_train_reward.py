@@ -105,12 +105,15 @@ def test_training_lowers_held_out_loss_and_the_scorer_reads_the_result(tmp_path,
 
 
 @pytest.mark.e2e
-def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, capsys):
     from safetensors.numpy import load_file
 
     pairs = _pairs_file(tmp_path)
     assert _train(pairs, tmp_path / "straight", "--steps", "20") == 0
     assert _train(pairs, tmp_path / "halves", "--steps", "10", "--checkpoint-every", "5") == 0
+    # A resume with other settings, or past the steps it asks for, is refused.
+    assert _train(pairs, tmp_path / "halves", "--steps", "20", "--resume", "--seed", "1") == 2
+    assert _train(pairs, tmp_path / "halves", "--steps", "5", "--resume") == 2
     assert _train(pairs, tmp_path / "halves", "--steps", "20", "--resume") == 0
     straight = load_file(tmp_path / "straight" / "model.safetensors")
     halves = load_file(tmp_path / "halves" / "model.safetensors")
@@ -118,3 +121,6 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
         np.testing.assert_allclose(halves[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     info = json.loads((tmp_path / "halves" / "reward_model.json").read_text())
     assert info["steps"] == 20
+    err = capsys.readouterr().err
+    assert "--resume: " in err and "other settings (['seed'])" in err
+    assert "is at step 10, past --steps 5" in err
