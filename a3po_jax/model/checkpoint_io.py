@@ -154,17 +154,23 @@ def load_hf_config(path: str | os.PathLike, **kwargs) -> ModelConfig:
     config_file = pathlib.Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"no config.json in {path}")
-    raw = json.loads(config_file.read_text())
+    return config_from_hf_json(json.loads(config_file.read_text()), config_file, **kwargs)
+
+
+def config_from_hf_json(raw: Mapping[str, Any], where: Any, **kwargs) -> ModelConfig:
+    """`load_hf_config` on a config.json already read into a dict (`where` names the file
+    in errors); a reader of another head's config (the reward model) maps its
+    architectures to a causal one first."""
     architectures = raw.get("architectures") or []
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise CheckpointError(
-            f"unknown architecture {architectures or raw.get('model_type')!r} in {config_file}; "
+            f"unknown architecture {architectures or raw.get('model_type')!r} in {where}; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     missing = [f for f in _HF_CONFIG_REQUIRED if raw.get(f) is None]
     if missing:
-        raise CheckpointError(f"{config_file} has no {', '.join(missing)}")
+        raise CheckpointError(f"{where} has no {', '.join(missing)}")
     fields = dict(raw)
     for name, default in _HF_CONFIG_DEFAULTS[arch].items():
         if fields.get(name) is None:
