@@ -397,6 +397,25 @@ def params_to_hf_tensors(params: Params, config: ModelConfig) -> dict[str, np.nd
 # Hugging Face directories
 
 
+def safetensors_reader(
+    path: pathlib.Path,
+) -> tuple[dict[str, pathlib.Path], Callable[[str], np.ndarray]]:
+    """A checkpoint directory's tensor index (name -> file) and a reader of one tensor by
+    name, each file opened once, when first read."""
+    from safetensors import safe_open
+
+    index = _safetensors_index(path)
+    handles: dict[pathlib.Path, Any] = {}
+
+    def get_tensor(name: str) -> np.ndarray:
+        file = index[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="numpy")
+        return handles[file].get_tensor(name)
+
+    return index, get_tensor
+
+
 def _safetensors_index(path: pathlib.Path) -> dict[str, pathlib.Path]:
     """Tensor name -> file, from model.safetensors.index.json or every *.safetensors file."""
     from safetensors import safe_open
@@ -439,18 +458,10 @@ def load_hf_checkpoint(
     Returns:
       (config, params).
     """
-    from safetensors import safe_open
 
     path = pathlib.Path(path)
     config = load_hf_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
-    index = _safetensors_index(path)
-    handles: dict[pathlib.Path, Any] = {}
-
-    def get_tensor(name: str) -> np.ndarray:
-        file = index[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="numpy")
-        return handles[file].get_tensor(name)
+    index, get_tensor = safetensors_reader(path)
 
     if callable(shardings):
         shardings = shardings(config)

@@ -216,18 +216,10 @@ def load_reward_checkpoint(
         compute_dtype=compute_dtype,
         **{**overrides, "tie_embeddings": True},
     )
-    from safetensors import safe_open
 
-    index = checkpoint_io._safetensors_index(path)
+    index, get_tensor = checkpoint_io.safetensors_reader(path)
     if SCORE_TENSOR not in index:
         raise CheckpointError(f"{path}: no {SCORE_TENSOR!r} tensor (not a reward model)")
-    handles: dict[pathlib.Path, Any] = {}
-
-    def get_tensor(name: str) -> np.ndarray:
-        file = index[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="numpy")
-        return handles[file].get_tensor(name)
 
     params = checkpoint_io.hf_tensors_to_params(
         get_tensor, [n for n in index if n != SCORE_TENSOR], config
