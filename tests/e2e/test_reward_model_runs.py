@@ -1,0 +1,75 @@
+"""A run scored by a reward model (``task.reward=model:PATH``) trains in every mode, the
+scorer's name and version in every rollout and step record, its time in ``time/reward_s``;
+a replay of such a run trains on the recorded rewards without loading the scorer.
+
+The reward model is the deterministic stand-in of ``helpers/scorers.py``, put in by the
+loader's seam (``a3po_jax.tasks.scorers.load_model_scorer``); a test of a real checkpoint
+drops ``use_test_reward_model`` and points ``task.reward`` at it.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.scorers import VERSION, use_test_reward_model
+from helpers.trainer_runs import make_cfg, run
+
+from a3po_jax.analysis.run_report import report_rows
+from a3po_jax.cli.train import main as train_main
+from a3po_jax.rollout.ledger import read_events
+from a3po_jax.training import recording
+from a3po_jax.training.metrics import read_metrics
+
+RM = "model:/reward_models/vowels"
+LABEL = f"{RM}@{VERSION}"
+
+
+def reward_model_cfg(tmp_path, mode, *, steps=2, **system):
+    cfg = make_cfg(tmp_path, mode, mode=mode, eta=1, steps=steps)
+    return dataclasses.replace(
+        cfg,
+        task=dataclasses.replace(cfg.task, reward=RM, no_eos_penalty=0.5),
+        system=dataclasses.replace(cfg.system, **system),
+    )
+
+
+@pytest.mark.parametrize("mode", ["sync", "periodic", "one_step_off", "async"])
+def test_a_reward_model_scores_every_mode(tmp_path, monkeypatch, mode):
+    loaded = use_test_reward_model(monkeypatch)
+    cfg = reward_model_cfg(tmp_path, mode)
+    records = run(cfg)
+    assert [r["version"] for r in records] == [1, 2]
+    (scorer,) = loaded
+    group_size = cfg.rollout.group_size
+    assert scorer.calls and set(scorer.calls) == {group_size}  # one call per whole group
+    for r in records:
+        assert np.isfinite(r["loss/total"])
+        assert r["reward/scorer"] == LABEL
+        assert r["time/reward_s"] >= 0 and "reward/gold_score_mean" in r
+    assert sum(r["time/reward_s"] for r in records) > 0
+    (start,) = [e for e in read_events(Path(cfg.run_dir) / "ledger.jsonl") if e["event"] == "start"]
+    assert start["scorer"] == LABEL
+    rows = dict(report_rows(records, cfg.to_dict()))
+    assert rows["rewards scored by"].startswith(f"{LABEL} (")
+
+
+def test_a_reward_model_run_replays_from_its_recorded_rewards(tmp_path, monkeypatch):
+    use_test_reward_model(monkeypatch)
+    cfg = reward_model_cfg(tmp_path, "sync", record_rollouts=True)
+    recorded = run(cfg)
+    rec_dir = Path(cfg.run_dir)
+    groups, _ = recording.read_step(recording.step_path(rec_dir / "rollouts", 1))
+    infos = [r.info for g in groups for r in g.rollouts]
+    assert {(i["scorer"], i["scorer_version"]) for i in infos} == {(RM, VERSION)}
+    # A replay loads no scorer: one that would refuse changes nothing.
+    use_test_reward_model(monkeypatch, refuse="a replay must not load the reward model")
+    assert train_main(["--replay", str(rec_dir)]) == 0
+    replayed = read_metrics(rec_dir / "replay")
+    assert len(replayed) == len(recorded) == 2
+    for a, b in zip(recorded, replayed, strict=True):
+        assert b["reward/mean"] == a["reward/mean"]
+        assert b["reward/scorer"] == a["reward/scorer"] == LABEL
+        assert "time/reward_s" not in b
+        for key in recording.COMPARED_KEYS:
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
