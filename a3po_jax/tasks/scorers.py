@@ -76,7 +76,7 @@ def load_model_scorer(path: str, *, tokenizer: Any) -> Scorer:
     that is not a reward model, or a tokenizer other than the reward model's.
 
     The one place a run reaches the reward model's code
-    (:func:`a3po_jax.model.reward_model.load_reward_scorer`, imported here, when a run asks
+    (``a3po_jax.model.reward_model.load_reward_scorer``, imported here, when a run asks
     for it); tests put a scorer of their own in its place.
     """
     if not Path(path).exists():

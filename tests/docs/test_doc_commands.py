@@ -89,6 +89,11 @@ COMMANDS: dict[str, object] = {
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py --print-config": AS_WRITTEN,
+    # A reward model's path is read when the run is built: the config alone resolves here.
+    "a3po-train experiments/smoke_tiny.py task.reward=model:runs/reward_model "
+    "task.no_eos_penalty=0.5": PRINT_CONFIG,
+    "a3po-train experiments/smoke_tiny.py task.reward=model:runs/reward_model "
+    "algo.kl_coef=0.05 algo.kl_in_reward=true": PRINT_CONFIG,
     "a3po-train experiments/smoke_tiny.py system.mode=sync rollout.batch_invariant=true "
     "system.consume_order=admission": TINY_RUN,
     "a3po-train experiments/quickstart_a3po.py system.mode=one_step_off "
