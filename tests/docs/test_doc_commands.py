@@ -165,6 +165,8 @@ COMMANDS: dict[str, object] = {
     ),
     # Evaluation, serving, assets: their own parsers read the arguments.
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po": PARSE_ONLY,
+    "python -m a3po_jax.cli.make_preferences --task letters --model tiny --prompts 8 "
+    "--samples 4 --out runs/pairs/letters.jsonl": PARSE_ONLY,
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po --step 20": PARSE_ONLY,
     "python -m a3po_jax.cli.evaluate --model smollm2 --task chain_sum --num-prompts 64": (
         PARSE_ONLY
