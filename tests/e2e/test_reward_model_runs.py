@@ -25,8 +25,8 @@ RM = "model:/reward_models/vowels"
 LABEL = f"{RM}@{VERSION}"
 
 
-def reward_model_cfg(tmp_path, mode, *, steps=2, **system):
-    cfg = make_cfg(tmp_path, mode, mode=mode, eta=1, steps=steps)
+def reward_model_cfg(tmp_path, mode, *, steps=2, algo=None, **system):
+    cfg = make_cfg(tmp_path, mode, mode=mode, eta=1, steps=steps, **(algo or {}))
     return dataclasses.replace(
         cfg,
         task=dataclasses.replace(cfg.task, reward=RM, no_eos_penalty=0.5),
@@ -34,10 +34,23 @@ def reward_model_cfg(tmp_path, mode, *, steps=2, **system):
     )
 
 
-@pytest.mark.parametrize("mode", ["sync", "periodic", "one_step_off", "async"])
-def test_a_reward_model_scores_every_mode(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize(
+    "mode,algo,system",
+    [
+        ("sync", {}, {}),
+        ("periodic", {}, {}),
+        ("one_step_off", {}, {}),
+        ("async", {}, {}),
+        # The trainer's thread drives the host (and so the reward stage) itself.
+        ("async", {}, {"lockstep_decode_steps": 3}),
+        # RLHF's reward: the reward model's score, then R - β Σ KL in the trainer.
+        ("sync", {"kl_coef": 0.05, "kl_in_reward": True, "advantage": "rloo"}, {}),
+    ],
+    ids=["sync", "periodic", "one_step_off", "async", "async-lockstep", "sync-kl-in-reward"],
+)
+def test_a_reward_model_scores_every_mode(tmp_path, monkeypatch, mode, algo, system):
     loaded = use_test_reward_model(monkeypatch)
-    cfg = reward_model_cfg(tmp_path, mode)
+    cfg = reward_model_cfg(tmp_path, mode, algo=algo, **system)
     records = run(cfg)
     assert [r["version"] for r in records] == [1, 2]
     (scorer,) = loaded
