@@ -41,3 +41,14 @@ def test_a_tokenizer_mismatch_is_refused_naming_the_field(tmp_path, monkeypatch,
     with pytest.raises(ValueError, match=r"task\.reward='model:/rm'.*tokenizer mismatch"):
         build_run(cfg, load_policy(cfg.model), task=LetterTask())
     assert not Path(cfg.run_dir).exists()
+
+
+def test_a3po_train_refuses_it_by_the_field(tmp_path, capsys, nothing_may_start):
+    from a3po_jax.cli.train import main
+
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "smoke_tiny.py"
+    run_dir = tmp_path / "run"
+    argv = [str(smoke), f"run_dir={run_dir}", f"task.reward=model:{tmp_path}/no_rm"]
+    assert main(argv) == 2
+    assert "task.reward='model:" in capsys.readouterr().err
+    assert not (run_dir / "checkpoints").exists()
