@@ -286,10 +286,13 @@ def report_rows(
         )
     _, rss = series(records, "mem/peak_rss_gb")
     _, device = series(records, "mem/device_peak_gb")
+    _, reward_model = series(records, "mem/reward_model_gb")
     if len(rss):
         memory = f"{rss.max():.2f} GiB resident (process)"
         if len(device):
             memory += f", {device.max():.2f} GiB on the device"
+        if len(reward_model):
+            memory += f"; reward model weights {reward_model.max():.2f} GiB"
         rows.append(("peak memory", memory))
 
     counts = staleness_counts(trained)

@@ -12,7 +12,8 @@ applies on top of either score; KL-in-reward acts later, in the trainer.
 Every rollout's ``info`` says what scored it (``scorer``, ``scorer_version``); under a
 scorer other than the verifier it also keeps the verifier's score (``gold_score``) and
 ``correct`` is the verifier's, so ``reward/correct`` stays the gold measure.
-:meth:`RewardStage.seconds` is the time spent scoring so far (``time/reward_s``).
+:meth:`RewardStage.stats` has the time spent scoring so far (``time/reward_s``) and the
+bytes of a reward model's weights (``mem/reward_model_gb``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ class RewardStage:
         """Seconds spent scoring so far (the scorer and the shaping)."""
         with self._lock:
             return self._seconds
+
+    def stats(self) -> dict[str, float]:
+        """``seconds`` (:meth:`seconds`) and, for a scorer that holds weights and says how
+        many bytes they take (a reward model's ``param_bytes``), ``param_bytes``."""
+        stats = {"seconds": self.seconds()}
+        param_bytes = getattr(self.scorer, "param_bytes", None)  # optional: a model's
+        if param_bytes is not None:
+            stats["param_bytes"] = float(param_bytes)
+        return stats
 
     def _score(
         self, batch: list[tuple[SampleResult, str]], *, prompt: Any, group_id: int, version: int

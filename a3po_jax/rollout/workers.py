@@ -528,9 +528,10 @@ class RolloutWorkers:
         ):
             self.queue.put(rollout)
 
-    def reward_seconds(self) -> float:
-        """Seconds the reward stage has spent scoring, in total (``time/reward_s``)."""
-        return self.rewards.seconds()
+    def reward_stats(self) -> dict[str, float]:
+        """The reward stage's seconds spent scoring, in total (``time/reward_s``), and the
+        bytes of the scorer's weights where it has any (``mem/reward_model_gb``)."""
+        return self.rewards.stats()
 
     @property
     def scorer(self) -> str:

@@ -8,14 +8,14 @@ A :class:`Scorer` has a ``name`` (``"verifier:<task>"``, ``"model:<path>"``), a 
 reward model's weights) and ``score(prompts, texts)``, one float per completion, batched.
 ``task.reward`` names one through :data:`REWARD_SOURCES`:
 
-==================  ===============================================  =================
-``task.reward``     the scorer                                       scored
-==================  ===============================================  =================
-``verifier``        :class:`VerifierScorer`: the task's ``score``    each sample as it
-                    (correctness in [0, 1]; the default)              finishes
-``model:PATH``      :func:`load_model_scorer`: the reward model at    each group, in one
-                    ``PATH`` (``a3po_jax.model.reward_model``)        call, once whole
-==================  ===============================================  =================
+==================  ==================================================  =================
+``task.reward``     the scorer                                          scored
+==================  ==================================================  =================
+``verifier``        :class:`VerifierScorer`: the task's ``score``       each sample as it
+                    (correctness in [0, 1]; the default)                 finishes
+``model:PATH``      :func:`load_model_scorer`: the reward model at       each group, in one
+                    ``PATH`` (``a3po_jax.tasks.reward_model_scorer``)    call, once whole
+==================  ==================================================  =================
 
 :func:`resolve_scorer` builds the scorer a spec names (before a run starts anything: a bad
 path or a tokenizer the reward model was not trained with is refused there), and
@@ -39,7 +39,10 @@ DEFAULT_REWARD = "verifier"
 
 @runtime_checkable
 class Scorer(Protocol):
-    """Scores completions of prompts: one float per completion (higher is better)."""
+    """Scores completions of prompts: one float per completion (higher is better).
+
+    A scorer with weights (a reward model) may also say how many bytes they take
+    (``param_bytes``); the run then records it (``mem/reward_model_gb``)."""
 
     name: str  # what scored: "verifier:<task>", "model:<path>"
     version: str  # what the scores are reproducible from (a weights hash for a model)
@@ -76,12 +79,12 @@ def load_model_scorer(path: str, *, tokenizer: Any) -> Scorer:
     that is not a reward model, or a tokenizer other than the reward model's.
 
     The one place a run reaches the reward model's code
-    (``a3po_jax.model.reward_model.load_reward_scorer``, imported here, when a run asks
-    for it); tests put a scorer of their own in its place.
+    (``a3po_jax.tasks.reward_model_scorer.load_reward_scorer``, imported here, when a run
+    asks for it); tests put a scorer of their own in its place.
     """
     if not Path(path).exists():
         raise ValueError(f"no reward model at {path} (nothing is there)")
-    from a3po_jax.model.reward_model import load_reward_scorer
+    from a3po_jax.tasks.reward_model_scorer import load_reward_scorer
 
     return load_reward_scorer(path, tokenizer=tokenizer)
 

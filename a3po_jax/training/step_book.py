@@ -44,13 +44,18 @@ class StepBook:
 
     def reward_time(self) -> dict[str, float]:
         """``time/reward_s``: seconds the reward stage spent scoring since the last record
-        (the groups of this step and of the steps generating beside it; none in a replay,
-        which scores nothing)."""
-        total = self.workers.reward_seconds()
-        if total is None:
+        (the groups of this step and of the steps generating beside it), and
+        ``mem/reward_model_gb``, the reward model's weights (GiB) where it says; neither
+        in a replay, which scores nothing."""
+        stats = self.workers.reward_stats()
+        if "seconds" not in stats:
             return {}
+        total = stats["seconds"]
         seconds, self._reward_seconds_seen = total - self._reward_seconds_seen, total
-        return {"time/reward_s": seconds}
+        out = {"time/reward_s": seconds}
+        if "param_bytes" in stats:
+            out["mem/reward_model_gb"] = stats["param_bytes"] / 2**30
+        return out
 
     def resumed(self, skipped_steps: int) -> None:
         """After a resume: the skipped steps so far, and the queue's counts as the origin of

@@ -60,11 +60,13 @@ def test_a_reward_model_scores_every_mode(tmp_path, monkeypatch, mode, algo, sys
         assert np.isfinite(r["loss/total"])
         assert r["reward/scorer"] == LABEL
         assert r["time/reward_s"] >= 0 and "reward/gold_score_mean" in r
+        assert r["mem/reward_model_gb"] == 3 / 1024
     assert sum(r["time/reward_s"] for r in records) > 0
     (start,) = [e for e in read_events(Path(cfg.run_dir) / "ledger.jsonl") if e["event"] == "start"]
     assert start["scorer"] == LABEL
     rows = dict(report_rows(records, cfg.to_dict()))
     assert rows["rewards scored by"].startswith(f"{LABEL} (")
+    assert rows["peak memory"].endswith("; reward model weights 0.00 GiB")
 
 
 def test_a_reward_model_run_replays_from_its_recorded_rewards(tmp_path, monkeypatch):
@@ -83,6 +85,6 @@ def test_a_reward_model_run_replays_from_its_recorded_rewards(tmp_path, monkeypa
     for a, b in zip(recorded, replayed, strict=True):
         assert b["reward/mean"] == a["reward/mean"]
         assert b["reward/scorer"] == a["reward/scorer"] == LABEL
-        assert "time/reward_s" not in b
+        assert "time/reward_s" not in b and "mem/reward_model_gb" not in b
         for key in recording.COMPARED_KEYS:
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
