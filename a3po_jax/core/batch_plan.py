@@ -18,20 +18,21 @@ N groups per step, k minibatches and ``groups_per_row`` = R:
 packs whenever the geometry allows it (:meth:`BatchPlan.packing_refusal` says why not),
 ``true`` packs or refuses naming the fields, ``false`` never packs.
 
-:func:`make_batch` builds a step's arrays from whole groups in the plan's layout: padded
-rows (:func:`a3po_jax.core.batching.build_batch`) or shared-prompt packed rows
-(:func:`a3po_jax.core.packing.pack_groups`), in the objective's row order (pairs for DPO).
+:func:`make_batch` builds a step's final batch from whole groups in one pass: the rows in
+the plan's layout (padded, :func:`a3po_jax.core.batching.build_batch`, or shared-prompt
+packed, :func:`a3po_jax.core.packing.pack_groups`) in the objective's row order (pairs for
+DPO), then the reward-shaping stage, then the row masks (:mod:`a3po_jax.core.row_masks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from a3po_jax.core import objectives, packing
+from a3po_jax.core import objectives, packing, row_masks
 from a3po_jax.core.batching import TrainBatch, build_batch
 from a3po_jax.core.objectives.registry import ROWS, BatchLayout
 from a3po_jax.core.types import RolloutGroup
@@ -227,16 +228,47 @@ class BatchPlan:
         )
 
 
-def make_batch(
-    groups: Sequence[RolloutGroup], plan: BatchPlan
-) -> tuple[TrainBatch, dict[str, np.ndarray]]:
-    """A step's batch from ``plan.groups`` whole groups, in the plan's layout.
+# What a reward-shaping stage takes and returns: the step's arrays (every row's completion
+# tokens still in ``loss_mask``) and the rewards [R] -> new rewards [R], advantages [R, T].
+ShapeRewards = Callable[[dict[str, np.ndarray], np.ndarray], tuple[np.ndarray, np.ndarray]]
+_MASKED_FIELDS = ("loss_mask", "advantages", "pair_mask")  # what apply_row_keep changes
 
-    Returns:
-      ``(batch, arrays)``: the padded :class:`~a3po_jax.core.batching.TrainBatch` (rewards,
-      ids and the per-token loss inputs; with packing in the packed order) and the arrays
-      the jitted step reads (``batch.arrays()``, or the packed layout's, whose loss inputs
-      are ``batch``'s own arrays).
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """A step's batch, final: built, reward-shaped and masked in one pass (:func:`make_batch`).
+
+    Attributes:
+      batch: the padded :class:`~a3po_jax.core.batching.TrainBatch` (rewards, ids and the
+        per-token loss inputs; with packing in the packed order), for the metrics.
+      arrays: what the jitted step reads, with the same final masks and advantages.
+      filler_rows: rows of filler groups (a short batch's padding), masked.
+      overlong_masked: real samples cut at the token budget, masked (``overlong_filter``).
+    """
+
+    batch: TrainBatch
+    arrays: dict[str, np.ndarray]
+    filler_rows: int = 0
+    overlong_masked: int = 0
+
+
+def make_batch(
+    groups: Sequence[RolloutGroup],
+    plan: BatchPlan,
+    *,
+    overlong_filter: bool = False,
+    shape_rewards: ShapeRewards | None = None,
+) -> StepBatch:
+    """A step's batch from ``plan.groups`` whole groups (a short batch already filled by
+    :func:`a3po_jax.core.row_masks.fill_short_batch`), in the plan's layout, in one pass:
+
+    1. the rows: padded, or shared-prompt packed;
+    2. ``shape_rewards`` (KL-in-reward), on every row's completion tokens: a masked
+       sample's KL still shapes its own reward, hence its group's baseline;
+    3. last, the row masks (:mod:`a3po_jax.core.row_masks`): filler rows, and with
+       ``overlong_filter`` truncated samples, get loss mask and advantages 0.
+
+    Nothing is changed in place: every stage returns new arrays.
     """
     if len(groups) != plan.groups:
         raise ValueError(f"make_batch: {len(groups)} groups, the plan has {plan.groups}")
@@ -247,6 +279,20 @@ def make_batch(
         packed = packing.pack_groups(
             groups, groups_per_row=plan.groups_per_row, balance_rows=plan.balance_rows, **kwargs
         )
-        return packed.batch, packed.arrays()
-    batch = build_batch(groups, **kwargs)
-    return batch, batch.arrays()
+        batch, arrays = packed.batch, packed.arrays()
+    else:
+        batch = build_batch(groups, **kwargs)
+        arrays = batch.arrays()
+    if shape_rewards is not None:
+        rewards, adv = shape_rewards(arrays, batch.rewards)
+        batch = dataclasses.replace(
+            batch,
+            rewards=np.asarray(rewards, np.float32),
+            advantages=np.asarray(adv, np.float32),
+        )
+    keep = row_masks.row_keep(
+        batch.group_ids, groups, overlong_filter=overlong_filter, dpo_pairs=plan.layout.pairs
+    )
+    batch = row_masks.apply_row_keep(batch, keep.keep, dpo_pairs=plan.layout.pairs)
+    arrays = {**arrays, **{k: getattr(batch, k) for k in _MASKED_FIELDS if k in arrays}}
+    return StepBatch(batch, arrays, keep.filler_rows, keep.overlong_masked)

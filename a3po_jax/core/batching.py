@@ -20,9 +20,10 @@ from a3po_jax.core import advantages
 from a3po_jax.core.types import Rollout, RolloutGroup
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainBatch:
-    """A batch of B sequences padded to T, all numpy, target-aligned (see module doc)."""
+    """A batch of B sequences padded to T, all numpy, target-aligned (see module doc).
+    Frozen: a stage that changes it returns a new one (``dataclasses.replace``)."""
 
     tokens: np.ndarray  # [B, T] int32 inputs
     positions: np.ndarray  # [B, T] int32 RoPE positions
@@ -151,4 +152,37 @@ def build_batch(
         pair_mask=pair_mask,
         prompt_ids=[r.prompt_id for r in rows],
         group_ids=np.array([r.group_id for r in rows], np.int64),
+    )
+
+
+def concat_batches(batches: Sequence[TrainBatch]) -> TrainBatch:
+    """The rows of ``batches`` in order, padded to the longest T (padding as
+    :func:`build_batch` pads: zeros, positions counting on). With batches of whole groups
+    built with one ``length_bucket``, the result is the batch :func:`build_batch` builds
+    from all their groups at once."""
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    t = max(b.shape[1] for b in batches)
+
+    def rows(name: str) -> np.ndarray:
+        parts = []
+        for part in (getattr(batch, name) for batch in batches):
+            n, pad = part.shape[0], t - part.shape[1]
+            # Padding positions count on from each row's last, as build_batch's do.
+            tail = np.arange(part.shape[1], t, dtype=part.dtype) if name == "positions" else 0
+            parts.append(
+                np.concatenate([part, np.broadcast_to(tail, (n, pad)).astype(part.dtype)], 1)
+            )
+        return np.concatenate(parts)
+
+    per_token = (
+        "tokens", "positions", "segment_ids", "targets", "loss_mask", "behav_logp", "versions",
+        "advantages",
+    )  # fmt: skip
+    return TrainBatch(
+        **{name: rows(name) for name in per_token},
+        rewards=np.concatenate([x.rewards for x in batches]),
+        pair_mask=np.concatenate([x.pair_mask for x in batches]),
+        prompt_ids=[p for x in batches for p in x.prompt_ids],
+        group_ids=np.concatenate([x.group_ids for x in batches]),
     )

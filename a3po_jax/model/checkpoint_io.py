@@ -154,17 +154,23 @@ def load_hf_config(path: str | os.PathLike, **kwargs) -> ModelConfig:
     config_file = pathlib.Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"no config.json in {path}")
-    raw = json.loads(config_file.read_text())
+    return config_from_hf_json(json.loads(config_file.read_text()), config_file, **kwargs)
+
+
+def config_from_hf_json(raw: Mapping[str, Any], where: Any, **kwargs) -> ModelConfig:
+    """`load_hf_config` on a config.json already read into a dict (`where` names the file
+    in errors); a reader of another head's config (the reward model) maps its
+    architectures to a causal one first."""
     architectures = raw.get("architectures") or []
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise CheckpointError(
-            f"unknown architecture {architectures or raw.get('model_type')!r} in {config_file}; "
+            f"unknown architecture {architectures or raw.get('model_type')!r} in {where}; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     missing = [f for f in _HF_CONFIG_REQUIRED if raw.get(f) is None]
     if missing:
-        raise CheckpointError(f"{config_file} has no {', '.join(missing)}")
+        raise CheckpointError(f"{where} has no {', '.join(missing)}")
     fields = dict(raw)
     for name, default in _HF_CONFIG_DEFAULTS[arch].items():
         if fields.get(name) is None:
@@ -391,6 +397,25 @@ def params_to_hf_tensors(params: Params, config: ModelConfig) -> dict[str, np.nd
 # Hugging Face directories
 
 
+def safetensors_reader(
+    path: pathlib.Path,
+) -> tuple[dict[str, pathlib.Path], Callable[[str], np.ndarray]]:
+    """A checkpoint directory's tensor index (name -> file) and a reader of one tensor by
+    name, each file opened once, when first read."""
+    from safetensors import safe_open
+
+    index = _safetensors_index(path)
+    handles: dict[pathlib.Path, Any] = {}
+
+    def get_tensor(name: str) -> np.ndarray:
+        file = index[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="numpy")
+        return handles[file].get_tensor(name)
+
+    return index, get_tensor
+
+
 def _safetensors_index(path: pathlib.Path) -> dict[str, pathlib.Path]:
     """Tensor name -> file, from model.safetensors.index.json or every *.safetensors file."""
     from safetensors import safe_open
@@ -433,18 +458,10 @@ def load_hf_checkpoint(
     Returns:
       (config, params).
     """
-    from safetensors import safe_open
 
     path = pathlib.Path(path)
     config = load_hf_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
-    index = _safetensors_index(path)
-    handles: dict[pathlib.Path, Any] = {}
-
-    def get_tensor(name: str) -> np.ndarray:
-        file = index[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="numpy")
-        return handles[file].get_tensor(name)
+    index, get_tensor = safetensors_reader(path)
 
     if callable(shardings):
         shardings = shardings(config)

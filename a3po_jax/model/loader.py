@@ -35,8 +35,8 @@ def check_model_name(name: str) -> pathlib.Path | None:
     reading any weights, so a run can refuse a bad ``model.name`` before it starts.
 
     Raises:
-      FileNotFoundError naming `model.name` when `name` is none of the names, or a
-      checkpoint this process cannot read.
+      FileNotFoundError: naming `model.name` when `name` is none of the names, or a
+        checkpoint this process cannot read.
     """
     if name in ("tiny", "smollm2"):
         return None

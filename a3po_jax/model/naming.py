@@ -34,6 +34,8 @@ PARAM_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "layers/mlp/down_proj/kernel": ("layers", "mlp", "embed"),
     "final_norm/scale": ("norm",),
     "lm_head/kernel": ("embed", "vocab"),
+    # The reward model's scalar head (`reward_model.py`): [D, 1], one output "label".
+    "score/kernel": ("embed", "labels"),
 }
 
 # KV cache and activations: [L, B, S, N, K] and [B, T].

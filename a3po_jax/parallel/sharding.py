@@ -53,6 +53,7 @@ TRAIN_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    ("labels", None),  # a reward head's single output: nothing to split
 )
 
 # The training table with d_model not split over `fsdp`: each decode step reads local weights.

@@ -198,7 +198,7 @@ class StalenessController:
         weights, so that each group reaches the host before the weights it must not see.
 
         Raises:
-          RolloutTimeout after ``timeout`` seconds.
+          RolloutTimeout: after ``timeout`` seconds.
         """
 
         def settled() -> bool | None:

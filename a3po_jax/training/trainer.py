@@ -13,7 +13,8 @@ checkpointed. What the loop runs over is built once by :func:`a3po_jax.training.
 * staleness admission and the staleness of trained tokens (in optimizer versions):
   :mod:`a3po_jax.rollout.admission`;
 * held-out scoring: :mod:`a3po_jax.rollout.evaluation`;
-* checkpoint save/resume: :mod:`a3po_jax.training.checkpointing`;
+* checkpoint save/resume: :mod:`a3po_jax.training.run_checkpoints` (what a save holds) over
+  :mod:`a3po_jax.training.checkpointing` (the files);
 * the loop of the other processes of a multi-process run: :mod:`a3po_jax.training.follower`.
 
 With several processes (``a3po_jax.parallel.distributed.initialize``), process 0 alone runs
@@ -40,40 +41,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from a3po_jax.core import row_masks
 from a3po_jax.core import train_step as ts
-from a3po_jax.core.batch_plan import BatchPlan, make_batch
+from a3po_jax.core.batch_plan import BatchPlan, ShapeRewards, StepBatch, make_batch
 from a3po_jax.core.batching import TrainBatch
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.protocol import Host
 from a3po_jax.parallel import distributed
-from a3po_jax.rollout import filters
 from a3po_jax.rollout.evaluation import HeldOutEvaluation, evaluation_line
 from a3po_jax.rollout.ledger import Ledger, ledger_path
-from a3po_jax.rollout.queue import RolloutQueue, RolloutTimeout, WaitInterrupted
+from a3po_jax.rollout.queue import RolloutQueue, WaitInterrupted
 from a3po_jax.training import heap, host_placement, schedules
 from a3po_jax.training.build import Policy, build_run, load_policy, refuse_unsupported
-from a3po_jax.training.checkpointing import (
-    prune_held_groups,
-    read_held_groups,
-    restore_train_state,
-    save_train_state,
-    write_held_groups,
-)
 from a3po_jax.training.config import TrainConfig
 from a3po_jax.training.follower import follow_leader
 from a3po_jax.training.metrics import MetricsLogger, ProgressBar
+from a3po_jax.training.run_checkpoints import RunCheckpoints
 from a3po_jax.training.schedules.lockstep import Lockstep
 from a3po_jax.training.schedules.replay import Replayed
 from a3po_jax.training.step_book import StepBook
 from a3po_jax.training.stopping import STOP_SIGNALS, install_sigterm_handler, signal_name
+from a3po_jax.training.weight_push import WeightPush
 
 __all__ = ["Policy", "Trainer", "load_policy", "refuse_unsupported"]
 
 log = logging.getLogger(__name__)
-
-# How long a weight push waits for an in-process host to start serving the new weights (a
-# decode step, or a prefill, under the in-flight policies) before it trims the heap.
-SWAP_WAIT_S = 1.0
 
 CONSOLE_KEYS = (
     "reward/mean",
@@ -142,7 +134,29 @@ class Trainer:
         # reference (the CLI does) frees one whole copy of the weights.
         self.policy = dataclasses.replace(policy, params=None)
         self.schedule = self._schedule(parts.replay_dir is not None)
+        # SIGTERM or SIGINT: save and stop at the next step boundary; a second one: exit now.
+        self._sigterm = install_sigterm_handler(signals=STOP_SIGNALS, exit_on_second=True)
         self.book = StepBook(cfg, self.workers)
+        self._push = WeightPush(
+            self.host,
+            leader=self.leader,
+            multi_process=self.multi_process,
+            releases_replaced_weights=self.schedule.releases_replaced_weights,
+            trims=lambda: self._trimmer is not None,
+        )
+        self.saves = None
+        if self.checkpoints is not None:
+            self.saves = RunCheckpoints(
+                self.checkpoints,
+                workers=self.workers,
+                schedule=self.schedule,
+                book=self.book,
+                leader=self.leader,
+                rollout_timeout_s=cfg.system.rollout_timeout_s,
+                interrupted=self.stop_while_waiting(),
+                stop_signum=lambda: self._sigterm.signum,
+                trim=self._trim_heap,
+            )
         self._evaluate = HeldOutEvaluation(
             cfg,
             self.task,
@@ -153,8 +167,6 @@ class Trainer:
         )
         self.ledger: Ledger | None = None  # opened by run() once the run is accepted
         self._live_source = self.leader and parts.replay_dir is None
-        # SIGTERM or SIGINT: save and stop at the next step boundary; a second one: exit now.
-        self._sigterm = install_sigterm_handler(signals=STOP_SIGNALS, exit_on_second=True)
 
     def _schedule(self, replay: bool) -> schedules.Schedule:
         """The mode's schedule over this run; lockstep or replay around it."""
@@ -193,49 +205,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ what schedules use
 
-    def batch_arrays(
-        self, groups: list[RolloutGroup], plan: BatchPlan
-    ) -> tuple[TrainBatch, dict[str, np.ndarray]]:
-        """The padded batch (for metrics) and the arrays the jitted step reads, in the
-        plan's layout (:func:`a3po_jax.core.batch_plan.make_batch`), with KL-in-reward's
-        shaped rewards and advantages when the algorithm charges the KL to the reward.
+    def step_batch(self, groups: list[RolloutGroup], plan: BatchPlan) -> StepBatch:
+        """The final batch of ``groups`` in ``plan``'s layout, in one pass
+        (:func:`a3po_jax.core.batch_plan.make_batch`): a short batch (dynamic sampling left
+        slots empty) filled with masked filler copies, KL-in-reward's shaped rewards and
+        advantages when the algorithm charges the KL to the reward, and with
+        ``rollout.overlong_filter`` truncated samples masked.
 
         With ``system.groups_per_row`` > 1 and one minibatch, packing reorders the groups to
-        balance its rows, and the returned batch (advantages, versions, the metrics'
-        staleness) follows that order.
-
-        A short batch (dynamic sampling left slots empty) is filled up to the plan's groups
-        with masked filler copies, and with ``rollout.overlong_filter`` truncated samples
-        get loss mask 0 (:mod:`a3po_jax.rollout.filters`)."""
-        filled = filters.fill_short_batch(groups, plan.groups)
-        batch, arrays = make_batch(filled, plan)
-        if self._kl_in_reward is not None:
-            # KL in the reward: R_i ← R_i − β Σ_t KL_t, then the advantages of those rewards
-            # (core.train_step.kl_in_reward); the step then reads the new advantages.
-            rewards, adv = self._kl_in_reward(
-                self.state.params, self.ref_params, _to_device(arrays), jnp.asarray(batch.rewards)
-            )
-            batch.rewards = np.asarray(rewards, np.float32)
-            batch.advantages = arrays["advantages"] = np.asarray(adv, np.float32)
-        # Last: the masks zero the final advantages too (a truncated sample's KL still
-        # shapes its own reward, hence its group's baseline).
-        masked = filters.mask_rows(
-            batch,
-            arrays,
-            filled,
+        balance its rows, and the batch (advantages, versions, the metrics' staleness)
+        follows that order."""
+        made = make_batch(
+            row_masks.fill_short_batch(groups, plan.groups),
+            plan,
             overlong_filter=self.cfg.rollout.overlong_filter,
-            dpo_pairs=plan.layout.pairs,
+            shape_rewards=self._shape_rewards(),
         )
-        self.book.overlong_masked += masked["overlong_masked"]
-        return batch, arrays
+        self.book.overlong_masked += made.overlong_masked
+        return made
+
+    def _shape_rewards(self) -> ShapeRewards | None:
+        """KL in the reward at the current weights: R_i ← R_i − β Σ_t KL_t and the
+        advantages of those rewards (:func:`a3po_jax.core.train_step.kl_in_reward`)."""
+        if self._kl_in_reward is None:
+            return None
+        params, ref = self.state.params, self.ref_params
+        return lambda arrays, rewards: self._kl_in_reward(
+            params, ref, _to_device(arrays), jnp.asarray(rewards)
+        )
 
     def train_on(self, groups: list[RolloutGroup]) -> tuple[TrainBatch, dict]:
         """Dispatches the jitted step on the batch of ``groups`` (not waited for)."""
-        batch, arrays = self.batch_arrays(groups, self.plan)
+        made = self.step_batch(groups, self.plan)
         self.state, metrics = self._train_step(
-            self.state, self._step_input(arrays), self.ref_params
+            self.state, self._step_input(made.arrays), self.ref_params
         )
-        return batch, metrics
+        return made.batch, metrics
 
     def stop_while_waiting(self) -> Callable[[], bool] | None:
         """What a wait for rollouts asks to end early: this process's SIGTERM flag (one
@@ -251,102 +256,27 @@ class Trainer:
         return distributed.global_batch(arrays, self._batch_sharding)
 
     def _push_weights(self) -> None:
-        """Serve the current weights on the inference host (process 0's). With several
-        processes they are gathered to process 0 first: a collective, called by every process."""
-        params = self.state.params
-        if self.multi_process:
-            params = distributed.gather_params(params)
-        if self.leader and self.host is not None:  # None: a replay, nothing to serve
-            version = int(self.state.step)
-            # A pool of remote hosts copies the weights and returns; they travel meanwhile.
-            self.host.update_weights(params, version)
-            self._release_replaced_weights(version)
-
-    def _release_replaced_weights(self, version: int) -> None:
-        """Hands an in-process host's previous copy of the weights back to the OS before the
-        next train step allocates its temporaries.
-
-        The host frees that copy when the new weights start serving (its next decode step
-        under the in-flight policies), but glibc keeps the freed pages until the heap trimmer
-        comes by, up to `system.trim_heap_every_s` later: by then the next step's temporaries
-        are resident too, and the run's peak holds both (docs/performance.md). So wait for
-        the swap, briefly, and trim. Under "drain" the swap waits for older requests to
-        finish: nothing to wait for here.
-        """
-        if (
-            self._trimmer is None
-            or not self.host.in_process
-            or self.host.update_policy == "drain"
-            or not self.schedule.releases_replaced_weights
-        ):
-            return
-        if self.host.wait_serving(version, timeout=SWAP_WAIT_S):
-            heap.trim()
+        """Serve the current weights with their version (:mod:`a3po_jax.training.weight_push`)."""
+        self._push(self.state.params, int(self.state.step))
 
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoint(self, step: int, *, force: bool = False) -> None:
-        if self.checkpoints is None:
-            return
-        holds = self.leader and self.schedule.holds_groups
-        hold = holds and (force or self.checkpoints.should_save(step))
-        if hold:
-            self._settle_in_flight(step)
-            state, held = self.workers.snapshot(hold=True)
-            # Before the save starts: a committed step always has its groups.
-            write_held_groups(self.checkpoints, step, held, trainer_version=int(self.state.step))
-        else:
-            state = self.workers.state()
-        extra = {**state, "skipped_steps": self.book.skipped_steps}
-        saved = save_train_state(self.checkpoints, step, self.state, extra=extra, force=force)
-        if hold:
-            prune_held_groups(self.checkpoints, keep=step)  # (orbax dropped old steps)
-        if saved and not self.checkpoints.async_save and self._trimmer is not None:
-            heap.trim()  # the write's buffers, before the next step's temporaries
+        if self.saves is not None:
+            self.saves.save(step, self.state, force=force)
 
-    def _settle_in_flight(self, step: int) -> None:
-        """Lets the groups in flight that a resume could not regenerate exactly complete
-        (`RolloutWorkers.settle`); the uninterrupted run does the same at the same step, so
-        both go on alike. A stop request ends the wait: those groups are then re-issued on
-        resume, with the saved weights."""
-        timeout = self.cfg.system.rollout_timeout_s
-        try:
-            settled = self.workers.settle(
-                older_than=self.schedule.settle_older_than(int(self.state.step)),
-                timeout=timeout,
-                interrupted=self.stop_while_waiting(),
-            )
-        except RolloutTimeout as err:
-            raise RolloutTimeout(
-                f"checkpoint of step {step}: the groups in flight from older weights did not "
-                f"complete within system.rollout_timeout_s={timeout}s: {err}"
-            ) from err
-        if not settled:
-            log.warning(
-                "%s: saving step %d without waiting for the groups in flight (a resume "
-                "regenerates them with the saved weights)",
-                signal_name(self._sigterm.signum),
-                step,
-            )
+    def _trim_heap(self) -> None:
+        if self._trimmer is not None:
+            heap.trim()
 
     def _resume(self) -> int:
         """Restore the newest complete checkpoint; returns the step to continue from."""
-        if self.checkpoints is None or self.checkpoints.latest_step() is None:
+        if self.saves is None:
             log.info("no checkpoint in %s: starting fresh", self.run_dir / "checkpoints")
             return 0
-        self.state, extra, step = restore_train_state(self.checkpoints, self.state)
-        if self.ledger is not None:  # voids the ledger's events after this checkpoint
-            self.ledger.resume(step, version=int(extra["version"]))
-        held_ids = extra.get("held_groups")
-        if held_ids:  # complete groups saved with the checkpoint: back as they were
-            held = read_held_groups(self.checkpoints, step, held_ids)
-            self.workers.restore(extra, version=int(extra["version"]), held=held)
-        else:
-            self.workers.restore(extra, version=int(extra["version"]))
-        self.book.resumed(int(extra.get("skipped_steps", 0)))
-        # The host must serve the resumed weights before it generates anything.
-        self._push_weights()
-        log.info("resumed from step %d (version %d)", step, extra["version"])
+        self.state, step = self.saves.resume(self.state, self.ledger)
+        if step:  # the host must serve the resumed weights before it generates anything
+            self._push_weights()
         return step
 
     def run(self, *, resume: bool = False) -> dict[str, Any]:
@@ -458,17 +388,10 @@ class Trainer:
         saved already, or nothing was trained) and stop; ``--resume`` re-issues the groups
         still pending."""
         what = f"{signal_name(self._sigterm.signum)} {during}"
-        if self.checkpoints is not None:
-            self.checkpoints.wait_until_finished()  # an asynchronous save counts once on disk
-        if self.checkpoints is None:
+        if self.saves is None:
             log.warning("%s: stopping (checkpoint_every=0: no checkpoint)", what)
-        elif step == 0:
-            log.warning("%s: stopping before any step trained (no checkpoint to make)", what)
-        elif self.checkpoints.latest_step() == step:
-            log.warning("%s: step %d is saved; stopping", what, step)
         else:
-            log.warning("%s: saving step %d and stopping", what, step)
-            self._checkpoint(step, force=True)
+            self.saves.save_on_stop(step, self.state, what)
 
     def _open_ledger(self) -> None:
         """The run's prompt ledger (``run_dir/ledger.jsonl``, process 0, rollout workers

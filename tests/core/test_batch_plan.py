@@ -1,5 +1,6 @@
 """The batch plan: the step's geometry from the config in one place, and make_batch."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -13,7 +14,7 @@ from a3po_jax import model
 from a3po_jax.core import objectives, optim
 from a3po_jax.core import train_step as ts
 from a3po_jax.core.batch_plan import BatchPlan, make_batch
-from a3po_jax.core.batching import build_batch
+from a3po_jax.core.batching import build_batch, concat_batches
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import ConfigError, TrainConfig, apply_overrides
 
@@ -87,7 +88,8 @@ def test_a_batch_that_does_not_split_is_refused_naming_the_fields():
 def test_make_batch_lays_out_the_plans_layout(packed):
     plan = BatchPlan(group_size=4, groups=4, packed=packed, length_bucket=16)
     gs = groups()
-    batch, arrays = make_batch(gs, plan)
+    made = make_batch(gs, plan)
+    batch, arrays = made.batch, made.arrays
     plain = build_batch(gs, advantage="grpo", length_bucket=16)
     # Either way the loss inputs are the padded batch's; the leading axis is the plan's.
     for key in ("loss_mask", "behav_logp", "advantages", "versions"):
@@ -99,10 +101,27 @@ def test_make_batch_lays_out_the_plans_layout(packed):
         make_batch(gs[:3], plan)
 
 
+@pytest.mark.parametrize("packed_fold", [False, True])
+@pytest.mark.parametrize("loss", ["ppo", "dpo"])
+def test_the_folds_batches_side_by_side_are_the_whole_batch(packed_fold, loss):
+    """Periodic's metrics take the folded groups' own batches side by side
+    (``concat_batches``): the batch one build of all the groups gives."""
+    g = 2 if loss == "dpo" else 4
+    plan = plan_of(f"algo.loss={loss}", f"rollout.group_size={g}", "rollout.groups_per_step=4")
+    fold = dataclasses.replace(plan.fold, packed=packed_fold)
+    gs = groups(4, g, seed=5)
+    sides = concat_batches([make_batch([group], fold).batch for group in gs])
+    whole = make_batch(gs, dataclasses.replace(plan.padded, groups=len(gs))).batch
+    for field in dataclasses.fields(whole):
+        np.testing.assert_array_equal(
+            getattr(sides, field.name), getattr(whole, field.name), err_msg=field.name
+        )
+
+
 def test_make_batch_orders_pairs_for_a_pairwise_objective():
     plan = plan_of("algo.loss=dpo", "rollout.group_size=2", "rollout.groups_per_step=4")
     gs = groups(4, 2, seed=3)
-    batch, _ = make_batch(gs, plan)
+    batch = make_batch(gs, plan).batch
     chosen, rejected = batch.rewards[0::2], batch.rewards[1::2]
     assert np.all(chosen >= rejected)
     np.testing.assert_array_equal(batch.pair_mask[0::2], (chosen != rejected).astype(np.float32))
@@ -116,7 +135,7 @@ def test_the_step_refuses_a_batch_its_plan_does_not_describe():
     algo = step_builder.algorithm(cfg, CFG)
     opt = step_builder.optimizer(cfg)
     state = optim.init_train_state(model.init_params(CFG, jax.random.key(0)), opt)
-    _, arrays = make_batch(groups(2, 4), BatchPlan(group_size=4, groups=2, length_bucket=16))
+    arrays = make_batch(groups(2, 4), BatchPlan(group_size=4, groups=2, length_bucket=16)).arrays
     step = functools.partial(ts.train_step, algo=algo, optimizer=opt, grad_clip=1.0)
     with pytest.raises(ValueError, match="the batch has 8 sequences, its plan 16"):
         jax.eval_shape(step, state, {k: jnp.asarray(v) for k, v in arrays.items()}, None)

@@ -189,12 +189,15 @@ def compute_case(name: str) -> dict:
         kl_in_reward = jax.jit(functools.partial(ts.kl_in_reward, algo=algo))
 
     def arrays_of(groups, plan):
-        """The step's input arrays, as the trainer's ``batch_arrays`` builds them."""
-        batch, arrays = make_batch(groups, plan)
+        """The step's input arrays, as the trainer's ``step_batch`` builds them."""
+        shape = None
         if kl_in_reward is not None:
-            device = {k: jnp.asarray(v) for k, v in arrays.items()}
-            _, adv = kl_in_reward(state.params, ref, device, jnp.asarray(batch.rewards))
-            arrays["advantages"] = np.asarray(adv, np.float32)
+
+            def shape(arrays, rewards):
+                device = {k: jnp.asarray(v) for k, v in arrays.items()}
+                return kl_in_reward(state.params, ref, device, jnp.asarray(rewards))
+
+        arrays = make_batch(groups, plan, shape_rewards=shape).arrays
         return {k: jnp.asarray(v) for k, v in arrays.items()}
 
     groups = case_groups(cfg)

@@ -178,6 +178,13 @@ COMMANDS: dict[str, object] = {
     "python -m a3po_jax.cli.serve --model smollm2 --port 50051 --token-file "
     "~/.a3po_host_token --update-policy in_flight": PARSE_ONLY,
     "python -m a3po_jax.cli.assets prepare-smollm2": PARSE_ONLY,
+    # README and docs/training.md: the reward model (a pairs file of the reader's own).
+    "python -m a3po_jax.cli.train_reward --pairs pairs.jsonl --model smollm2 "
+    "--out runs/reward_model --steps 200": PARSE_ONLY,
+    "python -m a3po_jax.cli.train_reward --pairs pairs.jsonl --model tiny --out runs/rm_tiny "
+    "--steps 40 --lr 1e-3": PARSE_ONLY,
+    "python -m a3po_jax.cli.train_reward --pairs pairs.jsonl --model tiny --out runs/rm_tiny "
+    "--steps 80 --lr 1e-3 --resume": PARSE_ONLY,
     "python -m a3po_jax.cli.results runs/completion runs/admission --out runs/length_bias": (
         PARSE_ONLY
     ),

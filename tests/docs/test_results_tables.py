@@ -52,6 +52,7 @@ from a3po_jax.analysis.runs import (  # noqa: E402
     mean_over_steps,
     median_over_steps,
 )
+from a3po_jax.training.config import import_experiment  # noqa: E402
 
 PAGE = REPO / "docs" / "results.md"
 RESULTS = REPO / "results"
@@ -651,32 +652,108 @@ def edge_learning_rate(point: Path) -> float:
     return float(json.loads(config.read_text())["optim"]["learning_rate"])
 
 
-def test_off_policy_edge_pilots():
-    """Every pilot run committed under results/offpolicy_edge_smollm2/<point>/ is a row,
-    and every row is a committed run's figures."""
+EDGE_METHODS = {  # run-name prefix -> the method's name in the table, in the table's order
+    "mode-sync_max_staleness-0_prox-recompute": "sync (d ≤ 3)",
+    "prox-behav": "naive PPO",
+    "prox-recompute": "recompute",
+    "prox-a3po": "A-3PO, d in training steps",
+    "prox-a3po_a3po_staleness_unit-update": "A-3PO, d in optimizer updates",
+    "loss-dpo": "Online DPO",
+    "loss-m2po": "M2PO, all_tokens_mask",
+    "loss-m2po_reading-clip_side_mask": "M2PO, clip_side_mask",
+    "loss-m2po_reading-derived_clip": "M2PO, derived_clip",
+    "loss-gspo_prox-recompute": "GSPO",
+    "loss-icepop_prox-recompute": "IcePop",
+}
+
+
+def edge_points() -> list[Path]:
+    """The committed ladder points, in the ladder's order."""
     root = RESULTS / "offpolicy_edge_smollm2"
-    points = [p for p in root.iterdir() if p.is_dir()]
-    points.sort(key=edge_learning_rate)  # the ladder's order
-    expected = [
-        edge_row(point.name, run)
-        for point in points
-        for run in sorted(p for p in point.iterdir() if (p / "metrics.jsonl").is_file())
-    ]
+    return sorted((p for p in root.iterdir() if p.is_dir()), key=edge_learning_rate)
+
+
+def edge_runs(point: Path) -> list[Path]:
+    return sorted(p for p in point.iterdir() if (p / "metrics.jsonl").is_file())
+
+
+def edge_end(run_dir: Path) -> dict[str, float]:
+    """A run's held-out figures at the start and at its last evaluation."""
+    from helpers.run_cells import evaluations
+
+    from a3po_jax.analysis.run_report import load_run_files
+
+    first, last = evaluations(load_run_files(run_dir)[1])
+    return {
+        "start": first["eval/accuracy"],
+        "end": last["eval/accuracy"],
+        "finished": last["eval/finished_frac"],
+    }
+
+
+def edge_chosen_point() -> Path:
+    """The first committed point where the file's rule holds: naive PPO ends below the
+    untrained model on every pilot seed, with at least FINISHED_AT_END of its answers
+    finishing (the later condition; it holds at every point the rule was read at)."""
+    edge = import_experiment(REPO / "experiments" / "offpolicy_edge_smollm2.py")
+    for point in edge_points():
+        pilots = [point / name for name in edge.PILOT]
+        if not all((p / "metrics.jsonl").is_file() for p in pilots):
+            continue
+        ends = [edge_end(p) for p in pilots]
+        if all(e["end"] < e["start"] and e["finished"] >= edge.FINISHED_AT_END for e in ends):
+            return point
+    raise AssertionError("no committed point meets the edge rule")
+
+
+def edge_method_rows(point: Path) -> list[dict[str, str]]:
+    """The chosen point's table: each method's seeds, and the verdict words of the report's
+    rule (`a3po_jax.analysis.verdicts.separation`) against naive PPO and recompute."""
+    from a3po_jax.analysis.verdicts import separation
+
+    by_method: dict[str, list[dict[str, float]]] = {}
+    for run in edge_runs(point):
+        prefix, seed = run.name.rsplit("_seed-", 1)
+        assert prefix in EDGE_METHODS, f"{run}: a method the edge table does not name"
+        by_method.setdefault(prefix, []).append({"seed": int(seed), **edge_end(run)})
+    ends = {
+        m: [r["end"] for r in sorted(rs, key=lambda r: r["seed"])] for m, rs in by_method.items()
+    }
+    rows = []
+    for prefix, label in EDGE_METHODS.items():
+        if prefix not in by_method:
+            continue
+        seeds = sorted(by_method[prefix], key=lambda r: r["seed"])
+        row = {
+            "method": label,
+            "seeds": ", ".join(str(r["seed"]) for r in seeds),
+            "held-out pass@1 at 24, by seed": ", ".join(f"{r['end']:.3f}" for r in seeds),
+            "finished at 24, by seed": ", ".join(f"{100 * r['finished']:.0f} %" for r in seeds),
+        }
+        for other, column in (
+            ("prox-behav", "against naive PPO"),
+            ("prox-recompute", "against recompute"),
+        ):
+            row[column] = "—" if other == prefix else separation(ends[prefix], ends[other])
+        rows.append(row)
+    return rows
+
+
+def test_off_policy_edge_pilots():
+    """Every pilot run committed under results/offpolicy_edge_smollm2/<point>/ is a row of
+    the runs' table, and every row is a committed run's figures."""
+    expected = [edge_row(point.name, run) for point in edge_points() for run in edge_runs(point)]
     assert expected, "no committed pilot runs"
-    assert table(EDGE) == expected
-    # The prose's per-method ranges at the chosen point, from the same runs.
+    assert table(EDGE, 1) == expected
+
+
+def test_off_policy_edge_methods_at_the_chosen_point():
+    """The rule, read from the committed pilots, chooses the point the page names, and the
+    page's table by method there is the runs' figures with the rule's verdict words."""
+    point = edge_chosen_point()
     text = " ".join(section(EDGE))
-    ends: dict[str, list[float]] = {}
-    for row in expected:
-        if row["point"] == "lr-1e-4":
-            method = row["run"].rsplit("_seed-", 1)[0]
-            end = row["held-out pass@1, step 0 → 24 [95 % interval]"].split()[2]
-            ends.setdefault(method, []).append(float(end))
-    for method, label in (("prox-behav", "naive PPO"), ("prox-recompute", "recompute")):
-        values = ends[method]
-        assert f"{label} ({min(values):.3f} to {max(values):.3f}" in text, (method, values)
-    a3po = ends["prox-a3po"]
-    assert f"training steps ({min(a3po):.3f} to {max(a3po):.3f})" in text, a3po
+    assert f"The rule chooses `{point.name}`" in text
+    assert table(EDGE, 0) == edge_method_rows(point)
 
 
 def test_every_table_on_the_page_is_accounted_for():
@@ -691,7 +768,7 @@ def test_every_table_on_the_page_is_accounted_for():
         LAB_TOY: 1,
         LAB_SMOLLM2: 1,
         CORES: 2,
-        EDGE: 1,
+        EDGE: 2,
     }
     on_page = {line: len(tables_in(section(line))) for _, line in headings()}
     on_page = {heading: n for heading, n in on_page.items() if n}

@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 
 from a3po_jax.cli import ledger as ledger_cli
-from a3po_jax.core import objectives
+from a3po_jax.core import objectives, row_masks
 from a3po_jax.core.batch_plan import BatchPlan, make_batch
 from a3po_jax.core.types import Rollout
 from a3po_jax.inference.types import SampleResult, SamplingParams
 from a3po_jax.model.char_tokenizer import char_tokenizer
-from a3po_jax.rollout import filters
 from a3po_jax.rollout.ledger import Ledger, audit
 from a3po_jax.rollout.queue import RolloutQueue
 from a3po_jax.rollout.workers import RolloutWorkers
@@ -164,22 +163,43 @@ def test_overlong_samples_and_filler_rows_get_loss_mask_0():
         q.put(sample(gid, 0, 0.0, n=4, finish="length"))  # truncated: no EOS
         q.put(sample(gid, 1, 1.0, n=2))
         groups.extend(q.get_batch(1, trainer_version=0, timeout=1))
-    filled = filters.fill_short_batch(groups, plan.groups)
+    filled = row_masks.fill_short_batch(groups, plan.groups)
     assert [g.group_id for g in filled] == [0, 1, -1]
-    batch, arrays = make_batch(filled, plan)
-    unmasked = batch.loss_mask.sum(axis=1).copy()
-    counts = filters.mask_rows(batch, arrays, filled, overlong_filter=True)
-    assert counts == {"filler_rows": G, "overlong_masked": 2}
-    rows = batch.loss_mask.sum(axis=1)
+    made = make_batch(filled, plan, overlong_filter=True)
+    assert (made.filler_rows, made.overlong_masked) == (G, 2)
+    rows = made.batch.loss_mask.sum(axis=1)
     # Row order: group 0 (sample 0 truncated, 1), group 1 (same), the filler's 2 rows.
-    np.testing.assert_array_equal(unmasked, [4, 2, 4, 2, 4, 2])
     np.testing.assert_array_equal(rows, [0, 2, 0, 2, 0, 0])
-    assert arrays["loss_mask"] is batch.loss_mask
-    assert not arrays["advantages"][rows == 0].any()
+    assert made.arrays["loss_mask"] is made.batch.loss_mask
+    assert not made.arrays["advantages"][rows == 0].any()
+    with pytest.raises(dataclasses.FrozenInstanceError):  # final: stages return new batches
+        made.batch.loss_mask = None
     # Without the filter only the filler is masked.
-    batch, arrays = make_batch(filled, plan)
-    filters.mask_rows(batch, arrays, filled, overlong_filter=False)
-    np.testing.assert_array_equal(batch.loss_mask.sum(axis=1), [4, 2, 4, 2, 0, 0])
+    made = make_batch(filled, plan)
+    assert (made.filler_rows, made.overlong_masked) == (G, 0)
+    np.testing.assert_array_equal(made.batch.loss_mask.sum(axis=1), [4, 2, 4, 2, 0, 0])
+
+
+def test_reward_shaping_sees_every_completion_and_the_masks_come_last():
+    """KL-in-reward's stage reads every row's completion tokens (a truncated sample's KL
+    still shapes its own reward, hence its group's baseline); the masks then zero the
+    shaped advantages of the rows that do not train."""
+    plan = BatchPlan(group_size=G, groups=2, length_bucket=8)
+    q = RolloutQueue(group_size=G, capacity_groups=2, max_staleness=None)
+    q.put(sample(0, 0, 0.0, n=4, finish="length"))
+    q.put(sample(0, 1, 1.0, n=2))
+    filled = row_masks.fill_short_batch(q.get_batch(1, trainer_version=0, timeout=1), 2)
+    seen = {}
+
+    def shape(arrays, rewards):
+        seen["completion"] = arrays["loss_mask"].sum(axis=1)
+        return rewards - 0.5, 3.0 * arrays["loss_mask"]
+
+    made = make_batch(filled, plan, overlong_filter=True, shape_rewards=shape)
+    np.testing.assert_array_equal(seen["completion"], [4, 2, 4, 2])
+    np.testing.assert_array_equal(made.batch.rewards, [-0.5, 0.5, -0.5, 0.5])
+    np.testing.assert_array_equal(made.arrays["advantages"].sum(axis=1), [0, 6, 0, 0])
+    assert made.arrays["advantages"] is made.batch.advantages
 
 
 def test_packed_rows_and_dpo_pairs_are_masked_through_the_row_order():
@@ -192,23 +212,21 @@ def test_packed_rows_and_dpo_pairs_are_masked_through_the_row_order():
         q.put(sample(gid, 0, 0.0, n=n, finish="length" if gid == 1 else "stop"))
         q.put(sample(gid, 1, 1.0, n=n))
         groups.extend(q.get_batch(1, trainer_version=0, timeout=1))
-    filled = filters.fill_short_batch(groups, plan.groups)
-    batch, arrays = make_batch(filled, plan)
-    assert arrays["loss_mask"] is batch.loss_mask
-    counts = filters.mask_rows(batch, arrays, filled, overlong_filter=True)
-    assert counts == {"filler_rows": G, "overlong_masked": 1}
-    trained = batch.loss_mask.sum(axis=1)
-    for row, gid in enumerate(batch.group_ids):
+    filled = row_masks.fill_short_batch(groups, plan.groups)
+    made = make_batch(filled, plan, overlong_filter=True)
+    assert made.arrays["loss_mask"] is made.batch.loss_mask
+    assert (made.filler_rows, made.overlong_masked) == (G, 1)
+    trained = made.batch.loss_mask.sum(axis=1)
+    for row, gid in enumerate(made.batch.group_ids):
         masked = gid < 0 or (gid == 1 and row % G == 0)
         assert (trained[row] == 0) == masked, (row, gid)
 
     pair_plan = dataclasses.replace(plan, packed=False, groups_per_row=1, groups=3)
     pair_plan = dataclasses.replace(pair_plan, layout=objectives.get("dpo").layout)
-    batch, arrays = make_batch(groups, pair_plan)
-    assert batch.pair_mask.tolist() == [1.0] * 6  # every pair has a preference
-    filters.mask_rows(batch, arrays, groups, overlong_filter=True, dpo_pairs=True)
-    np.testing.assert_array_equal(batch.pair_mask, [1, 1, 0, 0, 1, 1])
-    assert arrays["pair_mask"] is batch.pair_mask
+    assert make_batch(groups, pair_plan).batch.pair_mask.tolist() == [1.0] * 6  # all preferred
+    made = make_batch(groups, pair_plan, overlong_filter=True)
+    np.testing.assert_array_equal(made.batch.pair_mask, [1, 1, 0, 0, 1, 1])
+    assert made.arrays["pair_mask"] is made.batch.pair_mask
 
 
 def test_dynamic_sampling_refuses_what_it_cannot_run_yet(tmp_path):
@@ -583,9 +601,9 @@ def test_filler_groups_are_copies_with_negative_ids():
     queue = RolloutQueue(group_size=G, capacity_groups=2, max_staleness=None)
     put_group(queue, 7, [0.0, 1.0])
     groups = queue.get_batch(1, trainer_version=0, timeout=1)
-    filled = filters.fill_short_batch(groups, 3)
+    filled = row_masks.fill_short_batch(groups, 3)
     assert [g.group_id for g in filled] == [7, -1, -2]
     assert all(r.group_id == -1 for r in filled[1].rollouts)
     np.testing.assert_array_equal(filled[2].rewards, groups[0].rewards)
     with pytest.raises(ValueError):
-        filters.fill_short_batch([], 2)
+        row_masks.fill_short_batch([], 2)

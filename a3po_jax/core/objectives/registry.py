@@ -148,6 +148,6 @@ def get(name: str, *, what: str = "objective", error: type[Exception] = ValueErr
       error: the exception type raised for an unknown name.
 
     Raises:
-      ``error`` naming ``what``, the value and the registered names.
+      Exception: ``error``, naming ``what``, the value and the registered names.
     """
     return registered(name, _REGISTRY, package=_PACKAGE, names=names, what=what, error=error)

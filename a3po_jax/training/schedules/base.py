@@ -45,6 +45,9 @@ class Run(Protocol):
     def train_on(self, groups: list[RolloutGroup]) -> tuple[Any, Any]:
         """The batch of ``groups`` and the jitted step's metrics (dispatched, not waited)."""
 
+    def step_batch(self, groups: list[RolloutGroup], plan: Any) -> Any:
+        """The final batch of ``groups`` in ``plan``'s layout (a ``StepBatch``)."""
+
     def stop_while_waiting(self) -> Any:
         """What a wait for rollouts asks to end early (None: nothing)."""
 
@@ -198,6 +201,6 @@ def get(name: str, *, what: str = "system.mode", error: type[Exception] = ValueE
     (``a3po_jax.training.schedules.<name>``, else ``<name>`` on the Python path).
 
     Raises:
-      ``error`` naming ``what``, the value and the registered modes.
+      Exception: ``error``, naming ``what``, the value and the registered modes.
     """
     return registered(name, _REGISTRY, package=_PACKAGE, names=names, what=what, error=error)

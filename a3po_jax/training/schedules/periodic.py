@@ -6,7 +6,6 @@ Training layer (host-side shell). Design §4.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any
@@ -14,9 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from a3po_jax.core.batch_plan import make_batch
+from a3po_jax.core.batching import TrainBatch, concat_batches
 from a3po_jax.core.types import RolloutGroup
-from a3po_jax.rollout import filters
 from a3po_jax.training.schedules.base import Run, Schedule, Trained, register
 
 
@@ -60,27 +58,23 @@ class Periodic(Schedule):
     def train(self, version: int, timings: dict[str, float]) -> Trained | None:
         run = self.run
         t0 = time.perf_counter()
-        groups, folded, wait = self._fold_arrivals(version)
+        groups, batches, folded, wait = self._fold_arrivals(version)
         timings["time/wait_rollouts_s"] = wait
         if folded is None:  # every slot left empty: nothing to apply
             return None
         run.state, metrics = self._apply_folded(run.state, folded)
-        plan = run.algo.plan
-        merged, _ = make_batch(groups, dataclasses.replace(plan.padded, groups=len(groups)))
-        filters.mask_rows(  # the metrics' staleness counts the trained tokens only
-            merged,
-            {},
-            groups,
-            overlong_filter=run.cfg.rollout.overlong_filter,
-            dpo_pairs=plan.layout.pairs,
-        )
+        # The metrics' batch is the folded groups' own final batches (masks, shaped rewards),
+        # side by side: no second build.
+        merged = concat_batches(batches)
         metrics = jax.device_get(metrics)
         timings["time/train_s"] = time.perf_counter() - t0 - wait
         return Trained(groups, merged, metrics)
 
-    def _fold_arrivals(self, version: int) -> tuple[list[RolloutGroup], Any, float]:
-        """The groups in arrival order, their folded gradient (None if none came) and the
-        seconds spent waiting for them."""
+    def _fold_arrivals(
+        self, version: int
+    ) -> tuple[list[RolloutGroup], list[TrainBatch], Any, float]:
+        """The groups in arrival order, their final batches, their folded gradient (None if
+        none came) and the seconds spent waiting for them."""
         from a3po_jax.core import optim
         from a3po_jax.core import train_step as ts
 
@@ -89,6 +83,7 @@ class Periodic(Schedule):
         fold = run.algo.plan.fold  # one group per row and per batch
         folded = None
         groups: list[RolloutGroup] = []
+        batches: list[TrainBatch] = []
         wait = 0.0
         for i in range(run.batch_groups):
             t0 = time.perf_counter()
@@ -103,10 +98,11 @@ class Periodic(Schedule):
             if not taken:  # a slot left empty (dynamic sampling)
                 continue
             groups.extend(taken)
-            _, arrays = run.batch_arrays(taken, fold)
+            made = run.step_batch(taken, fold)
+            batches.append(made.batch)
             mbs = ts.split_micro_batches(
-                {k: jnp.asarray(v) for k, v in arrays.items()}, fold.micro_batches
+                {k: jnp.asarray(v) for k, v in made.arrays.items()}, fold.micro_batches
             )
             acc = self._fold_group(params, run.ref_params, mbs, jnp.int32(version))
             folded = acc if folded is None else optim.add_accumulated(folded, acc)
-        return groups, folded, wait
+        return groups, batches, folded, wait
