@@ -2,9 +2,9 @@
 scorer's name and version in every rollout and step record, its time in ``time/reward_s``;
 a replay of such a run trains on the recorded rewards without loading the scorer.
 
-The reward model is the deterministic stand-in of ``helpers/scorers.py``, put in by the
-loader's seam (``a3po_jax.tasks.scorers.load_model_scorer``); a test of a real checkpoint
-drops ``use_test_reward_model`` and points ``task.reward`` at it.
+Most runs use the deterministic stand-in of ``helpers/scorers.py``, put in by the loader's
+seam (``a3po_jax.tasks.scorers.load_model_scorer``); the last ones leave the seam alone and
+load a real tiny reward model from disk (``load_reward_scorer``).
 """
 
 import dataclasses
@@ -12,13 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.scorers import VERSION, use_test_reward_model
+from helpers.scorers import VERSION, save_tiny_reward_model, use_test_reward_model
 from helpers.trainer_runs import make_cfg, run
 
 from a3po_jax.analysis.run_report import report_rows
 from a3po_jax.cli.train import main as train_main
+from a3po_jax.model.loader import LoadedModel
 from a3po_jax.rollout.ledger import read_events
+from a3po_jax.tasks.toy import LetterTask
 from a3po_jax.training import recording
+from a3po_jax.training.build import build_run
 from a3po_jax.training.metrics import read_metrics
 
 RM = "model:/reward_models/vowels"
@@ -88,3 +91,36 @@ def test_a_reward_model_run_replays_from_its_recorded_rewards(tmp_path, monkeypa
         assert "time/reward_s" not in b and "mem/reward_model_gb" not in b
         for key in recording.COMPARED_KEYS:
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_a_saved_reward_model_scores_a_run(tmp_path):
+    """The real loader: a tiny reward model saved as the training command saves one scores
+    an async run; its name and weights' version are in the record."""
+    path = save_tiny_reward_model(tmp_path / "rm")
+    cfg = reward_model_cfg(tmp_path, "async")
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, reward=f"model:{path}"))
+    records = run(cfg)
+    assert [r["version"] for r in records] == [1, 2]
+    name, _, version = records[0]["reward/scorer"].partition("@")
+    assert name == f"model:{path}" and version
+    for r in records:
+        assert np.isfinite(r["loss/total"]) and np.isfinite(r["reward/mean"])
+        assert r["reward/scorer"] == records[0]["reward/scorer"]
+        assert r["mem/reward_model_gb"] > 0
+    assert sum(r["time/reward_s"] for r in records) > 0
+
+
+def test_a_saved_reward_model_with_another_tokenizer_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    path = save_tiny_reward_model(tmp_path / "rm")
+    cfg = reward_model_cfg(tmp_path, "sync")
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, reward=f"model:{path}"))
+    other = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab={"a": 0, "?": 1}, unk_token="?"))
+    )
+    policy = LoadedModel(config=None, params=None, tokenizer=other)
+    with pytest.raises(ValueError, match=r"task\.reward='model:.*tokenizer mismatch"):
+        build_run(cfg, policy, task=LetterTask())
+    assert not Path(cfg.run_dir).exists()

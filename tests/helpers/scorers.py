@@ -4,7 +4,7 @@
 :func:`a3po_jax.tasks.scorers.load_model_scorer`; :func:`use_test_reward_model` puts
 :class:`VowelScorer` in its place (with pytest's ``monkeypatch``), so the pipeline's tests
 need no trained reward model. A test of a real checkpoint leaves the seam alone and points
-``task.reward`` at the checkpoint.
+``task.reward`` at one (:func:`save_tiny_reward_model`).
 """
 
 from __future__ import annotations
@@ -51,3 +51,13 @@ def use_test_reward_model(monkeypatch, *, refuse: str | None = None) -> list[Vow
 
     monkeypatch.setattr(scorers, "load_model_scorer", load)
     return loaded
+
+
+def save_tiny_reward_model(directory, *, seed: int = 0, head_std: float = 0.3):
+    """A real reward model on disk: the tiny policy's trunk with a random score head and
+    the character tokenizer, saved as the training command saves one; returns its path."""
+    from a3po_jax.model.reward_model import init_reward_model, save_reward_checkpoint
+
+    return save_reward_checkpoint(
+        init_reward_model("tiny", seed=seed, head_std=head_std), directory
+    )
