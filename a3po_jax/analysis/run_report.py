@@ -15,6 +15,8 @@ Rows of the report (:func:`report_rows`):
   training) with the 95 % interval the trainer logged
   (:func:`a3po_jax.analysis.evaluation.accuracy_interval`);
 * training reward (``reward/mean``) over the first k and the last k steps;
+* what scored the rewards (``reward/scorer``, ``task.reward``), the seconds spent scoring
+  (``time/reward_s``) and, under a reward model, the verifier's gold score at both ends;
 * steps trained (and skipped), wall time (from the start of the first evaluation or step
   logged to the last record; a resumed run's downtime is in it) and the share of it spent
   evaluating, peak memory;
@@ -267,6 +269,7 @@ def report_rows(
                 f"{reward[-k:].mean():.3f} ({_steps(steps[-k:])})",
             )
         )
+    rows.append(("rewards scored by", _scorer(trained, config)))
     planned = config.get("steps")
     last = trained[-1] if trained else {}
     skipped = int(last.get("step/skipped_total", 0))
@@ -283,10 +286,13 @@ def report_rows(
         )
     _, rss = series(records, "mem/peak_rss_gb")
     _, device = series(records, "mem/device_peak_gb")
+    _, reward_model = series(records, "mem/reward_model_gb")
     if len(rss):
         memory = f"{rss.max():.2f} GiB resident (process)"
         if len(device):
             memory += f", {device.max():.2f} GiB on the device"
+        if len(reward_model):
+            memory += f"; reward model weights {reward_model.max():.2f} GiB"
         rows.append(("peak memory", memory))
 
     counts = staleness_counts(trained)
@@ -316,6 +322,22 @@ def report_rows(
 
     rows.append(("groups dropped / re-issued", _drops(last, ledger)))
     return rows
+
+
+def _scorer(trained: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:
+    """What scored the run (``reward/scorer`` of the steps, name@version; before the reward
+    stage recorded it, ``task.reward`` of the config) and the seconds spent scoring
+    (``time/reward_s``; none in a replay, whose rewards are the recorded ones)."""
+    labels = sorted({r.get("reward/scorer") for r in trained} - {None})
+    text = ", ".join(labels) or str(config.get("task", {}).get("reward", "verifier"))
+    _, seconds = series(trained, "time/reward_s")
+    if len(seconds):
+        text += f" ({seconds.sum():.1f} s scoring, {seconds.mean():.2f} s per step)"
+    _, gold = series(trained, "reward/gold_score_mean")
+    if len(gold):
+        k = reward_window(len(gold))
+        text += f"; gold (verifier) score {gold[:k].mean():.3f} -> {gold[-k:].mean():.3f}"
+    return text
 
 
 def _drops(last: dict[str, Any], ledger: dict[str, Any] | None) -> str:

@@ -31,6 +31,11 @@ class RolloutSource(Protocol):
         """``num_groups`` whole groups (fewer when dynamic sampling left slots empty);
         ``wait`` is the queue's ``timeout`` and ``interrupted``."""
 
+    def reward_stats(self) -> dict[str, float]:
+        """The reward stage's ``seconds`` spent scoring so far and, for a scorer with
+        weights, their ``param_bytes`` (empty where nothing is scored: a replay reads the
+        recorded rewards)."""
+
     def notify_version(self, version: int) -> None:
         """The trainer's version moved on: the producer may admit more."""
 

@@ -5,8 +5,10 @@ Rollout layer (host-side shell; design §5).
 * **producer**: admits prompts under the staleness budget
   (:class:`a3po_jax.rollout.admission.StalenessController`), renders them with the chat
   template and submits one request of G samples per prompt to the inference host;
-* **collector**: polls finished samples from the host, scores them with the task's verifier
-  into rewards and files them in the :class:`a3po_jax.rollout.queue.RolloutQueue`.
+* **collector**: polls finished samples from the host, scores them into rewards through
+  the reward stage (:class:`a3po_jax.rollout.scoring.RewardStage`: the task's verifier per
+  sample, or a reward model per whole group) and files them in the
+  :class:`a3po_jax.rollout.queue.RolloutQueue`.
 
 The trainer (the caller's thread) takes whole groups with :meth:`RolloutWorkers.get_batch`
 and reports its version with :meth:`RolloutWorkers.notify_version`. Threads, the host's
@@ -28,9 +30,11 @@ from a3po_jax.inference.types import ErrorKind, GenerateRequest, SampleResult, S
 from a3po_jax.rollout.admission import StalenessController
 from a3po_jax.rollout.queue import ZERO_VARIANCE, RolloutQueue
 from a3po_jax.rollout.resume import consumed_admissions, pending_entries, resume_plan
+from a3po_jax.rollout.scoring import RewardStage
 from a3po_jax.rollout.side_channel import SideChannel
 from a3po_jax.rollout.waiting import QueueClosed, RolloutTimeout, WaitInterrupted
-from a3po_jax.tasks import PromptIterator, RewardConfig, render_prompt, shaped_reward
+from a3po_jax.tasks import PromptIterator, RewardConfig, render_prompt
+from a3po_jax.tasks.scorers import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +51,15 @@ class RolloutWorkers:
 
     Args:
       host: the inference host (``submit``, ``poll``).
-      task: the task (``score``/``format_ok`` through ``shaped_reward``).
+      task: the task (``score``/``format_ok``: the verifier and the format bonus).
       tokenizer: renders prompts and decodes completions.
       prompts: the prompt order (one prompt per group); its state is checkpointed.
       sampling: sampling parameters of every request.
       reward_config: reward shaping.
+      scorer: what scores the completions (``task.reward``,
+        :func:`a3po_jax.tasks.scorers.resolve_scorer`); None: the task's verifier.
+      score_per_group: score a group's G samples in one call once the group is whole (a
+        reward model); else each sample as it finishes.
       group_size: G, samples per prompt.
       batch_groups: B, groups per trainer batch.
       max_staleness: η in optimizer versions
@@ -95,6 +103,8 @@ class RolloutWorkers:
         dynamic_sampling: bool = False,
         max_extra_groups: int = 0,
         lockstep: bool = False,
+        scorer: Scorer | None = None,
+        score_per_group: bool = False,
     ):
         self.host = host
         self.lockstep = lockstep
@@ -103,6 +113,13 @@ class RolloutWorkers:
         self.prompts = prompts
         self.sampling = sampling
         self.reward_config = reward_config
+        self.rewards = RewardStage(
+            scorer,
+            task=task,
+            config=reward_config,
+            group_size=group_size,
+            per_group=score_per_group,
+        )
         self.group_size = group_size
         self.seed = seed
         self.controller = StalenessController(
@@ -506,26 +523,23 @@ class RolloutWorkers:
             self._forget(group_id)
             return
         text = self.tokenizer.decode(res.tokens, skip_special_tokens=True)
-        reward, info = shaped_reward(
-            self.task,
-            prompt,
-            text,
-            finished=res.finish_reason == "stop",
-            num_tokens=len(res.tokens),
-            config=self.reward_config,
-        )
-        info = {**info, "num_tokens": len(res.tokens)}
-        self.queue.put(
-            res.to_rollout(
-                prompt_id=prompt.prompt_id,
-                group_id=group_id,
-                reward=float(reward),
-                info=info,
-                admitted_at_version=version,
-            )
-        )
+        for rollout in self.rewards.add(
+            res, text, prompt=prompt, group_id=group_id, version=version
+        ):
+            self.queue.put(rollout)
+
+    def reward_stats(self) -> dict[str, float]:
+        """The reward stage's seconds spent scoring, in total (``time/reward_s``), and the
+        bytes of the scorer's weights where it has any (``mem/reward_model_gb``)."""
+        return self.rewards.stats()
+
+    @property
+    def scorer(self) -> str:
+        """What scores this run's completions, ``name@version``."""
+        return self.rewards.label
 
     def _forget(self, group_id: int) -> None:
+        self.rewards.forget(group_id)
         with self._inflight_lock:
             self._inflight.pop(group_id, None)
             self._unroute(group_id)
@@ -541,6 +555,7 @@ class RolloutWorkers:
         back, it is no longer pending, and the ledger says why (atomically with forgetting
         it, so a checkpoint sees it either pending or dropped)."""
         self.controller.release()
+        self.rewards.forget(group_id)
         with self._inflight_lock:
             self._unroute(group_id)
             if self._inflight.pop(group_id, None) is not None and self.ledger is not None:

@@ -5,7 +5,9 @@ Tasks layer (host-side shell).
     reward = [score + format_reward · format_ok] · (num_tokens <= length_cap)
              - no_eos_penalty · (not finished)
 
-* `score` is the task's correctness in [0, 1] (`Task.score`).
+* `score` is the task's correctness in [0, 1] (`Task.score`), or a reward model's score
+  (`task.reward=model:PATH`, :mod:`a3po_jax.tasks.scorers`; `shape_reward` shapes a score
+  already computed).
 * `format_ok`: the completion states its answer in the requested format (``\\boxed{}`` for
   the built-in tasks); the bonus teaches the format (a rule-based format reward, as in DeepSeek-R1).
 * `finished`: the sample ended with EOS; a sample cut at `max_new_tokens`
@@ -74,8 +76,24 @@ def shaped_reward(
     """
     if num_tokens < 0:
         raise ValueError(f"shaped_reward: num_tokens must be >= 0, got {num_tokens}")
-    score = float(task.score(prompt, completion_text))
-    format_ok = bool(task.format_ok(completion_text))
+    return shape_reward(
+        float(task.score(prompt, completion_text)),
+        format_ok=bool(task.format_ok(completion_text)),
+        finished=finished,
+        num_tokens=num_tokens,
+        config=config,
+    )
+
+
+def shape_reward(
+    score: float, *, format_ok: bool, finished: bool, num_tokens: int, config: RewardConfig
+) -> tuple[float, dict[str, Any]]:
+    """The shaping of :func:`shaped_reward` on a score already computed (by the task's
+    verifier or a reward model: :mod:`a3po_jax.tasks.scorers`); same ``(reward, info)``,
+    ``correct`` read from ``score``."""
+    if num_tokens < 0:
+        raise ValueError(f"shape_reward: num_tokens must be >= 0, got {num_tokens}")
+    score = float(score)
     over_length = config.length_cap is not None and num_tokens > config.length_cap
     reward = 0.0 if over_length else score + config.format_reward * format_ok
     if not finished:

@@ -28,6 +28,7 @@ from a3po_jax.parallel import distributed, sharding
 from a3po_jax.rollout.source import RolloutSource
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
+from a3po_jax.tasks.scorers import Scorer, resolve_scorer
 from a3po_jax.training import heap, host_placement, recording, step_builder
 from a3po_jax.training.checkpointing import CheckpointManager, async_save_pays
 from a3po_jax.training.config import TrainConfig
@@ -214,8 +215,10 @@ def build_run(
             "system.lockstep_decode_steps drives a host this trainer starts (embedded), "
             "not one it is given: set system.lockstep_decode_steps=0"
         )
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     task = task if task is not None else make_task(cfg.task.name, **cfg.task.kwargs)
+    # The scorer before anything starts: a bad reward model is refused by its field.
+    scorer = None if replay_dir is not None or not leader else reward_scorer(cfg, task, policy)
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     sampling = sampling_params(cfg.rollout, policy.tokenizer)
     train = build_train(cfg, policy, leader=leader)  # before a host starts: fails sooner
     own_host = host is None and leader and replay_dir is None
@@ -233,7 +236,9 @@ def build_run(
         host=host,
         own_host=own_host,
         local_host=local_host,
-        workers=rollout_source(cfg, host, task, sampling, policy.tokenizer, replay_dir),
+        workers=rollout_source(
+            cfg, host, task, sampling, policy.tokenizer, replay_dir, scorer=scorer
+        ),
         recorder=recorder(cfg, leader=leader, replay_dir=replay_dir),
         checkpoints=checkpoint_manager(cfg, train.mesh),
         trimmer=heap.Trimmer(cfg.system.trim_heap_every_s)
@@ -244,11 +249,34 @@ def build_run(
     )
 
 
+def reward_scorer(cfg: TrainConfig, task: Any, policy: Policy) -> tuple[Scorer, bool]:
+    """The scorer ``task.reward`` names and whether it scores per group
+    (:func:`a3po_jax.tasks.scorers.resolve_scorer`), loaded now: ValueError naming
+    ``task.reward`` for a reward model that is not there or was trained with another
+    tokenizer, before a host starts or a step compiles."""
+    spec = cfg.task.reward
+    try:
+        scorer, per_group = resolve_scorer(spec, task=task, tokenizer=policy.tokenizer)
+    except (ValueError, ImportError, OSError) as err:
+        raise ValueError(f"task.reward={spec!r} cannot be used: {err}") from err
+    log.info("rewards scored by %s@%s", scorer.name, scorer.version)
+    return scorer, per_group
+
+
 def rollout_source(
-    cfg: TrainConfig, host, task, sampling, tokenizer, replay_dir: Path | None
+    cfg: TrainConfig,
+    host,
+    task,
+    sampling,
+    tokenizer,
+    replay_dir: Path | None,
+    *,
+    scorer: tuple[Scorer, bool] | None = None,
 ) -> RolloutSource:
     """Where batches come from: the rollout threads over ``host``, or, in a replay, the
-    recorded groups step by step in place of the threads and the host."""
+    recorded groups step by step in place of the threads and the host (whose rewards are
+    the recorded ones: no scorer). ``scorer``: :func:`reward_scorer`'s (None: the task's
+    verifier, per sample)."""
     rollout = cfg.rollout
     if replay_dir is not None:
         return recording.ReplaySource(
@@ -275,6 +303,8 @@ def rollout_source(
         dynamic_sampling=rollout.dynamic_sampling,
         max_extra_groups=rollout.extra_groups_budget,
         lockstep=cfg.system.lockstep_decode_steps > 0,
+        scorer=None if scorer is None else scorer[0],
+        score_per_group=scorer is not None and scorer[1],
     )
 
 

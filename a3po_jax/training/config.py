@@ -20,6 +20,7 @@ from typing import Any
 from a3po_jax.core import advantages, importance, losses, objectives, prox
 from a3po_jax.core.batch_plan import AUTO, BatchPlan
 from a3po_jax.rollout.queue import CONSUME_ORDERS
+from a3po_jax.tasks.scorers import DEFAULT_REWARD, parse_reward
 from a3po_jax.training import objective_settings, schedules
 from a3po_jax.training.config_values import (  # noqa: F401 (INT_LIMIT..: the config's names)
     INT_LIMIT,
@@ -104,6 +105,9 @@ class TaskSection:
     split: str = "train"  # split the trainer draws prompts from
     format_reward: float = 0.0  # bonus for answering in the expected format
     no_eos_penalty: float = 0.0  # subtracted when a sample hits max_new_tokens
+    # What scores a completion before the shaping above: "verifier" (the task's) or
+    # "model:PATH" (a reward model, scored per group; a3po_jax.tasks.scorers)
+    reward: str = DEFAULT_REWARD
 
     def __post_init__(self):
         _check_types("task", self)
@@ -111,6 +115,10 @@ class TaskSection:
             if not getattr(self, name).strip():
                 raise ConfigError(f"task.{name} must not be empty")
         json_object("task.options", self.options)
+        try:
+            parse_reward(self.reward)
+        except ValueError as err:
+            raise ConfigError(f"task.reward {err}") from None
 
     @property
     def kwargs(self) -> dict[str, Any]:

@@ -324,6 +324,10 @@ class ReplaySource:
     def discard(self, num_groups: int) -> None:
         """A skipped step: nothing to give back (the recording is fixed)."""
 
+    def reward_stats(self) -> dict[str, float]:
+        """Nothing is scored: the rewards are the recorded ones (no ``time/reward_s``)."""
+        return {}
+
     def notify_version(self, version: int) -> None:
         """Versions do not steer a replay."""
 

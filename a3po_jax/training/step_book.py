@@ -40,6 +40,22 @@ class StepBook:
         self.nonfinite_in_a_row = 0
         self.overlong_masked = 0  # samples masked by the overlong filter since the last record
         self._filter_counts_seen = {"filtered_groups": 0, "refilled_groups": 0}
+        self._reward_seconds_seen = 0.0
+
+    def reward_time(self) -> dict[str, float]:
+        """``time/reward_s``: seconds the reward stage spent scoring since the last record
+        (the groups of this step and of the steps generating beside it), and
+        ``mem/reward_model_gb``, the reward model's weights (GiB) where it says; neither
+        in a replay, which scores nothing."""
+        stats = self.workers.reward_stats()
+        if "seconds" not in stats:
+            return {}
+        total = stats["seconds"]
+        seconds, self._reward_seconds_seen = total - self._reward_seconds_seen, total
+        out = {"time/reward_s": seconds}
+        if "param_bytes" in stats:
+            out["mem/reward_model_gb"] = stats["param_bytes"] / 2**30
+        return out
 
     def resumed(self, skipped_steps: int) -> None:
         """After a resume: the skipped steps so far, and the queue's counts as the origin of
@@ -80,6 +96,7 @@ class StepBook:
         counters = self.workers.queue.counters()
         return {
             **timings,
+            **self.reward_time(),
             "version": version,
             "step/skipped": 1.0,
             "step/skipped_total": self.skipped_steps,
@@ -155,6 +172,7 @@ class StepBook:
         if replay:
             record = {k: v for k, v in record.items() if not k.startswith(recording.NOT_IN_REPLAY)}
         record.update(self.filter_metrics(groups, queue_counters))
+        record.update(self.reward_time())
         real = batch.group_ids >= 0  # a short batch's filler rows are not data
         record["reward/mean"] = float(np.mean(batch.rewards[real]))
         return record

@@ -367,7 +367,8 @@ class Trainer:
         self._open_ledger()
         start = self._resume() if resume else 0
         if start == 0 and self.ledger is not None:
-            self.ledger.start(seed=self.cfg.seed)
+            # What scores the completions (name@version): the ledger keeps it per run.
+            self.ledger.start(seed=self.cfg.seed, scorer=self.workers.scorer)
         in_process = self.host is not None and self.host.in_process
         if start == 0 and (self.multi_process or not in_process):
             # A host in another process starts with weights of its own: serve ours before

@@ -22,6 +22,7 @@ from a3po_jax.analysis.sweeps import (
 )
 from a3po_jax.training.config import (
     ConfigError,
+    TaskSection,
     TrainConfig,
     apply_overrides,
     import_experiment,
@@ -528,6 +529,12 @@ def test_run_sweep_stops_when_a_run_is_stopped(tmp_path, capsys, monkeypatch):
     assert "stopped after" in capsys.readouterr().out
 
 
+def saved_task(config: dict) -> dict:
+    """A committed run's task section; runs saved before ``task.reward`` existed were scored
+    by the verifier, its default."""
+    return {"reward": TaskSection().reward, **config["task"]}
+
+
 def test_committed_smollm2_results_ran_on_their_experiments_task():
     """The SmolLM2 reproductions derive from smollm2_chain_sum.py, and each committed run's
     task is its experiment file's: a change of the quickstart's task cannot quietly leave
@@ -541,7 +548,7 @@ def test_committed_smollm2_results_ran_on_their_experiments_task():
         task = dataclasses.asdict(load_experiment(ROOT / "experiments" / f"{name}.py").task)
         assert task["name"] == "chain_sum"
         for config_json in sorted((ROOT / "results" / name).rglob("config.json")):
-            ran = json.loads(config_json.read_text())["task"]
+            ran = saved_task(json.loads(config_json.read_text()))
             assert {k: ran.get(k) for k in task} == task, config_json
             checked += 1
     assert checked >= 30
@@ -565,7 +572,7 @@ def test_offpolicy_lab_smollm2_runs_the_toy_labs_methods_on_its_committed_runs_t
             small.steps,
         )
         assert big.model == quickstart.model
-        assert dataclasses.asdict(big.task) == committed["task"]
+        assert dataclasses.asdict(big.task) == saved_task(committed)
         assert (big.eval_prompts, big.eval_budget) == (64, big.rollout.max_new_tokens)
         assert (big.rollout.group_size, big.rollout.groups_per_step) == (2, 32)
         assert big.optim.learning_rate == quickstart.optim.learning_rate and big.evaluate

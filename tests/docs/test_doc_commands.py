@@ -89,6 +89,11 @@ COMMANDS: dict[str, object] = {
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py --print-config": AS_WRITTEN,
+    # A reward model's path is read when the run is built: the config alone resolves here.
+    "a3po-train experiments/smoke_tiny.py task.reward=model:runs/reward_model "
+    "task.no_eos_penalty=0.5": PRINT_CONFIG,
+    "a3po-train experiments/smoke_tiny.py task.reward=model:runs/reward_model "
+    "algo.kl_coef=0.05 algo.kl_in_reward=true": PRINT_CONFIG,
     "a3po-train experiments/smoke_tiny.py system.mode=sync rollout.batch_invariant=true "
     "system.consume_order=admission": TINY_RUN,
     "a3po-train experiments/quickstart_a3po.py system.mode=one_step_off "
@@ -160,6 +165,8 @@ COMMANDS: dict[str, object] = {
     ),
     # Evaluation, serving, assets: their own parsers read the arguments.
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po": PARSE_ONLY,
+    "python -m a3po_jax.cli.make_preferences --task letters --model tiny --prompts 8 "
+    "--samples 4 --out runs/pairs/letters.jsonl": PARSE_ONLY,
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po --step 20": PARSE_ONLY,
     "python -m a3po_jax.cli.evaluate --model smollm2 --task chain_sum --num-prompts 64": (
         PARSE_ONLY
