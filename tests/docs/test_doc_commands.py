@@ -168,6 +168,13 @@ COMMANDS: dict[str, object] = {
     "python -m a3po_jax.cli.make_preferences --task letters --model tiny --prompts 8 "
     "--samples 4 --out runs/pairs/letters.jsonl": PARSE_ONLY,
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po --step 20": PARSE_ONLY,
+    # docs/training.md: the offline RLHF chain (gold pairs, a proxy, a run against it).
+    "python -m a3po_jax.cli.make_preferences --task letters --model tiny --prompts 32 "
+    "--samples 4 --out runs/pairs/letters.jsonl": AS_WRITTEN,
+    "python -m a3po_jax.cli.train_reward --pairs runs/pairs/letters.jsonl --model tiny "
+    "--out runs/rm_letters --steps 20": AS_WRITTEN,
+    "a3po-train experiments/smoke_tiny.py task.reward=model:runs/rm_letters "
+    "run_dir=runs/rlhf_letters": TINY_RUN,
     "python -m a3po_jax.cli.evaluate --model smollm2 --task chain_sum --num-prompts 64": (
         PARSE_ONLY
     ),
