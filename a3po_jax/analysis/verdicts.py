@@ -33,7 +33,7 @@ def separation(a: Sequence[float], b: Sequence[float], *, min_seeds: int = MIN_S
             raise ValueError(f"separation: {name} holds non-finite figures {bad}")
     fewer = min(len(a), len(b))
     if fewer < min_seeds:
-        return f"{fewer} seeds: no verdict"
+        return f"{fewer} seed{'' if fewer == 1 else 's'}: no verdict"
     if min(a) > max(b):
         return "separates, higher"
     if max(a) < min(b):

@@ -18,6 +18,7 @@ def test_one_overlapping_seed_or_a_tie_is_not_separable():
 
 def test_too_few_seeds_give_no_verdict():
     assert separation([0.9, 0.8], [0.1, 0.2, 0.3]) == "2 seeds: no verdict"
+    assert separation([0.9], [0.1, 0.2, 0.3]) == "1 seed: no verdict"
     assert separation([0.9], [0.1], min_seeds=1) == "separates, higher"
 
 
