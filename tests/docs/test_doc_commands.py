@@ -168,6 +168,10 @@ COMMANDS: dict[str, object] = {
     "python -m a3po_jax.cli.make_preferences --task letters --model tiny --prompts 8 "
     "--samples 4 --out runs/pairs/letters.jsonl": PARSE_ONLY,
     "python -m a3po_jax.cli.evaluate --run-dir runs/quickstart_a3po --step 20": PARSE_ONLY,
+    "python scripts/bench_reward_model.py --repeats 3": Replace(
+        "python scripts/bench_reward_model.py --config tiny --batch 8 --repeats 2",
+        "the tiny model's shapes (SmolLM2's take a minute; the figures' page says so)",
+    ),
     # docs/training.md: the offline RLHF chain (gold pairs, a proxy, a run against it).
     "python -m a3po_jax.cli.make_preferences --task letters --model tiny --prompts 32 "
     "--samples 4 --out runs/pairs/letters.jsonl": AS_WRITTEN,
