@@ -1,0 +1,142 @@
+"""A run checkpointed on N devices resumes on M: killed (SIGKILL) on 4 virtual CPU devices,
+resumed on 2 and killed again, resumed on 4 to its last step.
+
+The trainer's mesh follows the device count (``system.mesh_fsdp=-1``: FSDP over every
+device), so each leg runs on a mesh of its own and saves its checkpoints laid out on it;
+each resume restores them into the new mesh's shardings (orbax reshards). What must hold:
+
+* every checkpoint restores to the same bits on any mesh that holds the model (1, 2 or 4
+  devices; FSDP, data x FSDP, FSDP x tensor): params, Adam's moments and its count, the
+  step (``tests/helpers/restore_on_meshes.py``, the trainer's own restore);
+* the run reaches its last step with one record per version, and its ledger passes the
+  exactly-once audit over all three legs (asynchronous mode, groups completing out of order:
+  ``tests/helpers/exactly_once_run.py``);
+* a mesh that cannot hold the model (a tensor axis that does not divide the KV heads) is
+  refused by its config field before anything in the run dir changes.
+
+Bit-for-bit equality with an uninterrupted run is not asked across meshes: the gradient's
+reductions add the same numbers in another order on another mesh (float rounding).
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers.paths import REPO
+from helpers.processes import cpu_env
+
+from a3po_jax.cli.train import latest_checkpoint_step
+from a3po_jax.rollout.ledger import audit
+from a3po_jax.training.metrics import read_metrics
+
+pytestmark = pytest.mark.multidevice
+
+STEPS = 8
+GROUPS_PER_STEP = 4  # experiments/smoke_tiny.py
+# (devices, kill once this many steps are logged; None: run to the end)
+LEGS = ((4, 2), (2, 5), (4, None))
+
+
+def trainer_cmd(run_dir, *extra):
+    return [
+        sys.executable, str(REPO / "tests" / "helpers" / "exactly_once_run.py"), str(run_dir),
+        f"steps={STEPS}", "checkpoint_every=1", "task.name=letters", "task.options={}",
+        "rollout.max_new_tokens=6", "system.mode=async", "system.max_staleness=3", *extra,
+    ]  # fmt: skip
+
+
+def progress(run_dir, resumes):
+    """Steps logged by the current leg's run (0 until it has logged its resume)."""
+    ledger, metrics = run_dir / "ledger.jsonl", run_dir / "metrics.jsonl"
+    if not (ledger.exists() and metrics.exists()):
+        return 0
+    if ledger.read_text().count('"event": "resume"') < resumes:
+        return 0  # the resumed process has not restored its checkpoint yet
+    if latest_checkpoint_step(run_dir) < 1:
+        return 0  # nothing to resume from yet
+    return len(read_metrics(run_dir))
+
+
+def saved_mesh(checkpoints, step):
+    """The (data, fsdp, tensor) shape of the mesh the params of ``step`` were saved from."""
+    layouts = json.loads((checkpoints / str(step) / "params" / "_sharding").read_text())
+    shapes = {tuple(json.loads(layout)["shape"]) for layout in layouts.values()}
+    assert len(shapes) == 1, shapes
+    return shapes.pop()
+
+
+def run_leg(run_dir, n, devices, kill_after):
+    command = trainer_cmd(run_dir, *(["--resume"] if n else []))
+    env = cpu_env(devices)
+    if kill_after is None:
+        done = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress(run_dir, n) >= kill_after:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    proc.kill()  # SIGKILL: a lost slice, no save on the way out
+    proc.wait()
+    proc.stderr.close()
+
+
+def test_killed_on_4_devices_resumes_on_2_and_again_on_4(tmp_path):
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    snapshots = []
+    for n, (devices, kill_after) in enumerate(LEGS):
+        run_leg(run_dir, n, devices, kill_after)
+        step = latest_checkpoint_step(run_dir)
+        assert step >= 1
+        # Each leg saved from its own mesh: FSDP over its devices.
+        assert saved_mesh(checkpoints, step) == (1, devices, 1), (n, step)
+        if kill_after is not None:  # what the next leg resumes from, kept for the check below
+            snapshot = tmp_path / f"leg{n}_step{step}"
+            shutil.copytree(checkpoints, snapshot, ignore=shutil.ignore_patterns("held"))
+            snapshots.append((snapshot, step))
+    assert latest_checkpoint_step(run_dir) == STEPS
+
+    # The run: one record per version, each prompt trained once over the three legs.
+    assert [r["version"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
+    result = audit(run_dir)
+    assert result.ok, result.summary()
+    assert result.resumes == 2
+    assert result.trained == STEPS * GROUPS_PER_STEP
+
+    # What each leg resumed from (saved on 4, then on 2 devices) and the end (on 4) restore
+    # to the same bits on every mesh, Adam's count and the version going on from the step.
+    checked = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "helpers" / "restore_on_meshes.py"),
+         str(run_dir / "config.json"), *(str(s) for s, _ in snapshots), str(checkpoints)],
+        cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    summaries = [json.loads(line) for line in checked.stdout.splitlines()]
+    assert [s["step"] for s in summaries] == [step for _, step in snapshots] + [STEPS]
+    for summary in summaries:
+        assert summary["version"] == summary["adam_count"] == summary["step"], summary
+        assert len(summary["meshes"]) == 5
+
+    # A mesh that cannot hold the model is refused by name; the run dir stays as it was.
+    before = {p: p.read_bytes() for p in (run_dir / "ledger.jsonl", run_dir / "config.json")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
+         f"run_dir={run_dir}", f"steps={STEPS}", "system.mesh_tensor=4", "--resume"],
+        cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    message = refused.stderr.strip().splitlines()[-1]
+    assert "system.mesh_tensor=4" in message and "kv_heads = 2" in message, message
+    assert all(p.read_bytes() == data for p, data in before.items())
+    assert latest_checkpoint_step(run_dir) == STEPS
