@@ -30,6 +30,7 @@ from helpers.processes import cpu_env
 
 from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.rollout.ledger import audit
+from a3po_jax.training.checkpointing import CheckpointManager
 from a3po_jax.training.metrics import read_metrics
 
 pytestmark = pytest.mark.multidevice
@@ -61,11 +62,10 @@ def progress(run_dir, resumes):
 
 
 def saved_mesh(checkpoints, step):
-    """The (data, fsdp, tensor) shape of the mesh the params of ``step`` were saved from."""
-    layouts = json.loads((checkpoints / str(step) / "params" / "_sharding").read_text())
-    shapes = {tuple(json.loads(layout)["shape"]) for layout in layouts.values()}
-    assert len(shapes) == 1, shapes
-    return shapes.pop()
+    """The (data, fsdp, tensor) sizes of the mesh the params of ``step`` were saved from."""
+    with CheckpointManager(checkpoints, async_save=False) as manager:
+        axes = manager.saved_mesh(step)
+    return tuple(axes[name] for name in ("data", "fsdp", "tensor"))
 
 
 def run_leg(run_dir, n, devices, kill_after):
