@@ -22,6 +22,11 @@ exactly), in the rollout recording's format (:func:`a3po_jax.training.recording.
                                       # starts, so a committed step always has it; removed
                                       # with the step (:func:`prune_held_groups`)
 
+A checkpoint does not fix the mesh: :func:`restore_train_state` reads every array into the
+layout of the state it is given (built on the run's mesh), so a run saved on N devices
+resumes on M; orbax's record of the saving mesh is only reported
+(:meth:`CheckpointManager.saved_mesh`).
+
 Saves are atomic: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when
 complete, after writing its commit marker ``commit_success.txt`` into it. Leftovers of an
 interrupted save are ignored with a logged warning: tmp dirs (orbax deletes them), and step
@@ -348,7 +353,8 @@ def restore_train_state(manager: CheckpointManager, template: Any) -> tuple[Any,
     Args:
       manager: where the run's checkpoints are.
       template: the trainer's current ``TrainState``; gives the structure, and the shardings
-        the jitted step was built for, which the restored state is placed back onto.
+        the jitted step was built for, which the restored state is read into: on the run's
+        mesh, which need not be the mesh (or the number of devices) that saved it.
     Returns:
       ``(state, extra, step)``.
     Raises:
