@@ -12,7 +12,10 @@ each resume restores them into the new mesh's shardings (orbax reshards). What m
   exactly-once audit over all three legs (asynchronous mode, groups completing out of order:
   ``tests/helpers/exactly_once_run.py``);
 * a mesh that cannot hold the model (a tensor axis that does not divide the KV heads) is
-  refused by its config field before anything in the run dir changes.
+  refused by its config field before anything in the run dir changes;
+* against an uninterrupted run on the saving mesh, the step redone on the new mesh trains
+  the same samples (generated from the restored weights: the same rewards, exactly) to the
+  same loss up to float rounding.
 
 Bit-for-bit equality with an uninterrupted run is not asked across meshes: the gradient's
 reductions add the same numbers in another order on another mesh (float rounding).
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from helpers.paths import REPO
 from helpers.processes import cpu_env
@@ -31,7 +35,7 @@ from helpers.processes import cpu_env
 from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.rollout.ledger import audit
 from a3po_jax.training.checkpointing import CheckpointManager
-from a3po_jax.training.metrics import read_metrics
+from a3po_jax.training.metrics import learning_metrics, read_metrics
 
 pytestmark = pytest.mark.multidevice
 
@@ -140,3 +144,53 @@ def test_killed_on_4_devices_resumes_on_2_and_again_on_4(tmp_path):
     assert "system.mesh_tensor=4" in message and "kv_heads = 2" in message, message
     assert all(p.read_bytes() == data for p, data in before.items())
     assert latest_checkpoint_step(run_dir) == STEPS
+
+
+def test_the_step_redone_on_2_devices_trains_what_the_uninterrupted_run_on_4_did(tmp_path):
+    """Sync mode with the reproducibility options: a run on 4 devices, and the same run that
+    lost its step-3 checkpoint (died between the step's record and its save) resumed from
+    step 2 on 2 devices. Step 3's samples come from the restored weights, so its rewards
+    are the uninterrupted run's exactly; the update itself is computed on another mesh, so
+    its loss and the other learning metrics agree to float rounding only."""
+    settings = [
+        "experiments/smoke_tiny.py", "steps=3", "checkpoint_every=1", "system.mode=sync",
+        "task.name=letters", "task.options={}", "rollout.batch_invariant=true",
+        "system.consume_order=admission",
+    ]  # fmt: skip
+    full, run = tmp_path / "full", tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "a3po_jax.cli.train", *settings, f"run_dir={full}"],
+        cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(full, run)
+    shutil.rmtree(run / "checkpoints" / "3")
+    resumed = subprocess.run(
+        [sys.executable, "-m", "a3po_jax.cli.train", *settings, f"run_dir={run}", "--resume",
+         "--log-level", "INFO"],
+        cwd=REPO, env=cpu_env(2), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        "checkpoint step 2 was saved on a mesh of data 1 x fsdp 4 x tensor 1 (4 devices); "
+        "restoring it onto data 1 x fsdp 2 x tensor 1 (2 devices)" in resumed.stderr
+    )
+    assert saved_mesh(run / "checkpoints", 3) == (1, 2, 1)
+
+    expected = [learning_metrics(r) for r in read_metrics(full)]
+    records = [learning_metrics(r) for r in read_metrics(run)]
+    assert [r["version"] for r in records] == [r["version"] for r in expected] == [1, 2, 3]
+    assert records[:2] == expected[:2]  # before the checkpoint: the records as they were
+    redone, reference = records[2], expected[2]
+    assert sorted(redone) == sorted(reference)
+    # What the samples decide (rewards, tokens and their staleness) is equal; what the
+    # update computes, close.
+    samples = sorted(k for k in reference if k.startswith(("reward/", "staleness/")))
+    assert samples and all(redone[k] == reference[k] for k in samples), samples
+    for key, value in reference.items():
+        if isinstance(value, (int, float)):
+            np.testing.assert_allclose(redone[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+        else:
+            assert redone[key] == value, key
+    result = audit(run)
+    assert result.ok and result.resumes == 1, result.summary()
