@@ -13,6 +13,8 @@ each resume restores them into the new mesh's shardings (orbax reshards). What m
   ``tests/helpers/exactly_once_run.py``);
 * a mesh that cannot hold the model (a tensor axis that does not divide the KV heads) is
   refused by its config field before anything in the run dir changes;
+* a job of another number of processes resumes it too (1 process of 4 devices, then 2
+  processes of 1 device each, as a pod slice that lost hosts);
 * against an uninterrupted run on the saving mesh, the step redone on the new mesh trains
   the same samples (generated from the restored weights: the same rewards, exactly) to the
   same loss up to float rounding.
@@ -30,7 +32,7 @@ import time
 import numpy as np
 import pytest
 from helpers.paths import REPO
-from helpers.processes import cpu_env
+from helpers.processes import cpu_env, free_port
 
 from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.rollout.ledger import audit
@@ -193,4 +195,45 @@ def test_the_step_redone_on_2_devices_trains_what_the_uninterrupted_run_on_4_did
         else:
             assert redone[key] == value, key
     result = audit(run)
+    assert result.ok and result.resumes == 1, result.summary()
+
+
+def test_a_checkpoint_of_one_process_on_4_devices_resumes_as_two_processes(tmp_path):
+    """Saved by one process with 4 devices, resumed by a job of two processes with one
+    device each (process 0 restores and serves, both hold shards of the state)."""
+    run_dir = tmp_path / "run"
+    settings = [
+        sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
+        "checkpoint_every=1", "system.mode=sync", "task.name=letters", "task.options={}",
+        f"run_dir={run_dir}",
+    ]  # fmt: skip
+    first = subprocess.run(
+        [*settings, "steps=2"], cwd=REPO, env=cpu_env(4), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [*settings, "steps=3", "--resume", "--log-level", "INFO"],
+            cwd=REPO,
+            env=cpu_env(
+                1,
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID=str(pid),
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        assert "(4 devices); restoring it onto data 1 x fsdp 2 x tensor 1 (2 devices)" in err
+    assert [r["version"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert saved_mesh(run_dir / "checkpoints", 3) == (1, 2, 1)
+    result = audit(run_dir)
     assert result.ok and result.resumes == 1, result.summary()
