@@ -135,16 +135,21 @@ def test_killed_on_4_devices_resumes_on_2_and_again_on_4(tmp_path):
         assert len(summary["meshes"]) == 5
 
     # A mesh that cannot hold the model is refused by name; the run dir stays as it was.
+    # So is one that does not divide the batch's rows (4 prompts x 8 samples over 3).
     before = {p: p.read_bytes() for p in (run_dir / "ledger.jsonl", run_dir / "config.json")}
-    refused = subprocess.run(
-        [sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
-         f"run_dir={run_dir}", f"steps={STEPS}", "system.mesh_tensor=4", "--resume"],
-        cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    message = refused.stderr.strip().splitlines()[-1]
-    assert "system.mesh_tensor=4" in message and "kv_heads = 2" in message, message
-    assert all(p.read_bytes() == data for p, data in before.items())
+    for devices, settings, named in (
+        (4, ["system.mesh_tensor=4"], ["system.mesh_tensor=4:", "kv_heads = 2"]),
+        (3, ["system.mesh_data=3", "system.mesh_fsdp=1"], ["system.mesh_data=3,", "batch = 32"]),
+    ):
+        refused = subprocess.run(
+            [sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
+             f"run_dir={run_dir}", f"steps={STEPS}", *settings, "--resume"],
+            cwd=REPO, env=cpu_env(devices), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        message = refused.stderr.strip().splitlines()[-1]
+        assert all(part in message for part in named), message
+        assert all(p.read_bytes() == data for p, data in before.items())
     assert latest_checkpoint_step(run_dir) == STEPS
 
 
