@@ -46,6 +46,13 @@ GROUPS_PER_STEP = 4  # experiments/smoke_tiny.py
 # (devices, kill once this many steps are logged; None: run to the end)
 LEGS = ((4, 2), (2, 5), (4, None))
 
+# The synchronous runs' settings (with the reproducibility options: docs/reproducibility.md);
+# both tests that use them compile the same programs on 4 devices.
+SYNC = [
+    "experiments/smoke_tiny.py", "checkpoint_every=1", "system.mode=sync", "task.name=letters",
+    "task.options={}", "rollout.batch_invariant=true", "system.consume_order=admission",
+]  # fmt: skip
+
 
 def trainer_cmd(run_dir, *extra):
     return [
@@ -159,11 +166,7 @@ def test_the_step_redone_on_2_devices_trains_what_the_uninterrupted_run_on_4_did
     step 2 on 2 devices. Step 3's samples come from the restored weights, so its rewards
     are the uninterrupted run's exactly; the update itself is computed on another mesh, so
     its loss and the other learning metrics agree to float rounding only."""
-    settings = [
-        "experiments/smoke_tiny.py", "steps=3", "checkpoint_every=1", "system.mode=sync",
-        "task.name=letters", "task.options={}", "rollout.batch_invariant=true",
-        "system.consume_order=admission",
-    ]  # fmt: skip
+    settings = [*SYNC, "steps=3"]
     full, run = tmp_path / "full", tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "a3po_jax.cli.train", *settings, f"run_dir={full}"],
@@ -207,11 +210,7 @@ def test_a_checkpoint_of_one_process_on_4_devices_resumes_as_two_processes(tmp_p
     """Saved by one process with 4 devices, resumed by a job of two processes with one
     device each (process 0 restores and serves, both hold shards of the state)."""
     run_dir = tmp_path / "run"
-    settings = [
-        sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
-        "checkpoint_every=1", "system.mode=sync", "task.name=letters", "task.options={}",
-        f"run_dir={run_dir}",
-    ]  # fmt: skip
+    settings = [sys.executable, "-m", "a3po_jax.cli.train", *SYNC, f"run_dir={run_dir}"]
     first = subprocess.run(
         [*settings, "steps=2"], cwd=REPO, env=cpu_env(4), capture_output=True, text=True,
         timeout=600,
