@@ -101,6 +101,15 @@ def make_mesh(
     return Mesh(grid, MESH_AXES)
 
 
+class IndivisibleError(ValueError):
+    """A dimension that the mesh axes it is split over do not divide (``mesh_axes``: their
+    names), so a caller can name the setting behind each axis."""
+
+    def __init__(self, mesh_axes: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.mesh_axes = tuple(mesh_axes)
+
+
 def _rule_table(rules: Rules) -> dict[str, MeshAxes]:
     table: dict[str, MeshAxes] = {}
     for logical, mesh_axes in rules:
@@ -148,9 +157,10 @@ def logical_to_spec(
         if mesh is not None and shape is not None and mesh_axes:
             parts = math.prod(mesh.shape[axis] for axis in mesh_axes)
             if shape[dim] % parts:
-                raise ValueError(
+                raise IndivisibleError(
+                    mesh_axes,
                     f"{name}: {logical} = {shape[dim]} (dimension {dim}) is not divisible by "
-                    f"mesh axes {mesh_axes} of size {parts}"
+                    f"mesh axes {mesh_axes} of size {parts}",
                 )
         spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return PartitionSpec(*spec)

@@ -10,6 +10,7 @@ batch that does not fit fails here, before a host starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -150,12 +151,15 @@ def build_train(cfg: TrainConfig, policy: Policy, *, leader: bool) -> TrainParts
             "packed rows" if algo.plan.packed else f"padded rows, since {why}",
         )
     optimizer = step_builder.optimizer(cfg)
-    state = placement.place_train_state(policy.params, optimizer, mesh)
+    with _naming_mesh_settings(cfg.system, mesh):
+        state = placement.place_train_state(policy.params, optimizer, mesh)
     # The reference is the initial policy, frozen (a copy: the state's buffers are donated).
     ref_params = jax.tree.map(jnp.copy, state.params) if algo.keeps_reference else None
     plan = algo.plan
     # Each micro-batch splits evenly over the mesh (packed arrays lead with packed rows).
-    sharding.check_batch_divisible(plan.leading_rows_per_micro_batch, mesh, sharding.TRAIN_RULES)
+    with _naming_mesh_settings(cfg.system, mesh):
+        rows = plan.leading_rows_per_micro_batch
+        sharding.check_batch_divisible(rows, mesh, sharding.TRAIN_RULES)
     train_step = placement.jit_train_step(
         state,
         mesh,
@@ -174,6 +178,27 @@ def build_train(cfg: TrainConfig, policy: Policy, *, leader: bool) -> TrainParts
         train_step=train_step,
         batch_sharding=placement.batch_shardings(mesh, plan.leading_rows),
     )
+
+
+@contextlib.contextmanager
+def _naming_mesh_settings(system, mesh):
+    """A dimension the trainer's mesh does not divide (a weight, or the micro-batch's rows),
+    refused with the ``system.mesh_*`` settings of the axes that split it: a fresh run and a
+    resume alike (a checkpoint restores onto any mesh that divides the model,
+    docs/scale-out.md)."""
+    try:
+        yield
+    except sharding.IndivisibleError as err:
+        settings = []
+        for axis in err.mesh_axes:
+            value = getattr(system, f"mesh_{axis}")
+            size = "" if value == mesh.shape[axis] else f" ({axis} = {mesh.shape[axis]})"
+            settings.append(f"system.mesh_{axis}={value}{size}")
+        layout = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
+        raise ValueError(
+            f"{', '.join(settings)}: the trainer's mesh ({layout} over {mesh.devices.size} "
+            f"devices) cannot split {err}; choose mesh sizes that divide it"
+        ) from err
 
 
 @dataclasses.dataclass

@@ -22,6 +22,11 @@ exactly), in the rollout recording's format (:func:`a3po_jax.training.recording.
                                       # starts, so a committed step always has it; removed
                                       # with the step (:func:`prune_held_groups`)
 
+A checkpoint does not fix the mesh: :func:`restore_train_state` reads every array into the
+layout of the state it is given (built on the run's mesh), so a run saved on N devices
+resumes on M; orbax's record of the saving mesh is only reported
+(:meth:`CheckpointManager.saved_mesh`).
+
 Saves are atomic: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when
 complete, after writing its commit marker ``commit_success.txt`` into it. Leftovers of an
 interrupted save are ignored with a logged warning: tmp dirs (orbax deletes them), and step
@@ -221,6 +226,25 @@ class CheckpointManager:
         )
         return dict(restored.extra)
 
+    def saved_mesh(self, step: int | None = None) -> dict[str, int] | None:
+        """The mesh the params of ``step`` (default: latest) were saved from, as orbax
+        recorded it (axis name: size), or None where it recorded none (arrays not placed
+        with a ``NamedSharding``). Only a record: a restore lays the arrays out as its
+        template asks, on any mesh."""
+        step = self._complete_step(step)
+        try:
+            tree = self._manager.item_metadata(step)["params"]
+            leaves = jax.tree.leaves(getattr(tree, "tree", tree))
+        except (KeyError, TypeError, ValueError, AttributeError, OSError) as err:
+            log.debug("no sharding metadata for step %d: %s", step, err)
+            return None
+        for leaf in leaves:
+            layout = getattr(leaf, "sharding", None)
+            if getattr(layout, "axis_names", None) is not None:
+                sizes = (int(size) for size in layout.shape)
+                return dict(zip(layout.axis_names, sizes, strict=True))
+        return None
+
     def _complete_step(self, step: int | None) -> int:
         if step is None:
             step = self.latest_step()
@@ -329,7 +353,8 @@ def restore_train_state(manager: CheckpointManager, template: Any) -> tuple[Any,
     Args:
       manager: where the run's checkpoints are.
       template: the trainer's current ``TrainState``; gives the structure, and the shardings
-        the jitted step was built for, which the restored state is placed back onto.
+        the jitted step was built for, which the restored state is read into: on the run's
+        mesh, which need not be the mesh (or the number of devices) that saved it.
     Returns:
       ``(state, extra, step)``.
     Raises:
@@ -338,6 +363,16 @@ def restore_train_state(manager: CheckpointManager, template: Any) -> tuple[Any,
     step = manager.latest_step()
     if step is None:
         raise FileNotFoundError(f"no complete checkpoint in {manager.directory}")
+    saved, target = manager.saved_mesh(step), _mesh_of(template.params)
+    if saved is not None and target is not None and saved != target:
+        # The mesh is no part of the state: orbax reads each array into the template's
+        # layout (the same numbers), so a resume may change the number of devices.
+        log.info(
+            "checkpoint step %d was saved on a mesh of %s; restoring it onto %s",
+            step,
+            _describe_mesh(saved),
+            _describe_mesh(target),
+        )
     params, opt_state, extra = manager.restore(
         step, params_template=template.params, opt_state_template=template.opt_state
     )
@@ -346,6 +381,25 @@ def restore_train_state(manager: CheckpointManager, template: Any) -> tuple[Any,
     )
     state = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, template))
     return state, extra, step
+
+
+def _mesh_of(tree: Any) -> dict[str, int] | None:
+    """The mesh (axis name: size) of the first leaf of ``tree`` placed with a
+    ``NamedSharding``, or None."""
+    for leaf in jax.tree.leaves(tree):
+        layout = getattr(leaf, "sharding", None)
+        if isinstance(layout, jax.sharding.NamedSharding):
+            return {name: int(size) for name, size in layout.mesh.shape.items()}
+    return None
+
+
+def _describe_mesh(axes: Mapping[str, int]) -> str:
+    """``data 1 x fsdp 4 x tensor 1 (4 devices)``."""
+    devices = 1
+    for size in axes.values():
+        devices *= size
+    layout = " x ".join(f"{name} {size}" for name, size in axes.items())
+    return f"{layout} ({devices} device{'s' if devices != 1 else ''})"
 
 
 def held_groups_path(manager: CheckpointManager, step: int) -> Path:

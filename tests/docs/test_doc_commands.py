@@ -136,6 +136,14 @@ COMMANDS: dict[str, object] = {
     "python scripts/launch.py tpu-pod experiments/a3po_qwen3_8b_math.py --tpu my-v5p-32 "
     "--zone us-east5-a --workers 4 --inference-tpu my-v5e-8 --inference-address 10.0.0.7 "
     "--dry-run": AS_WRITTEN,
+    # docs/scale-out.md: a run resumed on another number of devices (a tiny run on 4
+    # virtual devices resumed on 2, as written but shorter; the pod's settings resolve).
+    "XLA_FLAGS=--xla_force_host_platform_device_count=4 a3po-train experiments/smoke_tiny.py "
+    "steps=4 checkpoint_every=2 run_dir=runs/mesh": AS_WRITTEN,
+    "XLA_FLAGS=--xla_force_host_platform_device_count=2 a3po-train experiments/smoke_tiny.py "
+    "checkpoint_every=2 run_dir=runs/mesh --resume": Append("steps=6"),
+    "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.mesh_data=2 system.mesh_fsdp=2 "
+    "--resume": PRINT_CONFIG,
     # Tiny real runs, and what the pages do with them afterwards.
     "a3po-train experiments/smoke_tiny.py": TINY_RUN,
     "a3po-train experiments/smoke_tiny.py rollout.dynamic_sampling=true "

@@ -24,6 +24,7 @@ from a3po_jax.model import (
 from a3po_jax.parallel.sharding import (
     INFERENCE_RULES,
     TRAIN_RULES,
+    IndivisibleError,
     batch_sharding,
     check_batch_divisible,
     kv_cache_shardings,
@@ -185,8 +186,9 @@ def test_eight_sharded_kv_cache_decode_equals_unsharded():
 def test_eight_mesh_not_dividing_heads_or_batch_names_both_numbers():
     mesh = make_mesh(data=1, fsdp=2, tensor=4)
     three_kv = ModelConfig.tiny(n_heads=6, n_kv_heads=3, head_dim=8)
-    with pytest.raises(ValueError, match=r"k_proj/kernel: kv_heads = 3 .* size 4"):
+    with pytest.raises(IndivisibleError, match=r"k_proj/kernel: kv_heads = 3 .* size 4") as err:
         param_shardings(abstract_params(three_kv), mesh, INFERENCE_RULES)
+    assert err.value.mesh_axes == ("tensor",)  # the trainer names system.mesh_tensor by it
     # Replicating kv heads (rule kv_heads -> None, as for multi-query attention) leaves the
     # query heads to be checked.
     rules = tuple((k, None if k == "kv_heads" else v) for k, v in INFERENCE_RULES)
@@ -194,8 +196,9 @@ def test_eight_mesh_not_dividing_heads_or_batch_names_both_numbers():
     with pytest.raises(ValueError, match=r"attn/(o|q)_proj/kernel: heads = 6 .* size 4"):
         param_shardings(abstract_params(six_heads), mesh, rules)
     param_shardings(abstract_params(ModelConfig.tiny(n_heads=8, n_kv_heads=1)), mesh, rules)
-    with pytest.raises(ValueError, match=r"batch = 6 .* size 8"):
+    with pytest.raises(IndivisibleError, match=r"batch = 6 .* size 8") as err:
         check_batch_divisible(6, make_mesh(data=4, fsdp=2, tensor=1))
+    assert err.value.mesh_axes == ("data", "fsdp")
     with pytest.raises(ValueError, match=r"batch = 6 .* size 4"):
         batch_sharding(make_mesh(data=2, fsdp=2, tensor=2), TRAIN_RULES, batch_size=6)
 

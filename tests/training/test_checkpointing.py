@@ -265,6 +265,39 @@ def test_train_state_round_trip_with_version_and_extra(tmp_path):
     assert_trees_identical(restored.opt_state, opt_state)
 
 
+def test_the_saved_mesh_is_recorded_and_a_restore_onto_another_is_logged(tmp_path, caplog):
+    """The mesh a state was saved from is only a record: the restore lays it out on the
+    template's mesh, and says so when the two differ (tests/e2e/test_resume_on_another_mesh.py
+    does it across device counts)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from a3po_jax.core.optim import TrainState
+    from a3po_jax.parallel.sharding import make_mesh
+    from a3po_jax.training.checkpointing import restore_train_state, save_train_state
+
+    def placed(mesh, seed):
+        params, opt_state, _ = make_state(seed)
+        state = TrainState(params, opt_state, jnp.int32(2))
+        return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+
+    saved = placed(make_mesh(), 0)
+    with CheckpointManager(tmp_path / "on_mesh", async_save=False) as manager:
+        save_train_state(manager, 1, saved, extra={})
+        assert manager.saved_mesh() == {"data": 1, "fsdp": 1, "tensor": 1}
+        other = Mesh(np.asarray(jax.devices()[:1]), ("x",))
+        with caplog.at_level(logging.INFO, logger="a3po_jax.training.checkpointing"):
+            restored, _, _ = restore_train_state(manager, placed(other, 1))
+    assert "saved on a mesh of data 1 x fsdp 1 x tensor 1 (1 device)" in caplog.text
+    assert "restoring it onto x 1 (1 device)" in caplog.text
+    assert all(leaf.sharding.mesh == other for leaf in jax.tree.leaves(restored))
+    assert_trees_identical(restored.params, saved.params)
+    assert_trees_identical(restored.opt_state, saved.opt_state)
+    with CheckpointManager(tmp_path / "plain", async_save=False) as manager:
+        params, opt_state, _ = make_state(0)  # arrays on one device, no mesh
+        save_train_state(manager, 1, TrainState(params, opt_state, jnp.int32(2)), extra={})
+        assert manager.saved_mesh() is None
+
+
 def test_async_saves_pay_on_accelerators_only():
     from types import SimpleNamespace
 
