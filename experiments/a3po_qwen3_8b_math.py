@@ -14,11 +14,11 @@ Data:     DAPO-style math as JSONL files you prepare (task "jsonl"): one record 
           "answer_field": "answer"}'. Completions are scored on their final answer
           (boxed, "Answer:", else the last number).
 Hardware: sized for an 8-GPU node or a TPU slice, inference on its own devices. The
-          trainer jits on one device today (Trainer does not place the model on a mesh
-          yet), which is why params are stored in bfloat16 here: 8 B params + Adam moments
-          in bf16 + gradients ≈ 64 GB before activations, just inside one 80 GB device
-          with remat and micro-batches of 2 sequences; fp32 master weights need the
-          sharded trainer. Not run for this repository's results (no GPU here).
+          trainer shards the model over its devices (system.mesh_fsdp=-1: every device
+          the host does not take); params are stored in bfloat16 so that the state (8 B
+          params + Adam moments in bf16 + gradients ≈ 64 GB before activations) also fits
+          one 80 GB device with remat and micro-batches of 2 sequences. Not run for this
+          repository's results (no GPU or TPU here).
 Sizes:    after AReaL's larger math recipe (examples/math/boba_grpo.yaml: 16 samples per
           prompt, 32 prompts per step, 8192 new tokens, 4 minibatches per batch, clip 0.4
           → here DAPO's clip-higher 0.2/0.28, importance-weight cap 5, η = 4); lr 1e-6 as
