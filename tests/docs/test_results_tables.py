@@ -656,8 +656,8 @@ EDGE_METHODS = {  # run-name prefix -> the method's name in the table, in the ta
     "mode-sync_max_staleness-0_prox-recompute": "sync (d ≤ 3)",
     "prox-behav": "naive PPO",
     "prox-recompute": "recompute",
-    "prox-a3po": "A-3PO, d in training steps",
-    "prox-a3po_a3po_staleness_unit-update": "A-3PO, d in optimizer updates",
+    "prox-a3po": "A-3PO with d in training steps",
+    "prox-a3po_a3po_staleness_unit-update": "A-3PO with d in optimizer updates",
     "loss-dpo": "Online DPO",
     "loss-m2po": "M2PO, all_tokens_mask",
     "loss-m2po_reading-clip_side_mask": "M2PO, clip_side_mask",
@@ -753,7 +753,20 @@ def test_off_policy_edge_methods_at_the_chosen_point():
     point = edge_chosen_point()
     text = " ".join(section(EDGE))
     assert f"The rule chooses `{point.name}`" in text
-    assert table(EDGE, 0) == edge_method_rows(point)
+    rows = edge_method_rows(point)
+    assert table(EDGE, 0) == rows
+    # The prose names every pair the rule separates, in bold, and no other.
+    separated = {
+        (row["method"], "below" if row[column].endswith("lower") else "above", other)
+        for row in rows
+        for column, other in (
+            ("against naive PPO", "naive PPO"),
+            ("against recompute", "recompute"),
+        )
+        if row[column].startswith("separates")
+    }
+    named = set(re.findall(r"\*\*([^*]+?) (below|above) (naive PPO|recompute)\*\*", text))
+    assert named == separated
 
 
 def test_every_table_on_the_page_is_accounted_for():
