@@ -753,20 +753,22 @@ def test_off_policy_edge_methods_at_the_chosen_point():
     point = edge_chosen_point()
     text = " ".join(section(EDGE))
     assert f"The rule chooses `{point.name}`" in text
-    rows = edge_method_rows(point)
-    assert table(EDGE, 0) == rows
+    assert table(EDGE, 0) == edge_method_rows(point)
     # The prose names every pair the rule separates, in bold, and no other.
-    separated = {
+    named = set(re.findall(r"\*\*([^*]+?) (below|above) (naive PPO|recompute)\*\*", text))
+    assert named == edge_separated_pairs()
+
+
+def edge_separated_pairs() -> set[tuple[str, str, str]]:
+    """(method, "below" | "above", naive PPO | recompute) for each pair the rule separates
+    at the chosen point."""
+    columns = (("against naive PPO", "naive PPO"), ("against recompute", "recompute"))
+    return {
         (row["method"], "below" if row[column].endswith("lower") else "above", other)
-        for row in rows
-        for column, other in (
-            ("against naive PPO", "naive PPO"),
-            ("against recompute", "recompute"),
-        )
+        for row in edge_method_rows(edge_chosen_point())
+        for column, other in columns
         if row[column].startswith("separates")
     }
-    named = set(re.findall(r"\*\*([^*]+?) (below|above) (naive PPO|recompute)\*\*", text))
-    assert named == separated
 
 
 def test_every_table_on_the_page_is_accounted_for():
@@ -971,6 +973,12 @@ CLAIMS = [
                 for eta in (2, 4)
                 for other in (f"recompute {eta}", "sync")
             )
+        ),
+    ),
+    Claim(
+        "The one pair the rule separates is **A-3PO with d in optimizer updates below recompute**",
+        lambda: (
+            edge_separated_pairs() == {("A-3PO with d in optimizer updates", "below", "recompute")}
         ),
     ),
     *(
