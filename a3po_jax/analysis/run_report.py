@@ -21,7 +21,10 @@ Rows of the report (:func:`report_rows`):
   logged to the last record; a resumed run's downtime is in it) and the share of it spent
   evaluating, peak memory;
 * staleness seen (exact, from the per-step histograms ``staleness/counts``) against the
-  bound η; groups dropped (by reason) and re-issued (after a resume, from the ledger; after
+  bound η;
+* which side waited: the trainer's share of its step time spent waiting for rollouts and
+  the host's share of it spent serving, read as generation-bound, training-bound or both
+  busy; groups dropped (by reason) and re-issued (after a resume, from the ledger; after
   a host failure, from ``hosts/reissued_requests``), with the ledger's exactly-once audit.
 """
 
@@ -320,8 +323,40 @@ def report_rows(
         if len(worst):
             rows.append(("staleness of trained tokens", f"max {int(worst.max())}{bound}"))
 
+    demand = _demand(trained, system.get("mode"))
+    if demand is not None:
+        rows.append(("which side waited", demand))
     rows.append(("groups dropped / re-issued", _drops(last, ledger)))
     return rows
+
+
+# The report's reading of a run's demand (docs/training.md, "Which side waited").
+WAITS = 0.2  # the trainer waiting this share of its steps: generation holds it back
+HOST_BUSY = 0.7  # the host serving less than this share while the trainer hardly waits: idle
+LOCKSTEP_MODES = ("sync", "periodic")  # each side waits for the other by design
+
+
+def _demand(trained: Sequence[dict[str, Any]], mode: str | None) -> str | None:
+    """The trainer's share of its step time spent waiting for rollouts and the host's
+    share of it spent serving (medians of ``time/wait_frac`` and ``host/busy_frac`` over
+    steps 2 on: step 1 compiles), and what they say: generation-bound (more hosts, or
+    inference devices, shorten the steps), training-bound (the host idles: more trainer
+    devices, or a larger η, would use it), or both busy. None for runs without the
+    figures (a replay, older runs)."""
+    later = [r for r in trained if r["step"] >= 2] or list(trained)
+    _, wait = series(later, "time/wait_frac")
+    _, busy = series(later, "host/busy_frac")
+    if not len(wait) or not len(busy):
+        return None
+    wait_m, busy_m = float(np.median(wait)), float(np.median(busy))
+    text = f"trainer waited {100 * wait_m:.0f} % of its steps, host served {100 * busy_m:.0f} %"
+    if mode in LOCKSTEP_MODES:
+        return text + f" ({mode}: each side waits for the other by design)"
+    if wait_m >= WAITS:
+        return text + ": generation-bound (more hosts would shorten the steps)"
+    if busy_m < HOST_BUSY:
+        return text + ": training-bound (the host idles; more trainer devices would use it)"
+    return text + ": both busy"
 
 
 def _scorer(trained: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ class StepBook:
         self.overlong_masked = 0  # samples masked by the overlong filter since the last record
         self._filter_counts_seen = {"filtered_groups": 0, "refilled_groups": 0}
         self._reward_seconds_seen = 0.0
+        self._host_busy_seen: float | None = None  # host/busy_s at the last record
 
     def reward_time(self) -> dict[str, float]:
         """``time/reward_s``: seconds the reward stage spent scoring since the last record
@@ -55,6 +56,23 @@ class StepBook:
         out = {"time/reward_s": seconds}
         if "param_bytes" in stats:
             out["mem/reward_model_gb"] = stats["param_bytes"] / 2**30
+        return out
+
+    def demand(self, record: dict[str, Any]) -> dict[str, float]:
+        """Which side of the run waited during this step, from its own record:
+        ``time/wait_frac``, the share of the step the trainer waited for rollouts, and
+        ``host/busy_frac``, the share of it the host's serving loop worked (``host/busy_s``
+        since the last record; a pool sums its hosts, so it passes 1 with several busy).
+        The first record has no ``host/busy_frac`` (nothing to take the difference from)."""
+        step_s = record.get("time/step_s", 0.0)
+        if step_s <= 0:
+            return {}
+        out = {"time/wait_frac": record.get("time/wait_rollouts_s", 0.0) / step_s}
+        busy = record.get("host/busy_s")
+        if busy is not None:
+            if self._host_busy_seen is not None:
+                out["host/busy_frac"] = max(busy - self._host_busy_seen, 0.0) / step_s
+            self._host_busy_seen = busy
         return out
 
     def resumed(self, skipped_steps: int) -> None:
@@ -173,6 +191,7 @@ class StepBook:
             record = {k: v for k, v in record.items() if not k.startswith(recording.NOT_IN_REPLAY)}
         record.update(self.filter_metrics(groups, queue_counters))
         record.update(self.reward_time())
+        record.update(self.demand(record))
         real = batch.group_ids >= 0  # a short batch's filler rows are not data
         record["reward/mean"] = float(np.mean(batch.rewards[real]))
         return record

@@ -146,6 +146,32 @@ def test_report_rows_by_hand():
     )
 
 
+@pytest.mark.parametrize(
+    "mode,wait,busy,reading",
+    [
+        (
+            "async",
+            0.5,
+            0.95,
+            "trainer waited 50 % of its steps, host served 95 %: generation-bound",
+        ),
+        ("async", 0.05, 0.4, "trainer waited 5 % of its steps, host served 40 %: training-bound"),
+        ("async", 0.05, 0.9, "trainer waited 5 % of its steps, host served 90 %: both busy"),
+        ("sync", 0.5, 0.5, "trainer waited 50 % of its steps, host served 50 % (sync: each side"),
+    ],
+)
+def test_which_side_waited_is_read_from_the_medians_after_step_1(mode, wait, busy, reading):
+    records = records_of_a_run()
+    for r in records[1:]:
+        r.update({"time/wait_frac": wait, "host/busy_frac": busy})
+    # Step 1 compiles: its figures do not count.
+    records[1].update({"time/wait_frac": 0.99, "host/busy_frac": 0.01})
+    config = {**CONFIG, "system": {**CONFIG["system"], "mode": mode}}
+    assert dict(report_rows(records, config))["which side waited"].startswith(reading)
+    # Without the figures (a replay, older runs): no row.
+    assert "which side waited" not in dict(report_rows(records_of_a_run(), CONFIG))
+
+
 def test_a_run_without_evaluation_says_how_to_turn_it_on():
     records = [r for r in records_of_a_run() if r["step"] > 0]
     for r in records:
@@ -213,6 +239,12 @@ def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(t
     assert start["eval/num_prompts"] == 4 and start["time/eval_s"] > 0
     assert 0 <= start["eval/ci95_low"] <= start["eval/accuracy"] <= start["eval/ci95_high"] <= 1
     assert "held-out pass@1 [95% CI]" in out and "at step 0 ->" in out and "2 of 2" in out
+    # Which side waited: every step's share of waiting; the host's from the second record.
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r.get("step", 0) >= 1]
+    assert all(0 <= r["time/wait_frac"] <= 1 for r in steps)
+    assert "host/busy_frac" not in steps[0] and steps[1]["host/busy_frac"] >= 0
+    assert "(sync: each side waits for the other by design)" in out
     assert '"final"' not in out  # the report replaced the raw JSON line
     for file in (REPORT_FILE, *FIGURES):
         assert (run_dir / file).is_file(), file
