@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from a3po_jax.analysis.evaluation import EVAL_SPLIT, EvalSpec, evaluate, host_generate_fn
+from a3po_jax.cli.refusals import Refused, run_refusing
 from a3po_jax.tasks import make_task, render_prompt
 from a3po_jax.training.config import ConfigError, ModelSection, config_from_dict
 from a3po_jax.training.config_values import json_object
@@ -68,21 +69,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class _Refused(Exception):
-    """An argument or input the command refuses: the message is printed, the status is 2."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return _run(args)
-    except _Refused as err:
-        return _fail(str(err))
+    return run_refusing(PROG, _run, parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.step is not None and not args.run_dir:
-        raise _Refused("--step needs --run-dir")
+        raise Refused("--step needs --run-dir")
     _check_task_options(args)
     run_cfg = _read_run_config(args.run_dir) if args.run_dir else None
     if run_cfg is not None:
@@ -104,16 +97,16 @@ def _run(args: argparse.Namespace) -> int:
         task = make_task(spec.task, **spec.task_kwargs)
         prompts = task.prompts(spec.split)
     except (TypeError, ValueError, KeyError) as err:
-        raise _Refused(
+        raise Refused(
             f"task {spec.task!r} with options {spec.task_options} ({origin}): {err}"
         ) from err
     if not prompts:
-        raise _Refused(f"task {spec.task!r} has no prompts in split {spec.split!r}")
+        raise Refused(f"task {spec.task!r} has no prompts in split {spec.split!r}")
     num_prompts = spec.num_prompts
     if run_cfg is not None and args.num_prompts is None:
         num_prompts = min(num_prompts, len(prompts))  # as the trainer caps eval_prompts
     if not 1 <= num_prompts <= len(prompts):
-        raise _Refused(f"--num-prompts must be in [1, {len(prompts)}] for {task.name}/{spec.split}")
+        raise Refused(f"--num-prompts must be in [1, {len(prompts)}] for {task.name}/{spec.split}")
 
     policy = _load_policy(args, run_cfg)
     print(
@@ -134,7 +127,7 @@ def _check_task_options(args: argparse.Namespace) -> None:
     """``--task-options`` must be a JSON object; it is kept in its canonical JSON form."""
     if args.task_options is None:
         return
-    options = json_object("--task-options", args.task_options, error=_Refused)
+    options = json_object("--task-options", args.task_options, error=Refused)
     args.task_options = json.dumps(options)
 
 
@@ -144,9 +137,9 @@ def _read_run_config(run_dir: str):
     try:
         return config_from_dict(json.loads(config_file.read_text()))
     except FileNotFoundError as err:
-        raise _Refused(f"--run-dir {run_dir}: no config.json (not a run directory)") from err
+        raise Refused(f"--run-dir {run_dir}: no config.json (not a run directory)") from err
     except (json.JSONDecodeError, ConfigError, TypeError) as err:
-        raise _Refused(f"--run-dir {run_dir}: config.json is not a run config: {err}") from err
+        raise Refused(f"--run-dir {run_dir}: config.json is not a run config: {err}") from err
 
 
 def _load_policy(args: argparse.Namespace, run_cfg):
@@ -156,7 +149,7 @@ def _load_policy(args: argparse.Namespace, run_cfg):
 
     # Read-only check first: the checkpoint manager would create checkpoints/ in the run.
     if run_cfg is not None and not (pathlib.Path(args.run_dir) / "checkpoints").is_dir():
-        raise _Refused(f"--run-dir {args.run_dir}: no checkpoints/ (nothing to evaluate)")
+        raise Refused(f"--run-dir {args.run_dir}: no checkpoints/ (nothing to evaluate)")
     section = run_cfg.model if run_cfg is not None else ModelSection(name=args.model or "smollm2")
     try:  # the one model loader, as the trainer and the gRPC server build models
         policy = load_model(
@@ -166,7 +159,7 @@ def _load_policy(args: argparse.Namespace, run_cfg):
             seed=section.seed,
         )
     except FileNotFoundError as err:
-        raise _Refused(str(err)) from err
+        raise Refused(str(err)) from err
     if run_cfg is not None:
         from a3po_jax.training.checkpointing import CheckpointManager
 
@@ -174,7 +167,7 @@ def _load_policy(args: argparse.Namespace, run_cfg):
         try:
             policy.params = manager.restore_params(args.step, params_template=policy.params)
         except FileNotFoundError as err:
-            raise _Refused(f"--run-dir {args.run_dir}: {err}") from err
+            raise Refused(f"--run-dir {args.run_dir}: {err}") from err
         step = args.step if args.step is not None else manager.latest_step()
         manager.close()
         print(f"evaluating {args.run_dir} at step {step}", file=sys.stderr)
@@ -208,11 +201,6 @@ def _evaluate_on_host(args: argparse.Namespace, policy, task, spec: EvalSpec, pr
             max_new_tokens=spec.max_new_tokens,
             seed=args.seed,
         )
-
-
-def _fail(message: str) -> int:
-    print(f"{PROG}: {message}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from a3po_jax.cli.refusals import Refused, run_refusing
 from a3po_jax.tasks import make_task, render_prompt
 from a3po_jax.tasks.scorers import DEFAULT_REWARD, Scorer, resolve_scorer
 from a3po_jax.training.config_values import json_object
@@ -61,24 +62,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class _Refused(Exception):
-    """An argument the command refuses: the message is printed, the status is 2."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return _run(args)
-    except _Refused as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 2
+    return run_refusing(PROG, _run, parse_args(argv))
 
 
 def training_prompts(task: Any, n: int) -> list:
     """The first ``n`` prompts of the train split; AssertionError if any is a test prompt."""
     prompts = list(task.prompts(SPLIT))
     if not 1 <= n <= len(prompts):
-        raise _Refused(f"--prompts must be in [1, {len(prompts)}] for {task.name}/{SPLIT}")
+        raise Refused(f"--prompts must be in [1, {len(prompts)}] for {task.name}/{SPLIT}")
     chosen = prompts[:n]
     held_out = {p.prompt_id for p in task.prompts(HELD_OUT)}
     leaked = [p.prompt_id for p in chosen if p.prompt_id in held_out]
@@ -115,14 +107,14 @@ def preference_pairs(
 
 def _run(args: argparse.Namespace) -> int:
     if args.samples < 2:
-        raise _Refused("--samples must be >= 2 (a pair needs two completions)")
+        raise Refused("--samples must be >= 2 (a pair needs two completions)")
     if args.max_new_tokens < 1 or args.num_slots < 1 or args.temperature < 0:
-        raise _Refused("--max-new-tokens and --num-slots must be >= 1, --temperature >= 0")
-    options = json_object("--task-options", args.task_options, error=_Refused)
+        raise Refused("--max-new-tokens and --num-slots must be >= 1, --temperature >= 0")
+    options = json_object("--task-options", args.task_options, error=Refused)
     try:
         task = make_task(args.task, **options)
     except (TypeError, ValueError, KeyError) as err:
-        raise _Refused(f"task {args.task!r} with options {args.task_options}: {err}") from err
+        raise Refused(f"task {args.task!r} with options {args.task_options}: {err}") from err
     prompts = training_prompts(task, args.prompts)
 
     from a3po_jax.model.loader import load_model  # heavy: once the arguments are good
@@ -130,11 +122,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         policy = load_model(args.model, seed=args.seed)
     except FileNotFoundError as err:
-        raise _Refused(str(err)) from err
+        raise Refused(str(err)) from err
     try:
         scorer, _ = resolve_scorer(args.gold, task=task, tokenizer=policy.tokenizer)
     except (ValueError, ImportError) as err:
-        raise _Refused(f"--gold {args.gold!r}: {err}") from err
+        raise Refused(f"--gold {args.gold!r}: {err}") from err
     completions = _sample(args, policy, prompts)
     pairs, ties = preference_pairs(prompts, completions, scorer)
     out = pathlib.Path(args.out)

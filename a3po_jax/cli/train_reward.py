@@ -42,6 +42,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from a3po_jax.cli.refusals import Refused, run_refusing
+
 PROG = "python -m a3po_jax.cli.train_reward"
 CHECKPOINTS = "checkpoints"
 
@@ -78,35 +80,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class _Refused(Exception):
-    """An argument or input the command refuses: the message is printed, the status is 2."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return _run(args)
-    except _Refused as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 2
+    return run_refusing(PROG, _run, parse_args(argv))
 
 
 def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "max_length", "log_every", "checkpoint_every"):
         if getattr(args, name) < 1:
-            raise _Refused(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise Refused(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup_steps",):
         if getattr(args, name) < 0:
-            raise _Refused(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+            raise Refused(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("lr", "weight_decay", "grad_clip", "head_std"):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
             rule = "> 0" if name == "lr" else ">= 0"
-            raise _Refused(f"--{name.replace('_', '-')} must be finite and {rule}, got {value}")
+            raise Refused(f"--{name.replace('_', '-')} must be finite and {rule}, got {value}")
     if not 0.0 <= args.holdout_fraction < 1.0:
-        raise _Refused(f"--holdout-fraction must be in [0, 1), got {args.holdout_fraction}")
+        raise Refused(f"--holdout-fraction must be in [0, 1), got {args.holdout_fraction}")
     if args.param_dtype not in ("float32", "bfloat16"):
-        raise _Refused(f"--param-dtype must be float32 or bfloat16, got {args.param_dtype!r}")
+        raise Refused(f"--param-dtype must be float32 or bfloat16, got {args.param_dtype!r}")
 
 
 def _settings(args: argparse.Namespace, pairs_sha: str) -> dict:
@@ -123,16 +116,16 @@ def _run(args: argparse.Namespace) -> int:
     try:
         pairs = load_preference_pairs(args.pairs)
     except FileNotFoundError as err:
-        raise _Refused(f"--pairs {args.pairs}: no such file") from err
+        raise Refused(f"--pairs {args.pairs}: no such file") from err
     except (ValueError, OSError) as err:
-        raise _Refused(str(err)) from err
+        raise Refused(str(err)) from err
     if not pairs:
-        raise _Refused(f"--pairs {args.pairs}: no pairs in the file")
+        raise Refused(f"--pairs {args.pairs}: no pairs in the file")
     train, held = split_pairs(pairs, args.holdout_fraction)
     if not train:
-        raise _Refused(f"--holdout-fraction {args.holdout_fraction} holds out every prompt")
+        raise Refused(f"--holdout-fraction {args.holdout_fraction} holds out every prompt")
     if args.holdout_fraction > 0 and not held:
-        raise _Refused(
+        raise Refused(
             f"--holdout-fraction {args.holdout_fraction} holds out none of the "
             f"{len(pairs)} pairs' prompts: raise it, or pass 0 to train on all"
         )
@@ -140,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
     ckpt_dir = out / CHECKPOINTS
     has_checkpoints = ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
     if not args.resume and (has_checkpoints or (out / "reward_model.json").exists()):
-        raise _Refused(
+        raise Refused(
             f"--out {out} already holds a reward model or checkpoints: pass --resume to "
             "continue it, or choose another directory"
         )
@@ -184,11 +177,11 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
             compute_dtype=args.param_dtype,
         )
     except (FileNotFoundError, CheckpointError) as err:
-        raise _Refused(f"--model {args.model}: {err}") from err
+        raise Refused(f"--model {args.model}: {err}") from err
     if model.tokenizer is None:
-        raise _Refused(f"--model {args.model}: no tokenizer files")
+        raise Refused(f"--model {args.model}: no tokenizer files")
     if args.max_length > model.config.max_seq_len:
-        raise _Refused(
+        raise Refused(
             f"--max-length {args.max_length} exceeds the model's max_seq_len "
             f"{model.config.max_seq_len}"
         )
@@ -196,7 +189,7 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
     try:
         check_batch_divisible(args.batch_size, mesh)
     except ValueError as err:
-        raise _Refused(f"--batch-size {args.batch_size}: {err}") from err
+        raise Refused(f"--batch-size {args.batch_size}: {err}") from err
 
     def encode(split):
         rows = [
@@ -284,11 +277,11 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
                 changed = sorted(
                     k for k in settings if settings[k] != saved.get("settings", {}).get(k)
                 )
-                raise _Refused(
+                raise Refused(
                     f"--resume: {out / CHECKPOINTS} was trained with other settings ({changed})"
                 )
             if manager.latest_step() > args.steps:
-                raise _Refused(
+                raise Refused(
                     f"--resume: {out / CHECKPOINTS} is at step {manager.latest_step()}, past "
                     f"--steps {args.steps}"
                 )
