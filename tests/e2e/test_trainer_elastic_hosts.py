@@ -140,7 +140,7 @@ def test_hosts_that_cannot_join_are_refused_by_name(tmp_path, caplog):
                 f.write(f"{addr_c}\n{addr_d}\n")
             token_refused = f"host {addr_c} cannot join: it refused the token"
             wait_for(lambda: token_refused in caplog.text, "the wrong token refused", 60)
-            dtype_refused = f"host {addr_d} serves "
+            dtype_refused = f"host {addr_d} cannot join the run: it serves "
             wait_for(lambda: dtype_refused in caplog.text, "the other dtype refused", 60)
             assert "in bfloat16, the run's hosts in float32" in caplog.text
         assert pool.stats()["hosts_total"] == 1 and pool.counters()["joined"] == 0

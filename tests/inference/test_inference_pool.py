@@ -544,11 +544,11 @@ def test_a_host_whose_settings_differ_is_refused_by_name():
     with make_pool([SpecHost("a", invariant=True)]) as pool:
         refusals = {
             "update policy 'drain'": SpecHost("x", policy="drain", invariant=True),
-            "x is not batch-invariant": SpecHost("x"),
-            "x serves another model: tensor w has shape": SpecHost(
+            "x cannot join the run: it is not batch-invariant": SpecHost("x"),
+            "x cannot join the run: it serves another model: tensor w has shape": SpecHost(
                 "x", shape=(4, 3), invariant=True
             ),
-            "x serves w in bfloat16, the run's hosts in float32": SpecHost(
+            "x cannot join the run: it serves w in bfloat16, the run's hosts in float32": SpecHost(
                 "x", dtype="bfloat16", invariant=True
             ),
             "x cannot join: it refused the token": WrongTokenHost("x"),

@@ -391,7 +391,6 @@ class HostPool(InAnotherProcess):
         except Exception as err:  # noqa: BLE001 -- anything else: not reachable
             raise InferenceError(f"host {name} cannot join: it does not answer ({err})") from None
         why = settings_refusal(
-            name,
             stats,
             self.update_policy,
             self.batch_invariant,

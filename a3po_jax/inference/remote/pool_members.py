@@ -1,5 +1,6 @@
 """What `HostPool` keeps per host and per request, and what it does to every host alike:
-the first contact, the weight push to each, the staging buffers for those pushes.
+the first contact, the settings a host joining later must share, the membership file's
+lines, the weight push to each, the staging buffers for those pushes.
 
 Inference layer (remote).
 """
@@ -171,7 +172,7 @@ def min_version(members: list[Member]) -> int:
 
 
 def settings_refusal(
-    name: str, stats: dict[str, Any], pool_policy: str, pool_invariant: bool, specs, host_specs
+    stats: dict[str, Any], pool_policy: str, pool_invariant: bool, specs, host_specs
 ) -> str | None:
     """Why a host that asks to join a running pool cannot (None if it can): its update
     policy, its batch invariance (needed where the pool is), its model (tensor names and
@@ -179,14 +180,11 @@ def settings_refusal(
     policy = stats.get("update_policy")
     if policy != pool_policy:
         return (
-            f"host {name} serves update policy {policy!r}, the run's hosts {pool_policy!r} "
+            f"it serves update policy {policy!r}, the run's hosts {pool_policy!r} "
             f"(start it with --update-policy {pool_policy})"
         )
     if pool_invariant and not stats.get("batch_invariant", False):
-        return (
-            f"host {name} is not batch-invariant and the run's hosts are "
-            "(start it with --batch-invariant)"
-        )
+        return "it is not batch-invariant and the run's hosts are (start it with --batch-invariant)"
     if specs is None or host_specs is None:
         return None
     ours = {s.name: s for s in specs}
@@ -195,20 +193,20 @@ def settings_refusal(
         extra = sorted(set(theirs) - set(ours))[:3]
         missing = sorted(set(ours) - set(theirs))[:3]
         return (
-            f"host {name} serves another model: tensors {extra} are not the run's, "
+            f"it serves another model: tensors {extra} are not the run's, "
             f"{missing} are missing (start it with the run's --model)"
         )
     for key, spec in ours.items():
         other = theirs[key]
         if tuple(other.shape) != tuple(spec.shape):
             return (
-                f"host {name} serves another model: tensor {key} has shape "
+                f"it serves another model: tensor {key} has shape "
                 f"{tuple(other.shape)}, the run's {tuple(spec.shape)} (start it with the "
                 "run's --model)"
             )
         if str(other.dtype) != str(spec.dtype):
             return (
-                f"host {name} serves {key} in {other.dtype}, the run's hosts in {spec.dtype} "
+                f"it serves {key} in {other.dtype}, the run's hosts in {spec.dtype} "
                 f"(start it with the run's --param-dtype)"
             )
     return None
