@@ -605,16 +605,19 @@ def test_a_leaving_host_past_its_grace_or_dead_hands_its_requests_to_the_others_
         c = pool.counters()
         assert c["left"] == 1 and c["reissued_on_leave"] >= 1 and c["host_failures"]["a"] == 0
         assert c["samples_lost"] == 0
-        # It rejoins under its old name (counts carried on), then dies while leaving.
-        a.stall = False
-        pool.add_host(a)
+        # A new process under the old name joins (counts carried on), serves, then dies
+        # while leaving.
+        a2 = FakeHost("a", delay=0.05)
+        pool.add_host(a2)
         wait_until(lambda: pool.counters()["joined"] == 1, "a joined again")
-        assert a.weight_pushes[-1] == 2
+        assert a2.weight_pushes == [2]
+        served = pool.counters()["served"]["a"]
         more = [request(10 + i, n=4) for i in range(4)]
         for r in more:
             pool.submit(r)
+        wait_until(lambda: pool.counters()["served"]["a"] > served, "the new a served")
         pool.remove_host("a")
-        a.kill()
+        a2.kill()
         results = collect(pool, 16)
         assert_each_sample_once(results, more)
         c = pool.counters()
