@@ -377,7 +377,8 @@ def _scorer(trained: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:
 
 def _drops(last: dict[str, Any], ledger: dict[str, Any] | None) -> str:
     """Dropped groups by reason (the queue's counters, cumulative over resumes), re-issued
-    groups (the ledger's after a resume; the pool's after a host failure), the audit."""
+    groups (the ledger's after a resume; the pool's after a host failure or as a host left),
+    the audit."""
     prefix = "queue/dropped_groups/"
     reasons = {k[len(prefix) :]: v for k, v in last.items() if k.startswith(prefix) and v}
     dropped = int(last.get("queue/dropped_total", sum(reasons.values())))
@@ -389,6 +390,8 @@ def _drops(last: dict[str, Any], ledger: dict[str, Any] | None) -> str:
         reissued.append(f"{ledger['reissued']} re-issued after a resume")
     if "hosts/reissued_requests" in last:
         reissued.append(f"{int(last['hosts/reissued_requests'])} after a host failure")
+    if last.get("hosts/reissued_on_leave"):
+        reissued.append(f"{int(last['hosts/reissued_on_leave'])} handed back by a host that left")
     if reissued:
         text += "; " + ", ".join(reissued)
     if ledger is not None:

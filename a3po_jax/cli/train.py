@@ -477,6 +477,11 @@ def connect_hosts(system):
     addresses = [a.strip() for a in system.inference_hosts.split(",") if a.strip()]
     if len(set(addresses)) != len(addresses):
         raise Refused(f"config error: system.inference_hosts lists a host twice: {addresses}")
+    if system.hosts_file:
+        try:
+            host_placement.check_hosts_file(addresses, system.hosts_file)
+        except (OSError, ValueError) as err:
+            raise Refused(f"config error: {err}") from err
     return host_placement.host_pool(addresses, token, system)
 
 

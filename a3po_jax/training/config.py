@@ -287,6 +287,10 @@ class SystemSection:
     length_bucket: int = 32  # sequence lengths are padded to multiples of this
     inference_hosts: str = ""  # comma-separated gRPC addresses; empty = a host this run starts
     host_token_file: str = ""  # file holding the remote hosts' token
+    # Hosts joining and leaving during the run (docs/scale-out.md): a file of host:port
+    # lines, re-read when it changes; a host added joins, a host removed leaves. It starts
+    # as inference_hosts (written if absent); "" = the hosts stay those of inference_hosts
+    hosts_file: str = ""  # membership file of the remote hosts (needs inference_hosts)
     # Split cores (docs/scale-out.md): a local host process pinned to this many cores, the
     # trainer on the rest, weights pushed in the background; 0 = the embedded host
     inference_cores: int = 0  # cores of the local host process (0 = none)
@@ -353,6 +357,11 @@ class SystemSection:
             raise ConfigError(
                 f"system.inference_hosts={self.inference_hosts!r} lists no host:port (leave it "
                 "empty for a host this run starts)"
+            )
+        if self.hosts_file and not self.inference_hosts:
+            raise ConfigError(
+                f"system.hosts_file={self.hosts_file!r} changes the remote hosts of a run: it "
+                "needs system.inference_hosts (the hosts it starts with)"
             )
         placements = [
             name

@@ -11,7 +11,8 @@ Training layer (host-side shell). One setting of ``system`` picks the placement
   (`LocalHostProcess`), the trainer pinned to the rest; weights go over the host's weight
   port in the background while the host keeps generating (`HostPool(background_push=True)`).
 * **remote hosts** (``system.inference_hosts=a:p,b:q``): gRPC hosts started elsewhere
-  (``python -m a3po_jax.cli.serve``, `scripts/launch.py`), also pushed in the background.
+  (``python -m a3po_jax.cli.serve``, `scripts/launch.py`), also pushed in the background;
+  with ``system.hosts_file`` hosts join and leave during the run (`host_pool`).
 """
 
 from __future__ import annotations
@@ -83,25 +84,53 @@ def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
 
     Requests spread over the hosts; one that dies or hangs is taken out and its work
     re-issued to the others, and it is taken back (current weights first) when it answers
-    again. Every host must be up at start.
+    again. Every host must be up at start. With ``system.hosts_file`` the pool watches that
+    file: a ``host:port`` line added joins that host (same token), a line removed makes it
+    leave (`check_hosts_file` sets the file up first).
     """
     from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
+
+    def connect(address: str) -> GrpcInferenceClient:
+        return GrpcInferenceClient(address, token, timeout=system.host_timeout_s)
 
     clients = []
     try:
         for address in addresses:
-            clients.append(GrpcInferenceClient(address, token, timeout=system.host_timeout_s))
+            clients.append(connect(address))
         return HostPool(
             clients,
             health_interval_s=system.host_health_interval_s,
             hang_timeout_s=system.host_hang_timeout_s,
             max_reissues=system.max_reissues,
             background_push=True,
+            hosts_file=system.hosts_file or None,
+            connect=connect,
         )
     except BaseException:
         for client in clients:
             client.close()
         raise
+
+
+def check_hosts_file(addresses: Sequence[str], path: str) -> None:
+    """The membership file a run starts with lists the run's starting hosts: written so if
+    absent; ValueError naming both lists if it lists others (the run would make the hosts
+    it does not list leave at its first look)."""
+    from pathlib import Path
+
+    from a3po_jax.inference.remote.pool_members import read_hosts_file
+
+    file = Path(path).expanduser()
+    if not file.exists():
+        file.write_text("".join(f"{a}\n" for a in addresses))
+        return
+    listed = read_hosts_file(file)
+    if sorted(listed) != sorted(addresses):
+        raise ValueError(
+            f"system.hosts_file={path!r} lists {listed}, but the run starts with "
+            f"system.inference_hosts={','.join(addresses)}: make them agree (or remove the "
+            "file: the run writes it)"
+        )
 
 
 def meshes(system) -> tuple[Mesh, Mesh | None]:

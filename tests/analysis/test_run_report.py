@@ -144,6 +144,14 @@ def test_report_rows_by_hand():
     assert rows["groups dropped / re-issued"] == (
         "2 dropped (stale 2); 1 re-issued after a resume; exactly-once ledger audit OK"
     )
+    # Remote hosts: requests re-issued after a failure, and handed back by a host that left.
+    records = records_of_a_run()
+    records[-1].update({"hosts/reissued_requests": 0, "hosts/reissued_on_leave": 3})
+    rows = dict(report_rows(records, CONFIG, ledger={"ok": True, "reissued": 0}))
+    assert rows["groups dropped / re-issued"] == (
+        "2 dropped (stale 2); 0 re-issued after a resume, 0 after a host failure, 3 handed "
+        "back by a host that left; exactly-once ledger audit OK"
+    )
 
 
 @pytest.mark.parametrize(

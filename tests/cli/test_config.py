@@ -303,3 +303,20 @@ def test_every_committed_run_config_loads_to_its_saved_values():
         for flat, (name, field) in FLAT.items():
             if flat in saved["algo"]:
                 assert getattr(algo.settings[name], field) == saved["algo"][flat], (path, flat)
+
+
+def test_the_hosts_file_needs_remote_hosts_and_starts_as_they_are(tmp_path):
+    from a3po_jax.training.host_placement import check_hosts_file
+
+    with pytest.raises(ConfigError, match="system.hosts_file=.*needs system.inference_hosts"):
+        apply_overrides(TrainConfig(), [f"system.hosts_file={tmp_path / 'hosts'}"])
+    path = tmp_path / "hosts"
+    check_hosts_file(["a:1", "b:2"], str(path))  # absent: written with the starting hosts
+    assert path.read_text() == "a:1\nb:2\n"
+    check_hosts_file(["b:2", "a:1"], str(path))  # the same hosts in another order
+    path.write_text("a:1\n")
+    with pytest.raises(ValueError, match=r"lists \['a:1'\], but the run starts with .*a:1,b:2"):
+        check_hosts_file(["a:1", "b:2"], str(path))
+    path.write_text("a:1\nnot-an-address\n")
+    with pytest.raises(ValueError, match="line 2: 'not-an-address' is not host:port"):
+        check_hosts_file(["a:1"], str(path))

@@ -144,6 +144,18 @@ COMMANDS: dict[str, object] = {
     "checkpoint_every=2 run_dir=runs/mesh --resume": Append("steps=6"),
     "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.mesh_data=2 system.mesh_fsdp=2 "
     "--resume": PRINT_CONFIG,
+    # docs/scale-out.md: a run's hosts growing and shrinking through its hosts file (the
+    # whole sequence under a training run is tests/e2e/test_trainer_elastic_hosts.py).
+    "python -m a3po_jax.cli.serve --model tiny --port 50051 --token-file ~/.a3po_host_token": (
+        PARSE_ONLY
+    ),
+    "a3po-train experiments/smoke_tiny.py system.inference_hosts=127.0.0.1:50051 "
+    "system.host_token_file=~/.a3po_host_token system.hosts_file=hosts.txt": PRINT_CONFIG,
+    "python -m a3po_jax.cli.serve --model tiny --port 50061 --token-file ~/.a3po_host_token": (
+        PARSE_ONLY
+    ),
+    "echo 127.0.0.1:50061 >> hosts.txt": AS_WRITTEN,
+    "sed -i /127.0.0.1:50051/d hosts.txt": AS_WRITTEN,
     # Tiny real runs, and what the pages do with them afterwards.
     "a3po-train experiments/smoke_tiny.py": TINY_RUN,
     "a3po-train experiments/smoke_tiny.py rollout.dynamic_sampling=true "

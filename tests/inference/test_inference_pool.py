@@ -11,6 +11,7 @@ processes killed under a training run, is tests/e2e/test_trainer_failover.py.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest
 
 from a3po_jax.inference.protocol import Host
 from a3po_jax.inference.remote.pool import HostPool
+from a3po_jax.inference.transfer.weight_sync import TensorSpec
 from a3po_jax.inference.types import (
     ErrorKind,
     GenerateRequest,
@@ -484,3 +486,177 @@ def test_a_push_stalled_on_a_frozen_host_does_not_hold_up_the_next_pushes():
             assert time.monotonic() < deadline, pool.stats()
             time.sleep(0.05)
         assert a.version == 6 and a.weight_pushes == [1, 2, 6]
+
+
+# ---------------------------------------------------------------- hosts joining and leaving
+
+
+def wait_until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.02)
+
+
+class SpecHost(FakeHost):
+    """A FakeHost that says which tensors it serves (as a gRPC host does)."""
+
+    def __init__(self, name, *, shape=(2, 3), dtype="float32", **kwargs):
+        super().__init__(name, **kwargs)
+        self.specs = [TensorSpec("w", np.dtype(dtype), tuple(shape))]
+
+    def tensor_specs(self):
+        return self.specs
+
+
+class WrongTokenHost(FakeHost):
+    def stats(self):
+        raise PermissionError("Stats: UNAUTHENTICATED: bad token")
+
+
+def test_a_host_added_to_a_running_pool_gets_the_newest_weights_before_any_work(caplog):
+    a, c = FakeHost("a"), FakeHost("c")
+    with make_pool([a]) as pool, caplog.at_level(logging.WARNING, "a3po_jax.inference.remote"):
+        pool.update_weights(PARAMS, 3)
+        assert pool.add_host(c) == "c"
+        reqs = [request(i) for i in range(12)]
+        for r in reqs[:6]:  # submitted while c may still be waiting for its weights
+            pool.submit(r)
+        wait_until(lambda: pool.counters()["joined"] == 1, "c joined")
+        for r in reqs[6:]:
+            pool.submit(r)
+        results = collect(pool, 24)
+        assert_each_sample_once(results, reqs)
+        assert c.weight_pushes == [3] and c.accepted  # its weights first, then work
+        assert {r.tokens.tolist()[2] for r in results} == {3}  # every sample on version 3
+        c_counts = pool.counters()
+        assert c_counts["served"]["a"] > 0 and c_counts["served"]["c"] > 0
+        assert c_counts["host_failures"] == {"a": 0, "c": 0}
+        assert c_counts["host_returns"] == {"a": 0, "c": 0} and c_counts["left"] == 0
+        assert pool.stats()["hosts"]["c"]["state"] == "serving"
+        assert "inference host c joined (serving version 3)" in caplog.text
+        with pytest.raises(ValueError, match="host c is already in the pool"):
+            pool.add_host(FakeHost("c"))
+        pool.check_invariant()
+
+
+def test_a_host_whose_settings_differ_is_refused_by_name():
+    with make_pool([SpecHost("a", invariant=True)]) as pool:
+        refusals = {
+            "update policy 'drain'": SpecHost("x", policy="drain", invariant=True),
+            "x cannot join the run: it is not batch-invariant": SpecHost("x"),
+            "x cannot join the run: it serves another model: tensor w has shape": SpecHost(
+                "x", shape=(4, 3), invariant=True
+            ),
+            "x cannot join the run: it serves w in bfloat16, the run's hosts in float32": SpecHost(
+                "x", dtype="bfloat16", invariant=True
+            ),
+            "x cannot join: it refused the token": WrongTokenHost("x"),
+        }
+        for message, host in refusals.items():
+            with pytest.raises(ValueError, match=message):
+                pool.add_host(host)
+        assert pool.stats()["hosts_total"] == 1 and pool.counters()["joined"] == 0
+    with pytest.raises(InferenceError, match="pool is closed"):
+        pool.add_host(SpecHost("y"))
+
+
+def test_a_leaving_host_finishes_what_it_holds_and_is_not_a_failure(caplog):
+    a, b = FakeHost("a", delay=0.05), FakeHost("b", delay=0.05)
+    with make_pool([a, b]) as pool, caplog.at_level(logging.WARNING, "a3po_jax.inference.remote"):
+        reqs = [request(i, n=3) for i in range(6)]
+        for r in reqs:
+            pool.submit(r)
+        held = len(a.accepted)
+        assert held > 0
+        pool.remove_host("a")
+        assert pool.stats()["hosts"]["a"]["state"] == "leaving"
+        more = [request(10 + i) for i in range(4)]
+        for r in more:  # nothing new goes to a leaving host
+            pool.submit(r)
+        assert len(a.accepted) == held
+        results = collect(pool, 18 + 8)
+        assert_each_sample_once(results, reqs + more)
+        wait_until(lambda: pool.counters()["left"] == 1, "a left")
+        c = pool.counters()
+        assert c["host_failures"] == {"a": 0, "b": 0} and c["reissued_on_leave"] == 0
+        assert c["served"]["a"] == 3 * held  # it finished all it held
+        assert pool.stats()["hosts_total"] == 1 and pool.stats()["hosts"]["a"]["state"] == "left"
+        assert "inference host a has left (its requests finished)" in caplog.text
+        with pytest.raises(ValueError, match="b is the run's last host"):
+            pool.remove_host("b")
+        with pytest.raises(ValueError, match="no inference host a in the pool"):
+            pool.remove_host("a")
+        pool.check_invariant()
+
+
+def test_a_leaving_host_past_its_grace_or_dead_hands_its_requests_to_the_others_once():
+    a, b = FakeHost("a", delay=0.05), FakeHost("b", delay=0.05)
+    with make_pool([a, b], hang_timeout_s=30) as pool:
+        pool.update_weights(PARAMS, 2)
+        reqs = [request(i, n=3) for i in range(4)]
+        for r in reqs:
+            pool.submit(r)
+        time.sleep(0.07)  # a has delivered part of what it holds
+        a.stall = True  # ...and generates nothing more
+        pool.remove_host("a", grace_s=0.3)
+        results = collect(pool, 12)
+        assert_each_sample_once(results, reqs)
+        c = pool.counters()
+        assert c["left"] == 1 and c["reissued_on_leave"] >= 1 and c["host_failures"]["a"] == 0
+        assert c["samples_lost"] == 0
+        # A new process under the old name joins (counts carried on), serves, then dies
+        # while leaving.
+        a2 = FakeHost("a", delay=0.05)
+        pool.add_host(a2)
+        wait_until(lambda: pool.counters()["joined"] == 1, "a joined again")
+        assert a2.weight_pushes == [2]
+        served = pool.counters()["served"]["a"]
+        more = [request(10 + i, n=4) for i in range(4)]
+        for r in more:
+            pool.submit(r)
+        wait_until(lambda: pool.counters()["served"]["a"] > served, "the new a served")
+        pool.remove_host("a")
+        a2.kill()
+        results = collect(pool, 16)
+        assert_each_sample_once(results, more)
+        c = pool.counters()
+        assert c["left"] == 2 and c["host_failures"] == {"a": 0, "b": 0}
+        pool.check_invariant()
+
+
+def test_the_membership_file_adds_and_removes_hosts(tmp_path, caplog):
+    fakes = {f"h:{i}": FakeHost(f"h:{i}") for i in (1, 2, 3)}
+    fakes["h:3"].policy = "drain"
+    path = tmp_path / "hosts"
+    path.write_text("h:1\n")
+
+    def rewrite(text):
+        path.write_text(text)
+        os.utime(path, ns=(time.time_ns(), time.time_ns()))
+
+    with (
+        make_pool(
+            [fakes["h:1"]], names=["h:1"], hosts_file=path, connect=fakes.__getitem__
+        ) as pool,
+        caplog.at_level(logging.WARNING, "a3po_jax.inference.remote"),
+    ):
+        time.sleep(0.3)
+        assert pool.stats()["hosts_total"] == 1  # the file as it was: nothing changes
+        rewrite("h:1\n# a comment\nh:2\n")
+        wait_until(lambda: pool.counters()["joined"] == 1, "h:2 joined")
+        rewrite("h:2\nh:3\n")  # h:1 leaves; h:3 is refused by name (update policy)
+        wait_until(lambda: pool.counters()["left"] == 1, "h:1 left")
+        wait_until(lambda: "host h:3 cannot join the run" in caplog.text, "h:3 refused")
+        rewrite("h:2\nnot an address\n")
+        wait_until(lambda: "line 2: 'not an address' is not host:port" in caplog.text, "bad line")
+        rewrite("")  # the last host stays
+        wait_until(lambda: "h:2 is the run's last host" in caplog.text, "last host kept")
+        assert pool.stats()["hosts_total"] == 1 and pool.stats()["hosts"]["h:2"]["healthy"]
+        reqs = [request(i) for i in range(3)]
+        for r in reqs:
+            pool.submit(r)
+        assert_each_sample_once(collect(pool, 6), reqs)
+        assert pool.counters()["host_failures"] == {"h:1": 0, "h:2": 0}
+    with pytest.raises(ValueError, match="hosts_file needs connect"):
+        HostPool([FakeHost("a")], hosts_file=path)

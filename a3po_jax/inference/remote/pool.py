@@ -26,6 +26,16 @@ The trainer talks to a `HostPool` exactly as to one `InferenceHost` (``submit``,
   trainer's ``rollout_timeout_s`` bounds the wait.
 * **Return.** A down host is probed every ``health_interval_s``; once it answers it is sent
   the newest weights (and version) first, and only then given work again.
+* **Joining and leaving.** `add_host` adds a host to a running pool: its settings are
+  checked first (update policy, batch invariance, the model's tensors and their dtypes; a
+  host that differs is refused by name), then it starts down, and the monitor treats it as
+  a returning host: the newest weights first, work after. `remove_host` stops placing
+  requests on a host, lets those it holds finish for ``leave_grace_s``, re-issues the rest
+  (whole, as after a failure, but not charged to ``max_reissues``), then closes it; a host
+  that dies while leaving has simply left. Neither counts as a failure (``joined``,
+  ``left`` in `counters`). The last host cannot leave. With ``hosts_file`` the monitor
+  watches a file of ``host:port`` lines: a line added joins that host (through
+  ``connect``), a line removed makes it leave.
 * **Weight pushes.** The weights are copied once into host buffers that are reused push
   after push (in the hosts' dtypes: cast on the caller's device first), then sent to every
   healthy host at once. With ``background_push`` the call returns as soon as that copy is
@@ -49,9 +59,11 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from a3po_jax.inference.protocol import Host, InAnotherProcess
@@ -63,6 +75,8 @@ from a3po_jax.inference.remote.pool_members import (
     join_pushes,
     min_version,
     progress_of,
+    read_hosts_file,
+    settings_refusal,
     staging_for,
     start_push,
 )
@@ -93,6 +107,11 @@ class HostPool(InAnotherProcess):
       close_hosts: `close()` also closes the hosts (the pool owns them).
       background_push: `update_weights` returns once the weights are copied, and pushes
         them in the background (see the module docstring); `wait_pushed` waits for it.
+      leave_grace_s: seconds a leaving host may keep working on the requests it holds
+        before they are re-issued to the others.
+      hosts_file: a membership file of ``host:port`` lines, re-read by the monitor when it
+        changes: hosts added join (made by ``connect(address)``), hosts removed leave.
+      connect: makes a host from an address (needed with ``hosts_file``).
     """
 
     def __init__(
@@ -105,6 +124,9 @@ class HostPool(InAnotherProcess):
         max_reissues: int = 2,
         close_hosts: bool = True,
         background_push: bool = False,
+        leave_grace_s: float = 60.0,
+        hosts_file: str | os.PathLike | None = None,
+        connect: Callable[[str], Host] | None = None,
     ):
         if not hosts:
             raise ValueError("HostPool needs at least one host")
@@ -115,6 +137,7 @@ class HostPool(InAnotherProcess):
         for field, value in (
             ("health_interval_s", health_interval_s),
             ("hang_timeout_s", hang_timeout_s),
+            ("leave_grace_s", leave_grace_s),
         ):
             if not value > 0:
                 raise ValueError(f"{field} must be > 0, got {value}")
@@ -123,6 +146,13 @@ class HostPool(InAnotherProcess):
         self.health_interval_s = float(health_interval_s)
         self.hang_timeout_s = float(hang_timeout_s)
         self.max_reissues = max_reissues
+        self.leave_grace_s = float(leave_grace_s)
+        if hosts_file is not None and connect is None:
+            raise ValueError("hosts_file needs connect (how to reach a host from its address)")
+        self.hosts_file = None if hosts_file is None else str(hosts_file)
+        self._connect = connect
+        self._file_key: tuple | None = None  # (mtime_ns, size) of the file when last read
+        self._joins_pending: set[str] = set()  # addresses being connected to
         self._close_hosts = close_hosts
         self._members = [Member(name, host) for name, host in zip(names, hosts, strict=True)]
         self._lock = threading.RLock()
@@ -148,8 +178,8 @@ class HostPool(InAnotherProcess):
         self.update_policy, self.batch_invariant = first_contact(self._members)
 
         self._threads = [
-            threading.Thread(target=self._read, args=(i,), name=f"pool-read-{i}", daemon=True)
-            for i in range(len(self._members))
+            threading.Thread(target=self._read, args=(i, m), name=f"pool-read-{i}", daemon=True)
+            for i, m in enumerate(self._members)
         ]
         self._threads.append(
             threading.Thread(target=self._monitor, name="pool-monitor", daemon=True)
@@ -265,7 +295,7 @@ class HostPool(InAnotherProcess):
                 "batch_invariant": self.batch_invariant,
                 "version": self._latest[2] if self._latest else min_version(healthy),
                 "hosts_healthy": len(healthy),
-                "hosts_total": len(self._members),
+                "hosts_total": sum(not m.left for m in self._members),
                 "live": bool(healthy),
                 "queue_depth": parked,
             }
@@ -277,7 +307,12 @@ class HostPool(InAnotherProcess):
             # The last completed weight push (staging copy and until every host installed it).
             out.update(self._push)
             out["hosts"] = {
-                m.name: {"healthy": m.healthy, "reason": m.reason, "version": m.version}
+                m.name: {
+                    "healthy": m.healthy,
+                    "reason": m.reason,
+                    "version": m.version,
+                    "state": m.state,
+                }
                 for m in self._members
             }
         return out
@@ -299,8 +334,14 @@ class HostPool(InAnotherProcess):
                 "discarded_duplicate": self._counters["discarded_duplicate"],
                 "host_failures": {m.name: m.failures for m in self._members},
                 "host_returns": {m.name: m.returns for m in self._members},
+                # Membership changes (never failures), and the samples each host served.
+                "joined": sum(m.joins for m in self._members),
+                "left": sum(m.leaves for m in self._members),
+                "reissued_on_leave": self._counters["reissued_on_leave"],
+                "served": {m.name: m.served for m in self._members},
                 "lost_reasons": dict(self._lost_reasons),
                 "hosts_healthy": sum(m.healthy for m in self._members),
+                "hosts_total": sum(not m.left for m in self._members),
             }
 
     def check_invariant(self) -> None:
@@ -317,6 +358,8 @@ class HostPool(InAnotherProcess):
             thread.join(timeout=10)
         if self._close_hosts:
             for member in self._members:
+                if member.left:
+                    continue  # closed when it left
                 try:
                     member.host.close()
                 except Exception:  # noqa: BLE001 -- closing a dead host may fail; ignore
@@ -328,11 +371,201 @@ class HostPool(InAnotherProcess):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ membership
+
+    def add_host(self, host: Host, name: str | None = None) -> str:
+        """Adds a host to the running pool; returns its name. Its settings are checked now
+        (ValueError naming the host and the setting that differs, or a refused token;
+        InferenceError if it does not answer); it gets work once the monitor has pushed it
+        the newest weights. A name that left before may join again."""
+        name = name or getattr(host, "address", None) or f"host{len(self._members)}"
+        with self._lock:
+            if self._closed.is_set():
+                raise InferenceError(f"host {name} cannot join: the host pool is closed")
+            if any(m.name == name and not m.left for m in self._members):
+                raise ValueError(f"host {name} is already in the pool")
+        try:
+            stats = dict(host.stats())
+        except PermissionError as err:  # HostAuthenticationError: the token
+            raise ValueError(f"host {name} cannot join: it refused the token ({err})") from None
+        except Exception as err:  # noqa: BLE001 -- anything else: not reachable
+            raise InferenceError(f"host {name} cannot join: it does not answer ({err})") from None
+        why = settings_refusal(
+            stats,
+            self.update_policy,
+            self.batch_invariant,
+            self._reference_specs(),
+            _specs_of(host),
+        )
+        if why:
+            raise ValueError(f"host {name} cannot join the run: {why}")
+        member = Member(name, host, healthy=False, joining=True)
+        member.reason = "joining: waiting for the newest weights"
+        with self._lock:
+            if self._closed.is_set():
+                raise InferenceError(f"host {name} cannot join: the host pool is closed")
+            slot = next((i for i, m in enumerate(self._members) if m.name == name and m.left), None)
+            if slot is None:
+                slot = len(self._members)
+                self._members.append(member)
+            else:  # it left before: its counts carry on
+                old = self._members[slot]
+                for field in ("failures", "returns", "joins", "leaves", "served"):
+                    setattr(member, field, getattr(old, field))
+                self._members[slot] = member
+            if self._staging is not None:
+                self._staging.max_sets += 1  # one more host that may hold a stalled push
+            thread = threading.Thread(
+                target=self._read, args=(slot, member), name=f"pool-read-{slot}", daemon=True
+            )
+            self._threads.append(thread)
+        thread.start()
+        log.warning("inference host %s joins: it gets the newest weights, then work", name)
+        return name
+
+    def remove_host(self, name: str, *, grace_s: float | None = None) -> None:
+        """Makes a host leave: no new request goes to it, the ones it holds may finish for
+        ``grace_s`` (default ``leave_grace_s``), then the rest are re-issued to the others
+        and its client is closed. Returns at once (`hosts_total` drops when it has left).
+        ValueError if no such host is in the pool, or it is the last one."""
+        grace_s = self.leave_grace_s if grace_s is None else float(grace_s)
+        with self._lock:
+            index = next(
+                (i for i, m in enumerate(self._members) if m.name == name and not m.left), None
+            )
+            if index is None:
+                raise ValueError(f"no inference host {name} in the pool")
+            member = self._members[index]
+            if member.leaving:
+                return
+            staying = [m for m in self._members if not m.left and not m.leaving]
+            if staying == [member]:
+                raise ValueError(
+                    f"inference host {name} is the run's last host: it cannot leave until "
+                    "another has joined"
+                )
+            member.leaving = True
+            member.leave_by = time.monotonic() + grace_s
+            serving = member.healthy
+            held = len(member.outstanding)
+        if not serving:  # down or still joining: nothing to finish
+            self._retire(index, "asked to leave while not serving")
+            return
+        log.warning(
+            "inference host %s leaves: no new requests; %d in flight may finish for %.0f s",
+            name,
+            held,
+            grace_s,
+        )
+
+    def _advance_leave(self, index: int) -> None:
+        """A leaving host goes once it holds nothing, or its grace is over."""
+        with self._lock:
+            member = self._members[index]
+            if not member.leaving:
+                return
+            done = not member.outstanding
+            late = time.monotonic() > member.leave_by
+        if done:
+            self._retire(index, "its requests finished")
+        elif late:
+            self._retire(index, "grace period over")
+
+    def _retire(self, index: int, why: str) -> None:
+        """The host has left: what it still holds is re-issued (not charged to
+        ``max_reissues``), its client is closed, it is probed no more."""
+        with self._lock:
+            member = self._members[index]
+            if member.left:
+                return
+            member.left, member.leaving, member.joining = True, False, False
+            member.healthy = False
+            member.reason = f"left: {why}"
+            member.leaves += 1
+            moved = sorted(member.outstanding)
+            member.outstanding.clear()
+            for request_id in moved:
+                self._tracked[request_id].member = None
+                self._tracked[request_id].moves += 1
+                self._counters["reissued_on_leave"] += 1
+        log.warning(
+            "inference host %s has left (%s): %d request(s) it held re-issued",
+            member.name,
+            why,
+            len(moved),
+        )
+        for request_id in moved:
+            self._dispatch(request_id)
+        if self._close_hosts:
+            threading.Thread(
+                target=_close_quietly, args=(member,), name="pool-close", daemon=True
+            ).start()
+
+    def _reference_specs(self):
+        """The tensors the run's hosts serve (names, shapes, dtypes), or None if unknown."""
+        if self._staging is not None:
+            return self._staging.specs
+        with self._lock:
+            serving = [m for m in self._members if m.healthy]
+        for member in serving:
+            specs = _specs_of(member.host)
+            if specs is not None:
+                return specs
+        return None
+
+    def _sync_hosts_file(self) -> None:
+        """Applies the membership file when it changed: hosts it lists that are not in the
+        pool join (connected in a thread of their own), hosts in the pool it does not list
+        leave. A refusal is logged, and retried when the file changes again."""
+        try:
+            st = os.stat(self.hosts_file)
+            key = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            key = None
+        if key == self._file_key:
+            return
+        self._file_key = key
+        if key is None:
+            log.warning("membership file %s is gone: the hosts stay as they are", self.hosts_file)
+            return
+        try:
+            wanted = read_hosts_file(self.hosts_file)
+        except ValueError as err:
+            log.warning("membership file ignored until it changes again: %s", err)
+            return
+        with self._lock:
+            present = [m.name for m in self._members if not m.left]
+            joins = [a for a in wanted if a not in present and a not in self._joins_pending]
+            self._joins_pending.update(joins)
+        for name in present:
+            if name not in wanted:
+                try:
+                    self.remove_host(name)
+                except ValueError as err:
+                    log.warning("membership file %s: %s", self.hosts_file, err)
+        for address in joins:
+            threading.Thread(
+                target=self._join_address, args=(address,), name="pool-join", daemon=True
+            ).start()
+
+    def _join_address(self, address: str) -> None:
+        host = None
+        try:
+            host = self._connect(address)
+            self.add_host(host, address)
+        except Exception as err:  # noqa: BLE001 -- refused or unreachable: say so, keep going
+            log.warning("membership file %s: %s", self.hosts_file, err)
+            if host is not None:
+                _close_quietly(Member(address, host))
+        finally:
+            with self._lock:
+                self._joins_pending.discard(address)
+
     # ------------------------------------------------------------------ placement
 
     def _pick(self) -> int | None:
         """The healthy host with the fewest samples outstanding (ties in turn). Lock held."""
-        healthy = [i for i, m in enumerate(self._members) if m.healthy]
+        healthy = [i for i, m in enumerate(self._members) if m.healthy and not m.leaving]
         if not healthy:
             return None
         load = {
@@ -395,7 +628,17 @@ class HostPool(InAnotherProcess):
     def _mark_down(self, index: int, reason: str) -> None:
         with self._lock:
             member = self._members[index]
-            if not member.healthy:
+            if member.leaving:
+                leaving = True
+            elif not member.healthy:
+                return
+            else:
+                leaving = False
+        if leaving:  # it was going anyway: what it holds moves, and it is not a failure
+            self._retire(index, f"went down while leaving ({reason})")
+            return
+        with self._lock:
+            if not member.healthy or member.leaving:
                 return
             member.healthy = False
             member.reason = reason
@@ -420,7 +663,7 @@ class HostPool(InAnotherProcess):
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 return
-            if tracked.attempt >= self.max_reissues:
+            if tracked.attempt - tracked.moves >= self.max_reissues:
                 give_up = True
             else:
                 give_up = False
@@ -446,9 +689,8 @@ class HostPool(InAnotherProcess):
 
     # ------------------------------------------------------------------ threads
 
-    def _read(self, index: int) -> None:
-        member = self._members[index]
-        while not self._closed.is_set():
+    def _read(self, index: int, member: Member) -> None:
+        while not self._closed.is_set() and not member.left:
             if not member.healthy:
                 self._closed.wait(0.1)
                 continue
@@ -458,14 +700,16 @@ class HostPool(InAnotherProcess):
                 self._mark_down(index, f"poll failed: {err}")
                 continue
             for result in results:
-                self._on_result(index, result)
+                self._on_result(index, result, member)
 
-    def _on_result(self, index: int, result: SampleResult) -> None:
+    def _on_result(self, index: int, result: SampleResult, member: Member | None = None) -> None:
         request_id, _, attempt = result.request_id.partition(RETRY_SEP)
         attempt = int(attempt) if attempt else 0
         transport_failure = False
         with self._lock:
             tracked = self._tracked.get(request_id)
+            if member is not None and self._members[index] is not member:
+                tracked = None  # from a host that left this slot since
             if tracked is None or tracked.attempt != attempt or tracked.member != index:
                 self._counters["discarded_stale"] += 1  # from a host the request left
                 return
@@ -477,6 +721,7 @@ class HostPool(InAnotherProcess):
             else:
                 tracked.delivered.add(result.sample_index)
                 self._counters["samples_delivered"] += 1
+                self._members[index].served += 1
                 self._members[index].progress_at = time.monotonic()
                 if len(tracked.delivered) == tracked.request.num_samples:
                     del self._tracked[request_id]
@@ -488,13 +733,23 @@ class HostPool(InAnotherProcess):
 
     def _monitor(self) -> None:
         while not self._closed.wait(self.health_interval_s):
+            if self.hosts_file is not None:
+                try:
+                    self._sync_hosts_file()
+                except Exception:  # noqa: BLE001 -- never let the monitor die of the file
+                    log.exception("reading the membership file %s failed", self.hosts_file)
             for index in range(len(self._members)):
                 if self._closed.is_set():
                     return
-                if self._members[index].healthy:
+                member = self._members[index]
+                if member.left:
+                    continue
+                if member.healthy:
                     self._check(index)
                 else:
                     self._probe(index)
+                if member.leaving:
+                    self._advance_leave(index)
 
     def _check(self, index: int) -> None:
         member = self._members[index]
@@ -522,8 +777,11 @@ class HostPool(InAnotherProcess):
 
     def _probe(self, index: int) -> None:
         """A down host that answers again, and is not stuck (it generated something since it
-        went down, or has nothing running), gets the newest weights, then work."""
+        went down, or has nothing running), gets the newest weights, then work. So does a
+        host that joined."""
         member = self._members[index]
+        if member.leaving or member.left:
+            return
         try:
             stats = dict(member.host.stats())
         except Exception:  # noqa: BLE001 -- still down
@@ -555,9 +813,16 @@ class HostPool(InAnotherProcess):
             with self._lock:
                 if self._latest is not latest:
                     continue  # newer weights arrived meanwhile: send those first
+                if member.left or member.leaving:
+                    return
+                joined = member.joining
                 member.healthy = True
                 member.reason = ""
-                member.returns += 1
+                member.joining = False
+                if joined:
+                    member.joins += 1
+                else:
+                    member.returns += 1
                 member.stats = stats
                 member.progress = progress_of(stats)
                 member.progress_at = time.monotonic()
@@ -567,10 +832,29 @@ class HostPool(InAnotherProcess):
                 self._warned_no_host = False
             break
         log.warning(
-            "inference host %s is back (serving version %s); %d parked request(s) placed",
+            "inference host %s %s (serving version %s); %d parked request(s) placed",
             member.name,
+            "joined" if joined else "is back",
             member.version,
             len(parked),
         )
         for request_id in parked:
             self._dispatch(request_id)
+
+
+def _specs_of(host: Host):
+    """The host's serving tensors, or None where it does not say."""
+    if not hasattr(host, "tensor_specs"):
+        return None
+    try:
+        return host.tensor_specs()
+    except Exception as err:  # noqa: BLE001 -- unknown; the weight push will tell
+        log.info("host %s did not give its tensor specs: %s", getattr(host, "address", host), err)
+        return None
+
+
+def _close_quietly(member: Member) -> None:
+    try:
+        member.host.close()
+    except Exception:  # noqa: BLE001 -- closing a dead host may fail; ignore
+        log.debug("closing %s failed", member.name, exc_info=True)

@@ -1,5 +1,6 @@
 """What `HostPool` keeps per host and per request, and what it does to every host alike:
-the first contact, the weight push to each, the staging buffers for those pushes.
+the first contact, the settings a host joining later must share, the membership file's
+lines, the weight push to each, the staging buffers for those pushes.
 
 Inference layer (remote).
 """
@@ -36,9 +37,28 @@ class Member:
     version: int | None = None  # weights version last pushed to it
     failures: int = 0
     returns: int = 0
+    # Membership changes during a run (`HostPool.add_host`, `HostPool.remove_host`).
+    joining: bool = False  # added, down until it has the newest weights; then `joins` += 1
+    leaving: bool = False  # takes no new request; retired once its requests are done
+    leave_by: float = 0.0  # monotonic time after which what it still holds is re-issued
+    left: bool = False  # retired: its client closed, never probed again
+    joins: int = 0
+    leaves: int = 0
+    served: int = 0  # samples delivered from it
     # Weight pushes to one host go one at a time, in order: a push stuck on a frozen host
     # must finish (or fail) before the newest weights are sent when it returns.
     push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def state(self) -> str:
+        """serving, down, joining (waiting for its first weights), leaving or left."""
+        if self.left:
+            return "left"
+        if self.leaving:
+            return "leaving"
+        if self.joining:
+            return "joining"
+        return "serving" if self.healthy else "down"
 
 
 @dataclasses.dataclass
@@ -48,6 +68,7 @@ class Tracked:
     request: GenerateRequest
     member: int | None = None  # index of the host it is on; None while parked
     attempt: int = -1  # submissions so far - 1 (0 = the first)
+    moves: int = 0  # re-issues because a host left (not charged to max_reissues)
     delivered: set[int] = dataclasses.field(default_factory=set)
 
     @property
@@ -148,3 +169,62 @@ def progress_of(stats: dict[str, Any]) -> tuple:
 def min_version(members: list[Member]) -> int:
     versions = [m.stats.get("version") for m in members if m.stats.get("version") is not None]
     return min(versions) if versions else -1
+
+
+def settings_refusal(
+    stats: dict[str, Any], pool_policy: str, pool_invariant: bool, specs, host_specs
+) -> str | None:
+    """Why a host that asks to join a running pool cannot (None if it can): its update
+    policy, its batch invariance (needed where the pool is), its model (tensor names and
+    shapes) or its serving dtypes differ from the pool's."""
+    policy = stats.get("update_policy")
+    if policy != pool_policy:
+        return (
+            f"it serves update policy {policy!r}, the run's hosts {pool_policy!r} "
+            f"(start it with --update-policy {pool_policy})"
+        )
+    if pool_invariant and not stats.get("batch_invariant", False):
+        return "it is not batch-invariant and the run's hosts are (start it with --batch-invariant)"
+    if specs is None or host_specs is None:
+        return None
+    ours = {s.name: s for s in specs}
+    theirs = {s.name: s for s in host_specs}
+    if set(ours) != set(theirs):
+        extra = sorted(set(theirs) - set(ours))[:3]
+        missing = sorted(set(ours) - set(theirs))[:3]
+        return (
+            f"it serves another model: tensors {extra} are not the run's, "
+            f"{missing} are missing (start it with the run's --model)"
+        )
+    for key, spec in ours.items():
+        other = theirs[key]
+        if tuple(other.shape) != tuple(spec.shape):
+            return (
+                f"it serves another model: tensor {key} has shape "
+                f"{tuple(other.shape)}, the run's {tuple(spec.shape)} (start it with the "
+                "run's --model)"
+            )
+        if str(other.dtype) != str(spec.dtype):
+            return (
+                f"it serves {key} in {other.dtype}, the run's hosts in {spec.dtype} "
+                f"(start it with the run's --param-dtype)"
+            )
+    return None
+
+
+def read_hosts_file(path) -> list[str]:
+    """The ``host:port`` lines of a membership file, in order, without blank lines, ``#``
+    comments or repeats. ValueError names a line that is not ``host:port``."""
+    from pathlib import Path
+
+    out: list[str] = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        address = line.split("#", 1)[0].strip()
+        if not address:
+            continue
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{path}, line {number}: {address!r} is not host:port")
+        if address not in out:
+            out.append(address)
+    return out
