@@ -67,6 +67,7 @@ from collections.abc import Callable
 from typing import Any
 
 from a3po_jax.inference.protocol import Host, InAnotherProcess
+from a3po_jax.inference.remote.pool_health import Health
 from a3po_jax.inference.remote.pool_members import (
     RETRY_SEP,
     Member,
@@ -74,12 +75,10 @@ from a3po_jax.inference.remote.pool_members import (
     first_contact,
     join_pushes,
     min_version,
-    progress_of,
-    read_hosts_file,
-    settings_refusal,
     staging_for,
     start_push,
 )
+from a3po_jax.inference.remote.pool_membership import Membership
 from a3po_jax.inference.transfer import weight_sync
 from a3po_jax.inference.types import (
     ErrorKind,
@@ -93,7 +92,7 @@ from a3po_jax.inference.types import (
 log = logging.getLogger(__name__)
 
 
-class HostPool(InAnotherProcess):
+class HostPool(Membership, Health, InAnotherProcess):
     """Inference hosts behind one host interface: placement, health checks and failover.
 
     Args:
@@ -371,198 +370,6 @@ class HostPool(InAnotherProcess):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ membership
-
-    def add_host(self, host: Host, name: str | None = None) -> str:
-        """Adds a host to the running pool; returns its name. Its settings are checked now
-        (ValueError naming the host and the setting that differs, or a refused token;
-        InferenceError if it does not answer); it gets work once the monitor has pushed it
-        the newest weights. A name that left before may join again."""
-        name = name or getattr(host, "address", None) or f"host{len(self._members)}"
-        with self._lock:
-            if self._closed.is_set():
-                raise InferenceError(f"host {name} cannot join: the host pool is closed")
-            if any(m.name == name and not m.left for m in self._members):
-                raise ValueError(f"host {name} is already in the pool")
-        try:
-            stats = dict(host.stats())
-        except PermissionError as err:  # HostAuthenticationError: the token
-            raise ValueError(f"host {name} cannot join: it refused the token ({err})") from None
-        except Exception as err:  # noqa: BLE001 -- anything else: not reachable
-            raise InferenceError(f"host {name} cannot join: it does not answer ({err})") from None
-        why = settings_refusal(
-            stats,
-            self.update_policy,
-            self.batch_invariant,
-            self._reference_specs(),
-            _specs_of(host),
-        )
-        if why:
-            raise ValueError(f"host {name} cannot join the run: {why}")
-        member = Member(name, host, healthy=False, joining=True)
-        member.reason = "joining: waiting for the newest weights"
-        with self._lock:
-            if self._closed.is_set():
-                raise InferenceError(f"host {name} cannot join: the host pool is closed")
-            slot = next((i for i, m in enumerate(self._members) if m.name == name and m.left), None)
-            if slot is None:
-                slot = len(self._members)
-                self._members.append(member)
-            else:  # it left before: its counts carry on
-                old = self._members[slot]
-                for field in ("failures", "returns", "joins", "leaves", "served"):
-                    setattr(member, field, getattr(old, field))
-                self._members[slot] = member
-            if self._staging is not None:
-                self._staging.max_sets += 1  # one more host that may hold a stalled push
-            thread = threading.Thread(
-                target=self._read, args=(slot, member), name=f"pool-read-{slot}", daemon=True
-            )
-            self._threads.append(thread)
-        thread.start()
-        log.warning("inference host %s joins: it gets the newest weights, then work", name)
-        return name
-
-    def remove_host(self, name: str, *, grace_s: float | None = None) -> None:
-        """Makes a host leave: no new request goes to it, the ones it holds may finish for
-        ``grace_s`` (default ``leave_grace_s``), then the rest are re-issued to the others
-        and its client is closed. Returns at once (`hosts_total` drops when it has left).
-        ValueError if no such host is in the pool, or it is the last one."""
-        grace_s = self.leave_grace_s if grace_s is None else float(grace_s)
-        with self._lock:
-            index = next(
-                (i for i, m in enumerate(self._members) if m.name == name and not m.left), None
-            )
-            if index is None:
-                raise ValueError(f"no inference host {name} in the pool")
-            member = self._members[index]
-            if member.leaving:
-                return
-            staying = [m for m in self._members if not m.left and not m.leaving]
-            if staying == [member]:
-                raise ValueError(
-                    f"inference host {name} is the run's last host: it cannot leave until "
-                    "another has joined"
-                )
-            member.leaving = True
-            member.leave_by = time.monotonic() + grace_s
-            serving = member.healthy
-            held = len(member.outstanding)
-        if not serving:  # down or still joining: nothing to finish
-            self._retire(index, "asked to leave while not serving")
-            return
-        log.warning(
-            "inference host %s leaves: no new requests; %d in flight may finish for %.0f s",
-            name,
-            held,
-            grace_s,
-        )
-
-    def _advance_leave(self, index: int) -> None:
-        """A leaving host goes once it holds nothing, or its grace is over."""
-        with self._lock:
-            member = self._members[index]
-            if not member.leaving:
-                return
-            done = not member.outstanding
-            late = time.monotonic() > member.leave_by
-        if done:
-            self._retire(index, "its requests finished")
-        elif late:
-            self._retire(index, "grace period over")
-
-    def _retire(self, index: int, why: str) -> None:
-        """The host has left: what it still holds is re-issued (not charged to
-        ``max_reissues``), its client is closed, it is probed no more."""
-        with self._lock:
-            member = self._members[index]
-            if member.left:
-                return
-            member.left, member.leaving, member.joining = True, False, False
-            member.healthy = False
-            member.reason = f"left: {why}"
-            member.leaves += 1
-            moved = sorted(member.outstanding)
-            member.outstanding.clear()
-            for request_id in moved:
-                self._tracked[request_id].member = None
-                self._tracked[request_id].moves += 1
-                self._counters["reissued_on_leave"] += 1
-        log.warning(
-            "inference host %s has left (%s): %d request(s) it held re-issued",
-            member.name,
-            why,
-            len(moved),
-        )
-        for request_id in moved:
-            self._dispatch(request_id)
-        if self._close_hosts:
-            threading.Thread(
-                target=_close_quietly, args=(member,), name="pool-close", daemon=True
-            ).start()
-
-    def _reference_specs(self):
-        """The tensors the run's hosts serve (names, shapes, dtypes), or None if unknown."""
-        if self._staging is not None:
-            return self._staging.specs
-        with self._lock:
-            serving = [m for m in self._members if m.healthy]
-        for member in serving:
-            specs = _specs_of(member.host)
-            if specs is not None:
-                return specs
-        return None
-
-    def _sync_hosts_file(self) -> None:
-        """Applies the membership file when it changed: hosts it lists that are not in the
-        pool join (connected in a thread of their own), hosts in the pool it does not list
-        leave. A refusal is logged, and retried when the file changes again."""
-        try:
-            st = os.stat(self.hosts_file)
-            key = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            key = None
-        if key == self._file_key:
-            return
-        self._file_key = key
-        if key is None:
-            log.warning("membership file %s is gone: the hosts stay as they are", self.hosts_file)
-            return
-        try:
-            wanted = read_hosts_file(self.hosts_file)
-        except ValueError as err:
-            log.warning("membership file ignored until it changes again: %s", err)
-            return
-        with self._lock:
-            present = [m.name for m in self._members if not m.left]
-            joins = [a for a in wanted if a not in present and a not in self._joins_pending]
-            self._joins_pending.update(joins)
-        for name in present:
-            if name not in wanted:
-                try:
-                    self.remove_host(name)
-                except ValueError as err:
-                    log.warning("membership file %s: %s", self.hosts_file, err)
-        for address in joins:
-            threading.Thread(
-                target=self._join_address, args=(address,), name="pool-join", daemon=True
-            ).start()
-
-    def _join_address(self, address: str) -> None:
-        host = None
-        try:
-            host = self._connect(address)
-            self.add_host(host, address)
-        except Exception as err:  # noqa: BLE001 -- refused or unreachable: say so, keep going
-            log.warning("membership file %s: %s", self.hosts_file, err)
-            if host is not None:
-                _close_quietly(Member(address, host))
-        finally:
-            with self._lock:
-                self._joins_pending.discard(address)
-
-    # ------------------------------------------------------------------ placement
-
     def _pick(self) -> int | None:
         """The healthy host with the fewest samples outstanding (ties in turn). Lock held."""
         healthy = [i for i, m in enumerate(self._members) if m.healthy and not m.leaving]
@@ -730,131 +537,3 @@ class HostPool(InAnotherProcess):
                 self._results.put(result)
         if transport_failure:
             self._mark_down(index, result.error)
-
-    def _monitor(self) -> None:
-        while not self._closed.wait(self.health_interval_s):
-            if self.hosts_file is not None:
-                try:
-                    self._sync_hosts_file()
-                except Exception:  # noqa: BLE001 -- never let the monitor die of the file
-                    log.exception("reading the membership file %s failed", self.hosts_file)
-            for index in range(len(self._members)):
-                if self._closed.is_set():
-                    return
-                member = self._members[index]
-                if member.left:
-                    continue
-                if member.healthy:
-                    self._check(index)
-                else:
-                    self._probe(index)
-                if member.leaving:
-                    self._advance_leave(index)
-
-    def _check(self, index: int) -> None:
-        member = self._members[index]
-        try:
-            stats = dict(member.host.stats())
-        except Exception as err:  # noqa: BLE001 -- failed or timed out: down
-            self._mark_down(index, f"health check failed: {err}")
-            return
-        now = time.monotonic()
-        reason = None
-        with self._lock:
-            member.stats = stats
-            progress = progress_of(stats)
-            if progress != member.progress or not member.outstanding:
-                member.progress, member.progress_at = progress, now
-            elif now - member.progress_at > self.hang_timeout_s:
-                reason = (
-                    f"hung: no token generated for {now - member.progress_at:.0f} s with "
-                    f"{len(member.outstanding)} request(s) outstanding"
-                )
-            if stats.get("live") is False:
-                reason = "serving loop not live"
-        if reason:
-            self._mark_down(index, reason)
-
-    def _probe(self, index: int) -> None:
-        """A down host that answers again, and is not stuck (it generated something since it
-        went down, or has nothing running), gets the newest weights, then work. So does a
-        host that joined."""
-        member = self._members[index]
-        if member.leaving or member.left:
-            return
-        try:
-            stats = dict(member.host.stats())
-        except Exception:  # noqa: BLE001 -- still down
-            return
-        if stats.get("live") is False or stats.get("update_policy") != self.update_policy:
-            return
-        idle = not stats.get("slots_busy") and not stats.get("queue_depth")
-        if progress_of(stats) == member.progress and not idle:
-            return  # answers, but its old work has not moved: still hung
-        while True:
-            with self._lock:
-                latest = self._latest
-                if latest is not None:
-                    self._staging.hold(latest[0])  # not re-staged while we send it
-            if latest is not None:
-                staged, tree, version = latest
-                try:
-                    if not member.push_lock.acquire(timeout=1.0):
-                        return  # an older push is still running: try again at the next probe
-                    try:
-                        member.host.update_weights(tree, version)
-                    except Exception as err:  # noqa: BLE001 -- not usable yet
-                        log.info("host %s answers but refused the weights: %s", member.name, err)
-                        return
-                    finally:
-                        member.push_lock.release()
-                finally:
-                    self._staging.release(staged)
-            with self._lock:
-                if self._latest is not latest:
-                    continue  # newer weights arrived meanwhile: send those first
-                if member.left or member.leaving:
-                    return
-                joined = member.joining
-                member.healthy = True
-                member.reason = ""
-                member.joining = False
-                if joined:
-                    member.joins += 1
-                else:
-                    member.returns += 1
-                member.stats = stats
-                member.progress = progress_of(stats)
-                member.progress_at = time.monotonic()
-                member.version = None if latest is None else latest[2]
-                parked = list(self._parked)
-                self._parked.clear()
-                self._warned_no_host = False
-            break
-        log.warning(
-            "inference host %s %s (serving version %s); %d parked request(s) placed",
-            member.name,
-            "joined" if joined else "is back",
-            member.version,
-            len(parked),
-        )
-        for request_id in parked:
-            self._dispatch(request_id)
-
-
-def _specs_of(host: Host):
-    """The host's serving tensors, or None where it does not say."""
-    if not hasattr(host, "tensor_specs"):
-        return None
-    try:
-        return host.tensor_specs()
-    except Exception as err:  # noqa: BLE001 -- unknown; the weight push will tell
-        log.info("host %s did not give its tensor specs: %s", getattr(host, "address", host), err)
-        return None
-
-
-def _close_quietly(member: Member) -> None:
-    try:
-        member.host.close()
-    except Exception:  # noqa: BLE001 -- closing a dead host may fail; ignore
-        log.debug("closing %s failed", member.name, exc_info=True)

@@ -228,3 +228,11 @@ def read_hosts_file(path) -> list[str]:
         if address not in out:
             out.append(address)
     return out
+
+
+def close_quietly(member: Member) -> None:
+    """Closes a member's host, ignoring a failure (a dead host may not close cleanly)."""
+    try:
+        member.host.close()
+    except Exception:  # noqa: BLE001 -- closing a dead host may fail; ignore
+        log.debug("closing %s failed", member.name, exc_info=True)
