@@ -68,30 +68,10 @@ def make_mesh(
     """A ("data", "fsdp", "tensor") mesh over `devices` (default: all).
 
     One size may be -1: it takes whatever the others leave. Sizes whose product is not the
-    device count are an error naming each axis.
+    device count are an error naming each axis (`mesh_sizes`).
     """
     devices = list(devices) if devices is not None else jax.devices()
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or (size < 1 and size != -1):
-            raise ValueError(f"make_mesh: {name}={size!r} must be a positive int or -1")
-    inferred = [name for name, size in sizes.items() if size == -1]
-    if len(inferred) > 1:
-        raise ValueError(f"make_mesh: only one axis may be -1, got {inferred}")
-    known = math.prod(size for size in sizes.values() if size != -1)
-    described = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    if inferred:
-        if len(devices) % known:
-            raise ValueError(
-                f"make_mesh: {inferred[0]}=-1 cannot be inferred: {len(devices)} devices are not "
-                f"divisible by the other axes ({described})"
-            )
-        sizes[inferred[0]] = len(devices) // known
-    if math.prod(sizes.values()) != len(devices):
-        raise ValueError(
-            f"make_mesh: data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} "
-            f"= {math.prod(sizes.values())} but there are {len(devices)} devices"
-        )
+    sizes = mesh_sizes({"data": data, "fsdp": fsdp, "tensor": tensor}, len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     try:
         # Lays axes out along the physical interconnect on TPU/GPU (tensor innermost).
@@ -99,6 +79,52 @@ def make_mesh(
     except Exception:  # CPU or an irregular device list: plain order is as good as any
         grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES)
+
+
+def mesh_sizes(
+    sizes: dict[str, int],
+    num_devices: int,
+    *,
+    names: dict[str, str] | None = None,
+    where: str = "make_mesh",
+    devices: str = "devices",
+) -> dict[str, int]:
+    """The axis sizes of a mesh over `num_devices` devices, -1 resolved, without devices:
+    what `make_mesh` would build, checked before any device is touched.
+
+    `names` labels each axis in the error (default: the axis name; a config passes its
+    fields); `where` starts the message and `devices` says whose devices they are.
+
+    Raises:
+      ValueError: naming each axis, for a size that is not a positive int or -1, two -1s,
+        a -1 the other sizes leave no whole number for, or a product that is not
+        `num_devices`.
+    """
+    names = names or {}
+    label = {axis: names.get(axis, axis) for axis in sizes}
+    sizes = dict(sizes)
+    for name, size in sizes.items():
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"{where}: {label[name]}={size!r} must be a positive int or -1")
+    inferred = [name for name, size in sizes.items() if size == -1]
+    if len(inferred) > 1:
+        raise ValueError(f"{where}: only one axis may be -1, got {[label[n] for n in inferred]}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    described = ", ".join(f"{label[k]}={v}" for k, v in sizes.items())
+    if inferred:
+        if num_devices % known:
+            raise ValueError(
+                f"{where}: {label[inferred[0]]}=-1 cannot be inferred: {num_devices} {devices} "
+                f"are not divisible by the other axes ({described})"
+            )
+        sizes[inferred[0]] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        product = " x ".join(f"{label[k]}={v}" for k, v in sizes.items())
+        raise ValueError(
+            f"{where}: {product} = {math.prod(sizes.values())} but there are {num_devices} "
+            f"{devices}"
+        )
+    return sizes
 
 
 def _rule_table(rules: Rules) -> dict[str, MeshAxes]:
@@ -114,6 +140,11 @@ def _mesh_axes_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
     if mesh_axes is None:
         return ()
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def rule_axes(rules: Rules) -> dict[str, tuple[str, ...]]:
+    """The mesh axes each logical axis of `rules` is split over (() for replicated)."""
+    return {logical: _mesh_axes_tuple(axes) for logical, axes in _rule_table(rules).items()}
 
 
 def logical_to_spec(
