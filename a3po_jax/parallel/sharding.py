@@ -19,6 +19,7 @@ Mesh axes: ("data", "fsdp", "tensor").
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -252,3 +253,59 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_params(params: Params, shardings: Params) -> Params:
     """Place (or re-place) every parameter with its sharding."""
     return jax.device_put(params, shardings)
+
+
+def device_to_device(tree, shardings):
+    """Every array of `tree` copied onto its sharding in `shardings` (a matching tree of
+    `NamedSharding`s, on these or other devices) without a byte passing through host memory
+    (`copy_to_sharding`)."""
+    return jax.tree.map(copy_to_sharding, tree, shardings)
+
+
+def copy_to_sharding(x: jax.Array, target: NamedSharding) -> jax.Array:
+    """`x` placed as `target` says, device to device.
+
+    `jax.device_put` copies between device sets device to device only where each of the
+    target's shards is a whole shard of the source (or the source is on one device); for
+    any other pair (an FSDP trainer's shards against a tensor-parallel host's) it reads the
+    whole array into host memory and copies it back. So the array is first resharded on
+    its own devices (a compiled program, no host) into a layout whose shards line up with
+    the target's: the target's spec on a mesh of the source's devices when their count is a
+    multiple of the target's distinct shards, else whole on one of them. Then the copy
+    moves whole shards from device to device. On the same devices it is one compiled
+    reshard.
+    """
+    if not isinstance(x, jax.Array):  # host data (a checkpoint read into numpy): a load
+        return jax.device_put(x, target)
+    source = x.sharding
+    if source.device_set == target.device_set:
+        return x if source.is_equivalent_to(target, x.ndim) else _resharder(target)(x)
+    if len(source.device_set) > 1:
+        devices = sorted(source.device_set, key=lambda d: d.id)
+        staging = _lined_up(target, devices)
+        if staging is None:  # whole on every source device; the copy slices one of them
+            whole = NamedSharding(Mesh(np.asarray(devices), ("devices",)), PartitionSpec())
+            x = _resharder(whole)(x).addressable_shards[0].data
+        elif not source.is_equivalent_to(staging, x.ndim):
+            x = _resharder(staging)(x)
+    return jax.device_put(x, target)
+
+
+def _lined_up(target: NamedSharding, devices: list) -> NamedSharding | None:
+    """`target`'s spec on a mesh of `devices` (its sharded axes as they are, the rest of the
+    devices holding replicas), whose shards are the target's shards; None when the device
+    count is not a multiple of the target's distinct shards."""
+    spec = target.spec
+    used = [axis for entry in spec for axis in _mesh_axes_tuple(entry)]
+    sizes = [target.mesh.shape[axis] for axis in used]
+    pieces = math.prod(sizes)
+    if len(devices) % pieces:
+        return None
+    grid = np.asarray(devices, dtype=object).reshape(len(devices) // pieces, *sizes)
+    return NamedSharding(Mesh(grid, ("replicas", *used)), spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _resharder(target: NamedSharding):
+    """A compiled identity whose output lies as `target` says (a reshard on the devices)."""
+    return jax.jit(lambda x: x, out_shardings=target)
