@@ -19,9 +19,10 @@ Mesh axes: ("data", "fsdp", "tensor").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -289,6 +290,19 @@ def copy_to_sharding(x: jax.Array, target: NamedSharding) -> jax.Array:
         elif not source.is_equivalent_to(staging, x.ndim):
             x = _resharder(staging)(x)
     return jax.device_put(x, target)
+
+
+@contextlib.contextmanager
+def no_host_transfers() -> Iterator[None]:
+    """Inside: every transfer between host memory and a device is refused, explicit ones
+    included (`jax.transfer_guard`); copies from device to device are allowed. What a push
+    between meshes runs under in the tests and `scripts/bench_weight_push.py`."""
+    with (
+        jax.transfer_guard("disallow"),
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):
+        yield
 
 
 def _lined_up(target: NamedSharding, devices: list) -> NamedSharding | None:

@@ -2,7 +2,7 @@
 device, and no byte of it passes through host memory (`sharding.copy_to_sharding`, the
 host's `EngineCore.place_params` and `split_params`).
 
-Under `no_host_transfers` (`jax.transfer_guard("disallow")`, and host-to-device and
+Under `sharding.no_host_transfers` (`jax.transfer_guard("disallow")`, and host-to-device and
 device-to-host transfers refused even when explicit; device-to-device copies allowed), a
 `jax.device_put` from an FSDP trainer's shards onto a tensor-parallel host is refused: it
 reads the array into host memory. The host's first build and every push go through, for
@@ -11,8 +11,6 @@ trainer FSDP 1 and 2 and host tensor 1 and 2, and serve the trainer's weights ex
 The main pytest process has one CPU device, so `test_four_device_pushes_in_a_subprocess`
 re-runs this file with 4 virtual devices, where the `test_four_devices_*` tests run.
 """
-
-import contextlib
 
 import jax
 import numpy as np
@@ -36,18 +34,6 @@ def test_four_device_pushes_in_a_subprocess():
     run_file_on_devices(__file__, 4, "four_devices")
 
 
-@contextlib.contextmanager
-def no_host_transfers():
-    """Every transfer between host memory and a device refused, explicit ones included;
-    device-to-device copies allowed."""
-    with (
-        jax.transfer_guard("disallow"),
-        jax.transfer_guard_host_to_device("disallow_explicit"),
-        jax.transfer_guard_device_to_host("disallow_explicit"),
-    ):
-        yield
-
-
 def trainer_params(fsdp: int, seed: int = 0):
     """The tiny model's params as a trainer on the first `fsdp` devices holds them."""
     mesh = make_mesh(1, fsdp, 1, devices=jax.devices()[:fsdp])
@@ -65,7 +51,7 @@ def test_four_devices_the_guard_refuses_a_copy_through_host_memory():
     # What a push did before: device_put from FSDP shards onto tensor shards.
     params = trainer_params(2)
     target = sharding.param_shardings(params, host_mesh(2), sharding.INFERENCE_RULES)
-    with pytest.raises(Exception, match="Disallowed host-to-device"), no_host_transfers():
+    with pytest.raises(Exception, match="Disallowed host-to-device"), sharding.no_host_transfers():
         jax.block_until_ready(jax.device_put(params, target))
 
 
@@ -75,7 +61,7 @@ def test_four_devices_the_guard_refuses_a_copy_through_host_memory():
 def test_four_devices_a_push_never_passes_through_host_memory(fsdp, tensor):
     first, second = trainer_params(fsdp, seed=0), trainer_params(fsdp, seed=1)
     mesh = host_mesh(tensor)
-    with no_host_transfers():
+    with sharding.no_host_transfers():
         host = InferenceHost(CFG, first, num_slots=2, prefill_buckets=(8,), mesh=mesh)
         host.update_weights(second, 1)
     # The staged split is the second weights, laid out for the host's tensor size.
@@ -109,7 +95,7 @@ def test_four_devices_copy_to_sharding_moves_whole_shards_device_to_device(
     placed = jax.device_put(x, NamedSharding(source_mesh, PartitionSpec("fsdp")))
     target_mesh = Mesh(np.asarray([devices[i] for i in target_devices]), ("tensor",))
     target = NamedSharding(target_mesh, spec)
-    with no_host_transfers():
+    with sharding.no_host_transfers():
         got = jax.block_until_ready(sharding.copy_to_sharding(placed, target))
     assert got.sharding.is_equivalent_to(target, 2)
     np.testing.assert_array_equal(np.asarray(got), x)
