@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -269,11 +270,11 @@ def copy_to_sharding(x: jax.Array, target: NamedSharding) -> jax.Array:
     `jax.device_put` copies between device sets device to device only where each of the
     target's shards is a whole shard of the source (or the source is on one device); for
     any other pair (an FSDP trainer's shards against a tensor-parallel host's) it reads the
-    whole array into host memory and copies it back. So the array is first resharded on
-    its own devices (a compiled program, no host) into a layout whose shards line up with
-    the target's: the target's spec on a mesh of the source's devices when their count is a
-    multiple of the target's distinct shards, else whole on one of them. Then the copy
-    moves whole shards from device to device. On the same devices it is one compiled
+    whole array into host memory and copies it back. Here each target shard is made from
+    the source shards it overlaps: each overlap is cut out on its source device (a compiled
+    slice, skipped where the whole shard is needed), copied device to device, and the parts
+    are put together on the target device (a compiled program). Each byte a target device
+    needs crosses once, and no collective runs. On the same devices it is one compiled
     reshard.
     """
     if not isinstance(x, jax.Array):  # host data (a checkpoint read into numpy): a load
@@ -281,15 +282,58 @@ def copy_to_sharding(x: jax.Array, target: NamedSharding) -> jax.Array:
     source = x.sharding
     if source.device_set == target.device_set:
         return x if source.is_equivalent_to(target, x.ndim) else _resharder(target)(x)
-    if len(source.device_set) > 1:
-        devices = sorted(source.device_set, key=lambda d: d.id)
-        staging = _lined_up(target, devices)
-        if staging is None:  # whole on every source device; the copy slices one of them
-            whole = NamedSharding(Mesh(np.asarray(devices), ("devices",)), PartitionSpec())
-            x = _resharder(whole)(x).addressable_shards[0].data
-        elif not source.is_equivalent_to(staging, x.ndim):
-            x = _resharder(staging)(x)
-    return jax.device_put(x, target)
+    shards = {}  # one source shard per distinct block: a replica is not copied twice
+    for shard in x.addressable_shards:
+        shards.setdefault(_block(shard.index, x.shape), shard.data)
+    pieces = []
+    for device, index in target.addressable_devices_indices_map(x.shape).items():
+        block = _block(index, x.shape)
+        parts = []
+        for held, data in shards.items():
+            overlap = tuple(
+                (max(a, c), min(b, d)) for (a, b), (c, d) in zip(block, held, strict=True)
+            )
+            if all(lo < hi for lo, hi in overlap) or not block:
+                if overlap != held:  # only the overlap leaves its device
+                    data = _slicer(
+                        tuple(
+                            (lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, held, strict=True)
+                        )
+                    )(data)
+                at = tuple(lo - a for (lo, _), (a, _) in zip(overlap, block, strict=True))
+                parts.append((jax.device_put(data, device), at))
+        if len(parts) == 1 and parts[0][0].shape == tuple(b - a for a, b in block):
+            pieces.append(parts[0][0])
+        else:
+            shape = tuple(b - a for a, b in block)
+            offsets = tuple(at for _, at in parts)
+            pieces.append(_assembler(shape, offsets)(*(data for data, _ in parts)))
+    return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
+
+
+def _block(index: tuple[slice, ...], shape) -> tuple[tuple[int, int], ...]:
+    """A shard's index as (start, stop) per dimension."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _slicer(block: tuple[tuple[int, int], ...]):
+    """A compiled cut of `block` out of an array, on the array's device."""
+    return jax.jit(lambda a: a[tuple(slice(lo, hi) for lo, hi in block)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _assembler(shape: tuple[int, ...], offsets: tuple[tuple[int, ...], ...]):
+    """A compiled program putting parts together into one array of `shape`, part i at
+    `offsets[i]`, on the parts' device."""
+
+    def assemble(*parts):
+        out = jnp.zeros(shape, parts[0].dtype)
+        for part, at in zip(parts, offsets, strict=True):
+            out = jax.lax.dynamic_update_slice(out, part, at)
+        return out
+
+    return jax.jit(assemble)
 
 
 @contextlib.contextmanager
@@ -303,20 +347,6 @@ def no_host_transfers() -> Iterator[None]:
         jax.transfer_guard_device_to_host("disallow_explicit"),
     ):
         yield
-
-
-def _lined_up(target: NamedSharding, devices: list) -> NamedSharding | None:
-    """`target`'s spec on a mesh of `devices` (its sharded axes as they are, the rest of the
-    devices holding replicas), whose shards are the target's shards; None when the device
-    count is not a multiple of the target's distinct shards."""
-    spec = target.spec
-    used = [axis for entry in spec for axis in _mesh_axes_tuple(entry)]
-    sizes = [target.mesh.shape[axis] for axis in used]
-    pieces = math.prod(sizes)
-    if len(devices) % pieces:
-        return None
-    grid = np.asarray(devices, dtype=object).reshape(len(devices) // pieces, *sizes)
-    return NamedSharding(Mesh(grid, ("replicas", *used)), spec)
 
 
 @functools.lru_cache(maxsize=256)

@@ -132,7 +132,11 @@ MODEL_DIMENSIONS = {
     "mlp": "ffn_dim",
 }
 # The config fields behind the trainer's mesh axes.
-TRAINER_AXES = {"data": "system.mesh_data", "fsdp": "system.mesh_fsdp", "tensor": "system.mesh_tensor"}
+TRAINER_AXES = {
+    "data": "system.mesh_data",
+    "fsdp": "system.mesh_fsdp",
+    "tensor": "system.mesh_tensor",
+}
 
 
 def check_placement(cfg, model_config, num_devices: int, *, processes: int = 1) -> None:

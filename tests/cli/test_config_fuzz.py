@@ -29,10 +29,9 @@ import typing
 from pathlib import Path
 
 import pytest
+from helpers.processes import cpu_env
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-from helpers.processes import cpu_env
 
 from a3po_jax.cli.train import Refused, main, validate
 from a3po_jax.core import objectives
@@ -520,8 +519,7 @@ def test_reported_bad_values_end_in_one_line_and_exit_2(tmp_path, override, mess
 PLACEMENTS = [
     (
         ["system.inference_devices=3", "system.inference_mesh_tensor=3"],
-        "config error: system.inference_mesh_tensor=3 does not divide the model's "
-        "vocab_size=128",
+        "config error: system.inference_mesh_tensor=3 does not divide the model's vocab_size=128",
     ),
     (
         ["system.inference_devices=2", "system.mesh_fsdp=4"],

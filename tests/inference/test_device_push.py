@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 from helpers.processes import run_file_on_devices
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from a3po_jax.inference.engine import decode_layout
 from a3po_jax.inference.host import InferenceHost
@@ -78,35 +79,27 @@ def test_four_devices_a_push_never_passes_through_host_memory(fsdp, tensor):
 
 @four_only
 @pytest.mark.parametrize(
-    "source_devices,target_devices,spec",
+    "source_devices,source_spec,target_devices,spec",
     [
-        ((0, 1), (2, 3), PartitionSpec(None, "tensor")),  # lined up: 2 shards on 2 devices
-        ((0, 1, 2), (3,), PartitionSpec()),  # whole: every trainer device holds it
-        ((0, 1, 2), (3, 1), PartitionSpec("tensor")),  # 3 devices, 2 shards: sliced from one
-        ((0,), (1, 2, 3), PartitionSpec(None, "tensor")),  # one device: sliced there
+        ((0, 1), P("fsdp"), (2, 3), P(None, "tensor")),  # FSDP rows -> tensor columns
+        ((0, 1), P("fsdp"), (2, 3), P("tensor")),  # the same blocks: whole shards move
+        ((0, 1, 2), P("fsdp"), (3,), P()),  # three shards put together on one device
+        ((0, 1, 2), P(None, "fsdp"), (3, 1), P("tensor")),  # 3 shards into 2 across
+        ((0,), P(), (1, 2, 3), P(None, "tensor")),  # one device, cut there
+        ((0, 1), P(), (2, 3), P("tensor")),  # replicas: each block copied once
+        ((0, 1, 2, 3), P("fsdp"), (0,), P()),  # the shared host: device 0 among them
     ],
 )
-def test_four_devices_copy_to_sharding_moves_whole_shards_device_to_device(
-    source_devices, target_devices, spec
+def test_four_devices_copy_to_sharding_is_device_to_device(
+    source_devices, source_spec, target_devices, spec
 ):
     devices = jax.devices()
-    x = np.arange(6 * 12, dtype=np.float32).reshape(6, 12)
+    x = np.arange(12 * 12, dtype=np.float32).reshape(12, 12)
     source_mesh = Mesh(np.asarray([devices[i] for i in source_devices]), ("fsdp",))
-    placed = jax.device_put(x, NamedSharding(source_mesh, PartitionSpec("fsdp")))
+    placed = jax.device_put(x, NamedSharding(source_mesh, source_spec))
     target_mesh = Mesh(np.asarray([devices[i] for i in target_devices]), ("tensor",))
     target = NamedSharding(target_mesh, spec)
     with sharding.no_host_transfers():
         got = jax.block_until_ready(sharding.copy_to_sharding(placed, target))
     assert got.sharding.is_equivalent_to(target, 2)
     np.testing.assert_array_equal(np.asarray(got), x)
-
-
-@four_only
-def test_four_devices_the_staging_layout_lines_up_shard_for_shard():
-    # On the trainer's 2 devices, the target's spec: each of its shards is one of the host's.
-    target = NamedSharding(host_mesh(2), PartitionSpec(None, "tensor"))
-    staging = sharding._lined_up(target, jax.devices()[:2])
-    shape = (4, 8)
-    want = sorted(str(i) for i in target.devices_indices_map(shape).values())
-    assert sorted(str(i) for i in staging.devices_indices_map(shape).values()) == want
-    assert sharding._lined_up(target, jax.devices()[:3]) is None  # 3 devices, 2 shards
