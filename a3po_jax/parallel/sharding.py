@@ -328,6 +328,17 @@ def _assembler(shape: tuple[int, ...], offsets: tuple[tuple[int, ...], ...]):
     `offsets[i]`, on the parts' device."""
 
     def assemble(*parts):
+        # Parts side by side along one axis (an FSDP split): one concatenation, no fill.
+        axes = {i for at in offsets for i, o in enumerate(at) if o}
+        if len(axes) == 1:
+            (axis,) = axes
+            order = sorted(range(len(parts)), key=lambda i: offsets[i][axis])
+            if sum(parts[i].shape[axis] for i in order) == shape[axis] and all(
+                parts[i].shape[:axis] + parts[i].shape[axis + 1 :]
+                == shape[:axis] + shape[axis + 1 :]
+                for i in order
+            ):
+                return jnp.concatenate([parts[i] for i in order], axis=axis)
         out = jnp.zeros(shape, parts[0].dtype)
         for part, at in zip(parts, offsets, strict=True):
             out = jax.lax.dynamic_update_slice(out, part, at)

@@ -103,3 +103,18 @@ def test_four_devices_copy_to_sharding_is_device_to_device(
         got = jax.block_until_ready(sharding.copy_to_sharding(placed, target))
     assert got.sharding.is_equivalent_to(target, 2)
     np.testing.assert_array_equal(np.asarray(got), x)
+
+
+@four_only
+def test_four_devices_blocks_split_two_ways_are_put_together_on_the_target():
+    # A trainer with FSDP x tensor: each host shard overlaps blocks along both axes.
+    devices = jax.devices()
+    x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    source = Mesh(np.asarray(devices[:4]).reshape(2, 2), ("fsdp", "tensor"))
+    placed = jax.device_put(x, NamedSharding(source, P("fsdp", "tensor")))
+    for target_devices, spec in (((3,), P()), ((2, 3), P(None, "t")), ((1, 2), P("t"))):
+        mesh = Mesh(np.asarray([devices[i] for i in target_devices]), ("t",))
+        target = NamedSharding(mesh, spec)
+        with sharding.no_host_transfers():
+            got = jax.block_until_ready(sharding.copy_to_sharding(placed, target))
+        np.testing.assert_array_equal(np.asarray(got), x)

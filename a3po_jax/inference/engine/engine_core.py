@@ -339,12 +339,12 @@ class EngineCore:
     def split_params(self, params: Params) -> decode_layout.DecodeParams:
         """`decode_layout.decode_params(params)` in this engine's layout (a new split, not
         cached), laid out for its ``tensor`` size and, on a mesh, placed on it."""
-        layout = functools.partial(
-            decode_layout.decode_params,
-            config=self.config,
-            out_major=self.out_major,
-            shards=self.shards,
-        )
+
+        def layout(params):
+            return decode_layout.decode_params(
+                params, self.config, out_major=self.out_major, shards=self.shards
+            )
+
         if self.mesh.size == 1:
             return layout(params)
         # Laid out straight into the mesh's shardings, on its devices: a `device_put` of a
