@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.inference_reference import collect, start_grpc_server, stop_grpc_server
 
+from a3po_jax.inference.remote import local_process
 from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
 from a3po_jax.inference.remote.local_process import LocalHostProcess
 from a3po_jax.inference.transfer import shared_memory
@@ -96,7 +97,9 @@ def test_core_split_leaves_the_trainer_a_core():
 @pytest.mark.e2e
 def test_a_trainer_killed_with_sigkill_leaves_no_host_process(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    temp = tmp_path / "tmp"  # the trainer's temporary directory: the host's folder goes there
+    temp.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(temp))
     trainer = subprocess.Popen(
         [
             sys.executable,
@@ -130,6 +133,11 @@ def test_a_trainer_killed_with_sigkill_leaves_no_host_process(tmp_path):
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         assert gone(host, 15), "the host outlived its trainer"
+        # No token left; the folder (host.log) is the dead trainer's, which a start removes.
+        (folder,) = temp.glob(f"{local_process.FOLDER_PREFIX}{trainer.pid}-*")
+        assert [f.name for f in folder.iterdir()] == ["host.log"]
+        assert local_process.remove_stale_folders(temp) == [folder]
+        assert not list(temp.iterdir())
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -172,3 +180,34 @@ def test_a_host_frees_the_slots_of_a_client_that_went_away(tmp_path):
         watcher.close()
     finally:
         stop_grpc_server(proc)
+
+
+def test_only_the_folders_of_parents_that_no_longer_run_are_removed(tmp_path):
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    prefix = local_process.FOLDER_PREFIX
+    stale = tmp_path / f"{prefix}{finished.pid}-abc"
+    live = tmp_path / f"{prefix}{os.getpid()}-def"  # this process runs: kept
+    other = tmp_path / f"{prefix}notapid-ghi"  # not a local host's name: kept
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "host.log").write_text("log")
+    assert local_process.remove_stale_folders(tmp_path) == [stale]
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])
+
+
+@pytest.mark.e2e  # starts a host process
+def test_a_started_host_leaves_no_token_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_process.tempfile, "tempdir", str(tmp_path))
+    host = LocalHostProcess(
+        model="tiny", cores=CORES, update_policy="drain", num_slots=2, prefill_buckets=(8,)
+    ).start()
+    try:
+        (folder,) = tmp_path.glob(f"{local_process.FOLDER_PREFIX}{os.getpid()}-*")
+        assert [f.name for f in folder.iterdir()] == ["host.log"]  # the token was read
+        client = GrpcInferenceClient(host.address, host.token)  # and is still the one
+        assert client.stats()["num_slots"] == 2
+        client.close()
+    finally:
+        host.close()
+    assert not list(tmp_path.iterdir())
