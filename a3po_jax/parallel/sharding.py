@@ -99,7 +99,7 @@ def mesh_sizes(
     fields); `where` starts the message and `devices` says whose devices they are.
 
     Raises:
-      ValueError: naming each axis, for a size that is not a positive int or -1, two -1s,
+      ValueError: naming each axis, for a size that is not a positive int or -1, two sizes of -1,
         a -1 the other sizes leave no whole number for, or a product that is not
         `num_devices`.
     """
