@@ -24,9 +24,12 @@ Measured:
   seconds until the host serves.
 
 ``--placement devices`` (split devices, as `system.inference_devices` places them): the
-trainer's weights on the first device, an embedded host on the others (`InferenceHost` with
-a mesh of its own); a push is ``update_weights`` (device to device, then the serving layout)
-until the host serves it. On a CPU the devices are virtual
+trainer's weights FSDP-sharded over the first ``--trainer-devices`` (as a run holds them),
+an embedded host tensor-parallel over the next ``--host-devices`` (`InferenceHost` with a
+mesh of its own); a push is ``update_weights`` (resharded on the trainer's devices, copied
+device to device, then laid out in the serving layout) until the host serves it. One more
+push runs with every host transfer refused (`sharding.no_host_transfers`): its passing is
+the "0 bytes through host memory" reported. On a CPU the devices are virtual
 (``--xla_force_host_platform_device_count``, set here), so this is a copy in one memory.
 
 Figures are the median (min-max) over ``--repeats`` pushes after ``--warmup`` pushes (3: they
@@ -134,16 +137,26 @@ def background_pushes(
     return held, serving
 
 
-def device_pushes(model: str, host_devices: int, repeats: int) -> tuple[dict, int, list[float]]:
-    """(machine, bytes, seconds) of `repeats` in-process pushes (after a warm-up) from the
-    first device to a host on the next `host_devices`."""
+def device_pushes(
+    model: str, trainer_devices: int, host_devices: int, repeats: int
+) -> tuple[dict, int, list[float], bool]:
+    """(machine, bytes, seconds, whether a push passes with host transfers refused) of
+    `repeats` in-process pushes (after a warm-up) from a trainer holding the weights as a
+    run does (FSDP over the first `trainer_devices`) to a host on the next `host_devices`
+    (tensor-parallel over them)."""
     from a3po_jax.inference.host import InferenceHost
+    from a3po_jax.parallel import sharding
     from a3po_jax.parallel.sharding import make_mesh
 
     loaded = load_model(model)
     devices = jax.devices()
-    params = jax.device_put(loaded.params, devices[0])
-    mesh = make_mesh(1, 1, host_devices, devices=devices[1 : 1 + host_devices])
+    trainer = make_mesh(1, trainer_devices, 1, devices=devices[:trainer_devices])
+    params = jax.device_put(
+        loaded.params, sharding.param_shardings(loaded.params, trainer, sharding.TRAIN_RULES)
+    )
+    mesh = make_mesh(
+        1, 1, host_devices, devices=devices[trainer_devices : trainer_devices + host_devices]
+    )
     host = InferenceHost(loaded.config, params, num_slots=2 * host_devices, mesh=mesh).start()
     seconds = []
     try:
@@ -153,9 +166,17 @@ def device_pushes(model: str, host_devices: int, repeats: int) -> tuple[dict, in
             assert host.wait_serving(version, timeout=600)
             if version > 1:
                 seconds.append(time.perf_counter() - t0)
+        try:  # one more, with every host transfer refused: none of its bytes pass there
+            with sharding.no_host_transfers():
+                host.update_weights(params, repeats + 2)
+            device_to_device = True
+        except Exception as err:  # the guard's refusal (a JaxRuntimeError)
+            print(f"a push with host transfers refused failed: {str(err)[:200]}")
+            device_to_device = False
     finally:
         host.close()
-    return describe_machine(), sum(x.nbytes for x in jax.tree.leaves(params)), seconds
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    return describe_machine(), nbytes, seconds, device_to_device
 
 
 def summary(values: list[float]) -> str:
@@ -176,6 +197,9 @@ def main(argv: list[str] | None = None):
     )
     p.add_argument("--placement", default="cores", choices=("cores", "devices"))
     p.add_argument("--host-devices", type=int, default=1, help="devices: the host's (tensor)")
+    p.add_argument(
+        "--trainer-devices", type=int, default=2, help="devices: the trainer's (FSDP), first"
+    )
     args = p.parse_args(argv)
     if args.placement == "devices":
         return main_devices(args)
@@ -254,22 +278,27 @@ def main(argv: list[str] | None = None):
 
 
 def main_devices(args) -> None:
-    """--placement devices: the in-process device-to-device push."""
+    """--placement devices: the in-process device-to-device push from an FSDP trainer."""
+    count = args.trainer_devices + args.host_devices
     if jax.config.jax_platforms in (None, "", "cpu") and "device_count" not in os.environ.get(
         "XLA_FLAGS", ""
     ):  # virtual CPU devices; read when the backend starts, which it has not yet
         os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={1 + args.host_devices}"
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
         )
-    machine, nbytes, seconds = device_pushes(args.model, args.host_devices, args.repeats)
+    machine, nbytes, seconds, device_to_device = device_pushes(
+        args.model, args.trainer_devices, args.host_devices, args.repeats
+    )
     gb = nbytes / 1e9
     print(
-        f"{args.model}: {gb:.3f} GB; trainer on {jax.devices()[0]}, host on "
-        f"{args.host_devices} other device(s); {machine['device']}, {machine['cpu']}"
+        f"{args.model}: {gb:.3f} GB; trainer FSDP over {args.trainer_devices} device(s), host "
+        f"tensor-parallel over {args.host_devices} other device(s); {machine['device']}, "
+        f"{machine['cpu']}"
     )
     gbps = gb / statistics.median(seconds)
     print(f"{'push (call -> serving)':<30}{summary(seconds):>24}{gbps:>12.2f} GB/s")
+    through_host = "0 (a push with host transfers refused passed)" if device_to_device else "some"
+    print(f"{'bytes through host memory':<30}{through_host:>24}")
     print(
         json.dumps(
             {
@@ -277,6 +306,9 @@ def main_devices(args) -> None:
                 "bytes": nbytes,
                 "seconds": seconds,
                 "push_gbps": gb / statistics.median(seconds),
+                "trainer_devices": args.trainer_devices,
+                "host_devices": args.host_devices,
+                "host_memory_bytes": 0 if device_to_device else None,
                 "machine": machine,
                 "placement": "devices",
             }

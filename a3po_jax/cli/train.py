@@ -203,12 +203,14 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
         except ValueError as err:
             raise Refused(f"config error: {err}") from err
     task = preflight(cfg, replay=args.replay is not None)
+    setup = join_job()
+    check_placement(cfg)
     # The run is accepted: its run dir is the first thing written (and taken back, if
     # empty, should the run still be refused before it trains).
     created = make_run_dir(cfg.run_dir)
     stop.run_dir, stop.phase = cfg.run_dir, "before training started"
     try:
-        return _start(args, cfg, start, task, stop)
+        return _start(args, cfg, start, task, stop, setup)
     except Refused:
         remove_empty_dirs(created)
         raise
@@ -234,8 +236,8 @@ def validate(experiment: str, overrides: list[str], *, resume: bool = False) -> 
     """Everything ``a3po-train EXPERIMENT OVERRIDES`` checks before it starts, without
     starting: the config (fields, combinations), the run dir (no checkpoints unless
     ``resume``; made and removed again, so that a path no check foresees, such as one
-    under ``/proc``, is found), the task and its data, the model name, the host token.
-    Leaves nothing behind.
+    under ``/proc``, is found), the task and its data, the model name, the host token, the
+    placement on this process's devices (`check_placement`). Leaves nothing behind.
 
     Raises:
       Refused: with the one line ``a3po-train`` would print.
@@ -245,6 +247,7 @@ def validate(experiment: str, overrides: list[str], *, resume: bool = False) -> 
     check_run_dir_creatable(cfg.run_dir)
     check_run_dir(cfg, resume=resume)
     preflight(cfg)
+    check_placement(cfg)
     remove_empty_dirs(make_run_dir(cfg.run_dir))
     return cfg
 
@@ -280,16 +283,53 @@ def preflight(cfg: TrainConfig, *, replay: bool = False):
     return task
 
 
-def _start(args: argparse.Namespace, cfg: TrainConfig, start: int, task, stop: StopSignals) -> int:
-    """Everything after the run was accepted: join the job, announce, load, train."""
-    # Several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
-    # scripts/launch.py sets them) join one job before anything touches a device.
+def join_job():
+    """This process's place in its job (`distributed.initialize`): several processes
+    (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as scripts/launch.py
+    sets them) join one job before anything touches a device."""
     from a3po_jax.parallel import distributed
 
     try:
-        setup = distributed.initialize()
+        return distributed.initialize()
     except ValueError as err:
         raise Refused(f"distributed setup: {err}") from err
+
+
+def check_placement(cfg: TrainConfig) -> None:
+    """The run's placement (meshes, the host's devices, the batch's parts) against this
+    job's devices and the model's config, read without weights, so that a placement that
+    cannot run is refused naming its fields before the model loads
+    (`host_placement.check_placement`). Touches the devices: after `join_job`."""
+    import jax
+
+    from a3po_jax.model.loader import load_model_config
+    from a3po_jax.training import host_placement
+
+    model = cfg.model
+    try:
+        model_config = load_model_config(
+            model.name,
+            param_dtype=model.param_dtype,
+            compute_dtype=model.compute_dtype,
+            remat=model.remat,
+        )
+    except (OSError, ValueError) as err:
+        raise Refused(
+            f"config error: model.name={model.name!r}: cannot read its config: {err}"
+        ) from err
+    try:
+        host_placement.check_placement(
+            cfg, model_config, jax.device_count(), processes=jax.process_count()
+        )
+    except ValueError as err:
+        raise Refused(f"config error: {err}") from err
+
+
+def _start(
+    args: argparse.Namespace, cfg: TrainConfig, start: int, task, stop: StopSignals, setup
+) -> int:
+    """Everything after the run was accepted and its job joined (`join_job`): announce,
+    load, train."""
     leader = setup.process_id == 0
 
     # Heavy imports only once the config is known to be good.

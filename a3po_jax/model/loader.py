@@ -57,6 +57,34 @@ def check_model_name(name: str) -> pathlib.Path | None:
     return path
 
 
+def load_model_config(
+    name: str, *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: bool = False
+) -> ModelConfig:
+    """The `ModelConfig` `load_model(name, ...)` would build, read without any weights (a
+    checkpoint's config.json, a .gguf's metadata; SmolLM2's known architecture, so that its
+    cache need not be prepared): what a run checks its placement against before loading.
+
+    Raises:
+      FileNotFoundError: as `check_model_name`.
+      ValueError: a config the loader would refuse (`checkpoint_io.CheckpointError`).
+    """
+    numerics = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat)
+    if name == "tiny":
+        return ModelConfig.tiny(max_seq_len=TINY_MAX_SEQ_LEN, **numerics)
+    from a3po_jax.model import assets, checkpoint_io
+
+    if name == "smollm2":
+        return assets.smollm2_config(**numerics)
+    path = check_model_name(name)
+    if path.suffix == ".gguf":
+        import gguf
+
+        from a3po_jax.model import gguf_io
+
+        return gguf_io.gguf_config(gguf.GGUFReader(str(path)), **numerics)
+    return checkpoint_io.load_hf_config(path, **numerics)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     """A model ready to run: its architecture, its parameters and its tokenizer."""

@@ -18,6 +18,7 @@ Training layer (host-side shell). One setting of ``system`` picks the placement
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 
@@ -25,6 +26,7 @@ import jax
 from jax.sharding import Mesh
 
 from a3po_jax.inference.remote.pool import HostPool
+from a3po_jax.parallel import sharding
 from a3po_jax.parallel.sharding import make_mesh
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,114 @@ def meshes(system) -> tuple[Mesh, Mesh | None]:
         system.mesh_data, system.mesh_fsdp, system.mesh_tensor, devices=trainer_devices
     )
     return mesh, host_mesh
+
+
+# The model's dimension each logical axis a sharding rule splits, as a ModelConfig field.
+MODEL_DIMENSIONS = {
+    "vocab": "vocab_size",
+    "embed": "d_model",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "head_dim": "head_dim",
+    "mlp": "ffn_dim",
+}
+# The config fields behind the trainer's mesh axes.
+TRAINER_AXES = {
+    "data": "system.mesh_data",
+    "fsdp": "system.mesh_fsdp",
+    "tensor": "system.mesh_tensor",
+}
+
+
+def check_placement(cfg, model_config, num_devices: int, *, processes: int = 1) -> None:
+    """Every placement `meshes`, the placed train state, the batch and the embedded host
+    would refuse, checked from the config, the model's config (no weights) and the device
+    count, before anything loads: the devices ``system.inference_devices`` leaves the
+    trainer, the trainer's ``system.mesh_*`` sizes against them, each mesh axis against the
+    model's dimensions it splits (`sharding.TRAIN_RULES` / `INFERENCE_RULES`), a micro-batch
+    against the trainer's batch parts, and the host's slots against its ``data`` axis.
+
+    Raises:
+      ValueError: one line naming the fields (and the model dimension) that do not fit.
+    """
+    system = cfg.system
+    host = system.inference_devices
+    if host and processes > 1:
+        raise ValueError(
+            f"system.inference_devices={host} runs in one process so far; this job has "
+            f"{processes} processes (serve from hosts of their own: system.inference_hosts, "
+            "scripts/launch.py)"
+        )
+    if host and not 0 < host < num_devices:
+        raise ValueError(
+            f"system.inference_devices={host} must leave the trainer at least one of the "
+            f"{num_devices} devices ({jax.default_backend()}; on a CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
+    trainer_devices = num_devices - host
+    whose = f"devices left to the trainer by system.inference_devices={host}" if host else "devices"
+    requested = {"data": system.mesh_data, "fsdp": system.mesh_fsdp, "tensor": system.mesh_tensor}
+    sizes = sharding.mesh_sizes(
+        requested, trainer_devices, names=TRAINER_AXES, where="the trainer's mesh", devices=whose
+    )
+    described = {axis: f"{TRAINER_AXES[axis]}={sizes[axis]}" for axis in sizes}
+    _check_dimensions(model_config, cfg.model.name, sizes, described, sharding.TRAIN_RULES)
+    _check_batch(cfg, sizes, described)
+    if host:
+        tensor = system.inference_mesh_tensor
+        host_sizes = {"data": host // tensor, "fsdp": 1, "tensor": tensor}
+        data = f"system.inference_devices={host} / system.inference_mesh_tensor={tensor}"
+        host_described = {
+            "data": f"the host's data axis ({data} = {host // tensor})",
+            "fsdp": "the host's fsdp axis (1)",
+            "tensor": f"system.inference_mesh_tensor={tensor}",
+        }
+        _check_dimensions(
+            model_config, cfg.model.name, host_sizes, host_described, sharding.INFERENCE_RULES
+        )
+        slots = cfg.rollout.num_slots
+        if slots % host_sizes["data"]:
+            raise ValueError(
+                f"rollout.num_slots={slots} must be a multiple of the host's data axis ({data} "
+                f"= {host_sizes['data']}): the slots are split over it"
+            )
+
+
+def _check_dimensions(model_config, model_name, sizes, described, rules) -> None:
+    """ValueError naming the mesh's fields and the model's dimension they do not divide."""
+    for logical, axes in sharding.rule_axes(rules).items():
+        parts = math.prod(sizes[axis] for axis in axes)
+        if parts == 1 or logical not in MODEL_DIMENSIONS:
+            continue
+        field = MODEL_DIMENSIONS[logical]
+        value = getattr(model_config, field)
+        if value % parts:
+            fields = " x ".join(described[axis] for axis in axes)
+            raise ValueError(
+                f"{fields} does not divide the model's {field}={value} "
+                f"(model.name={model_name!r}): the {logical!r} axis of its weights is split "
+                f"over it"
+            )
+
+
+def _check_batch(cfg, sizes, described) -> None:
+    """ValueError naming the fields when a micro-batch does not split over the trainer's
+    batch parts (its data x fsdp axes)."""
+    from a3po_jax.core.batch_plan import BatchPlan
+
+    axes = sharding.rule_axes(sharding.TRAIN_RULES)["batch"]
+    parts = math.prod(sizes[axis] for axis in axes)
+    plan = cfg.batch_plan if parts == 1 else BatchPlan.from_config(cfg, batch_shards=parts)
+    rows = plan.leading_rows_per_micro_batch
+    if rows % parts:
+        kind = "packed rows" if plan.packed else "sequences"
+        raise ValueError(
+            f"a micro-batch's {rows} {kind} (rollout.group_size={cfg.rollout.group_size}, "
+            f"rollout.groups_per_step={cfg.rollout.groups_per_step}, "
+            f"algo.num_minibatches={cfg.algo.num_minibatches}, "
+            f"system.micro_batch_size={cfg.system.micro_batch_size}) do not split over the "
+            f"trainer's {parts} batch parts ({' x '.join(described[a] for a in axes)})"
+        )
 
 
 def device_split(num_inference: int) -> tuple[list[jax.Device], list[jax.Device]]:

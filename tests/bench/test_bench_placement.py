@@ -84,4 +84,6 @@ def test_bench_weight_push_between_devices_in_one_process():
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["placement"] == "devices" and len(report["seconds"]) == 2
-    assert report["push_gbps"] > 0 and "host on 1 other device(s)" in done.stdout
+    assert report["push_gbps"] > 0 and "over 1 other device(s)" in done.stdout
+    # From an FSDP trainer on 2 devices, as a run pushes; none of it through host memory.
+    assert report["trainer_devices"] == 2 and report["host_memory_bytes"] == 0

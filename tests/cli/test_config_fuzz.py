@@ -29,6 +29,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from helpers.processes import cpu_env
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -215,6 +216,10 @@ def test_bad_numbers_from_the_command_line_are_refused_naming_the_field(workdir,
 @example(key="algo.clip_eps", text="0")
 @example(key="steps", text="0")
 @example(key="optim.eps", text="0")
+# Placements this process's one device cannot take, refused before the model loads.
+@example(key="system.inference_devices", text="1")
+@example(key="system.mesh_fsdp", text="2")
+@example(key="system.mesh_data", text="2147483647")
 @given(
     key=st.sampled_from(NUMERIC),
     text=st.sampled_from(["0", "0.0", "1", "1e-30", "1e30", "2147483647"]),
@@ -507,3 +512,78 @@ def test_reported_bad_values_end_in_one_line_and_exit_2(tmp_path, override, mess
     assert proc.stderr.startswith(f"a3po-train: {message}"), proc.stderr
     assert proc.stdout == ""
     assert not run_dir.exists()
+
+
+# What split devices were refused with once the model had loaded and the run was announced,
+# on 4 virtual devices; now one line naming the fields, before the start-up line.
+PLACEMENTS = [
+    (
+        ["system.inference_devices=3", "system.inference_mesh_tensor=3"],
+        "config error: system.inference_mesh_tensor=3 does not divide the model's vocab_size=128",
+    ),
+    (
+        ["system.inference_devices=2", "system.mesh_fsdp=4"],
+        "config error: the trainer's mesh: system.mesh_data=1 x system.mesh_fsdp=4 x "
+        "system.mesh_tensor=1 = 4 but there are 2 devices left to the trainer by "
+        "system.inference_devices=2",
+    ),
+]
+# The other placements refused after the load before, each through validate() on 4 devices.
+MORE_PLACEMENTS = [
+    (["system.inference_devices=4"], "system.inference_devices"),
+    (["system.mesh_data=3"], "system.mesh_fsdp=-1"),
+    (["system.inference_devices=1", "system.mesh_fsdp=3"], "system.mesh_fsdp=3"),
+    (["system.mesh_tensor=4"], "system.mesh_tensor=4"),
+    (["system.inference_devices=2", "rollout.num_slots=3"], "rollout.num_slots=3"),
+    (["system.mesh_fsdp=4", "rollout.group_size=2", "rollout.groups_per_step=1"], "mesh_fsdp=4"),
+]
+
+
+@pytest.mark.multidevice
+def test_split_device_placements_are_refused_before_the_model_loads(tmp_path):
+    """On 4 virtual devices: exit 2, one stderr line naming the fields and no other line
+    (no start-up line, no "loading model"), no run dir; then every other placement refused
+    through the CLI's checks, naming its fields."""
+    env = cpu_env(4)
+    for overrides, message in PLACEMENTS:
+        run_dir = tmp_path / "x"
+        argv = [SMOKE, f"run_dir={run_dir}", "steps=2", *overrides]
+        proc = subprocess.run(
+            [sys.executable, "-m", "a3po_jax.cli.train", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr  # one line only
+        assert proc.stderr.startswith(f"a3po-train: {message}"), proc.stderr
+        assert proc.stdout == "" and not run_dir.exists()
+    script = (
+        "import json, sys\n"
+        "from a3po_jax.cli.train import Refused, validate\n"
+        "out = []\n"
+        "for overrides in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        validate(sys.argv[2], [f'run_dir={sys.argv[3]}', *overrides])\n"
+        "        out.append(None)\n"
+        "    except Refused as err:\n"
+        "        out.append(str(err))\n"
+        "print(json.dumps(out))\n"
+    )
+    cases = [overrides for overrides, _ in MORE_PLACEMENTS]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases), SMOKE, str(tmp_path / "y")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (overrides, field), answer in zip(MORE_PLACEMENTS, answers, strict=True):
+        assert answer is not None, f"{overrides} was accepted on 4 devices"
+        assert field in answer and "\n" not in answer, (overrides, answer)
+    assert not (tmp_path / "y").exists()

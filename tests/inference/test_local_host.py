@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.inference_reference import collect, start_grpc_server, stop_grpc_server
 
+from a3po_jax.inference.remote import local_process
 from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
 from a3po_jax.inference.remote.local_process import LocalHostProcess
 from a3po_jax.inference.transfer import shared_memory
@@ -67,8 +68,10 @@ def test_local_host_runs_on_its_cores_with_a_private_token_and_ends_at_close():
     ).start()
     try:
         assert allowed_cores(host.pid) == CORES[:1]
-        token_file = host.log_path.parent / "token"
-        assert token_file.stat().st_mode & 0o077 == 0  # readable by its owner only
+        folder = host.log_path.parent
+        assert folder.stat().st_mode & 0o077 == 0  # its owner's only
+        # The child read its token before it served: the file is gone, the log alone stays.
+        assert [f.name for f in folder.iterdir()] == ["host.log"]
         client = GrpcInferenceClient(host.address, host.token)
         assert client.stats()["update_policy"] == "drain"
         client.submit(
@@ -84,7 +87,7 @@ def test_local_host_runs_on_its_cores_with_a_private_token_and_ends_at_close():
         client.close()
     finally:
         host.close()
-    assert gone(host.pid, 10) and not token_file.exists()
+    assert gone(host.pid, 10) and not folder.exists()
 
 
 def test_core_split_leaves_the_trainer_a_core():
@@ -96,7 +99,9 @@ def test_core_split_leaves_the_trainer_a_core():
 @pytest.mark.e2e
 def test_a_trainer_killed_with_sigkill_leaves_no_host_process(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    temp = tmp_path / "tmp"  # the trainer's temporary directory: the host's folder goes there
+    temp.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(temp))
     trainer = subprocess.Popen(
         [
             sys.executable,
@@ -130,6 +135,11 @@ def test_a_trainer_killed_with_sigkill_leaves_no_host_process(tmp_path):
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         assert gone(host, 15), "the host outlived its trainer"
+        # No token left; the folder (host.log) is the dead trainer's, which a start removes.
+        (folder,) = temp.glob(f"{local_process.FOLDER_PREFIX}{trainer.pid}-*")
+        assert [f.name for f in folder.iterdir()] == ["host.log"]
+        assert local_process.remove_stale_folders(temp) == [folder]
+        assert not list(temp.iterdir())
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -172,3 +182,17 @@ def test_a_host_frees_the_slots_of_a_client_that_went_away(tmp_path):
         watcher.close()
     finally:
         stop_grpc_server(proc)
+
+
+def test_only_the_folders_of_parents_that_no_longer_run_are_removed(tmp_path):
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    prefix = local_process.FOLDER_PREFIX
+    stale = tmp_path / f"{prefix}{finished.pid}-abc"
+    live = tmp_path / f"{prefix}{os.getpid()}-def"  # this process runs: kept
+    other = tmp_path / f"{prefix}notapid-ghi"  # not a local host's name: kept
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "host.log").write_text("log")
+    assert local_process.remove_stale_folders(tmp_path) == [stale]
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])

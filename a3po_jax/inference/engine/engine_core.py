@@ -231,6 +231,7 @@ class EngineCore:
         # (leaves of the params last split, their split). The leaves are held so that their
         # ids cannot be reused by new arrays while the entry lives.
         self._split: tuple[list[jax.Array], decode_layout.DecodeParams] | None = None
+        self._split_jits: dict = {}  # the mesh's layout programs, by the params' shapes
 
     @property
     def max_prompt_length(self) -> int:
@@ -338,20 +339,34 @@ class EngineCore:
     def split_params(self, params: Params) -> decode_layout.DecodeParams:
         """`decode_layout.decode_params(params)` in this engine's layout (a new split, not
         cached), laid out for its ``tensor`` size and, on a mesh, placed on it."""
-        split = decode_layout.decode_params(
-            params, self.config, out_major=self.out_major, shards=self.shards
-        )
-        if self.mesh.size > 1:
-            split = jax.device_put(split, decode_layout.decode_shardings(split, self.mesh))
-        return split
+
+        def layout(params):
+            return decode_layout.decode_params(
+                params, self.config, out_major=self.out_major, shards=self.shards
+            )
+
+        if self.mesh.size == 1:
+            return layout(params)
+        # Laid out straight into the mesh's shardings, on its devices: a `device_put` of a
+        # layout placed as XLA chose would reshard through host memory.
+        leaves, treedef = jax.tree.flatten(params)
+        key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+        if key not in self._split_jits:
+            out = decode_layout.decode_shardings(jax.eval_shape(layout, params), self.mesh)
+            self._split_jits[key] = jax.jit(layout, out_shardings=out)
+        return self._split_jits[key](params)
 
     def place_params(self, params: Params) -> Params:
-        """`params` (stacked, on any devices) on this engine's devices, device to device: on
-        a mesh, split over ``tensor`` as `sharding.INFERENCE_RULES` says."""
+        """`params` (stacked, on any devices) on this engine's devices, device to device
+        (`sharding.device_to_device`: no byte through host memory, from a trainer's FSDP
+        shards too): on a mesh, split over ``tensor`` as `sharding.INFERENCE_RULES` says."""
         if self.mesh.size == 1:
-            return jax.device_put(params, self.mesh.devices.flat[0])
+            device = self.mesh.devices.flat[0]
+            whole = jax.tree.map(lambda _: replicated(self.mesh), params)
+            # On its device as one: params already there are aliased, not copied.
+            return jax.device_put(sharding.device_to_device(params, whole), device)
         shardings = sharding.param_shardings(params, self.mesh, sharding.INFERENCE_RULES)
-        return jax.device_put(params, shardings)
+        return sharding.device_to_device(params, shardings)
 
     def decode_params(self, params: Params) -> decode_layout.DecodeParams:
         """`params` split per layer for the decode step; the split is cached, so calling this

@@ -13,6 +13,12 @@ private directory removed at `close`). It pins itself to `cores` before JAX star
 sizes its thread pool to them), and it ends with its parent on every path: `close`, the
 parent's exit, and the parent being killed with SIGKILL (``--exit-with-parent``: Linux's
 parent-death signal, and a watch of the parent's pid where that signal does not exist).
+
+Nothing is left behind however the parent ends: the token file is removed as soon as the
+child serves (it has read it; both keep the token in memory), and the private directory
+(its ``host.log``) is named after the parent's pid, so the next start removes those of
+parents that no longer run (`remove_stale_folders`), after a SIGKILL that let no clean-up
+run.
 """
 
 from __future__ import annotations
@@ -32,6 +38,44 @@ from a3po_jax.inference.remote.grpc_server import READY_LINE
 from a3po_jax.inference.types import InferenceError
 
 log = logging.getLogger(__name__)
+
+# The private directory of a local host: this prefix, the parent's pid, a dash, random.
+FOLDER_PREFIX = "a3po-host-"
+
+
+def remove_stale_folders(parent: str | os.PathLike | None = None) -> list[Path]:
+    """Removes the private directories (in `parent`, default the temporary directory) of
+    local hosts whose starting process no longer runs and which this user owns: what a
+    parent killed with SIGKILL left (its ``host.log``; the token was already gone). Returns
+    the directories removed."""
+    removed = []
+    root = Path(parent if parent is not None else tempfile.gettempdir())
+    try:
+        candidates = list(root.glob(f"{FOLDER_PREFIX}*-*"))
+    except OSError:
+        return removed
+    for folder in candidates:
+        pid = folder.name[len(FOLDER_PREFIX) :].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or folder.lstat().st_uid != os.getuid():
+                continue
+            if _running(int(pid)) or not folder.is_dir():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True
 
 
 class LocalHostProcess:
@@ -100,7 +144,10 @@ class LocalHostProcess:
         log) if it exits or does not serve within `start_timeout_s`."""
         if self.proc is not None:
             raise RuntimeError("LocalHostProcess.start() called twice")
-        self._dir = Path(tempfile.mkdtemp(prefix="a3po-host-"))  # mode 0700
+        for stale in remove_stale_folders():
+            log.info("removed %s, left by a local host's parent that was killed", stale)
+        # Mode 0700; the pid in the name lets a later start find it if this process is killed.
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
         token_file = self._dir / "token"
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -145,6 +192,8 @@ class LocalHostProcess:
                 + f"; the end of its log:\n{tail}"
             )
         self.address = ready[0]
+        # The child read it before it served: a SIGKILL from here on leaves no token behind.
+        token_file.unlink(missing_ok=True)
         log.info("local inference host pid %d on %s, cores %s", self.pid, self.address, self.cores)
         return self
 
