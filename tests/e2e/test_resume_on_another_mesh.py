@@ -141,12 +141,13 @@ def test_killed_on_4_devices_resumes_on_2_and_again_on_4(tmp_path):
         assert summary["version"] == summary["adam_count"] == summary["step"], summary
         assert len(summary["meshes"]) == 5
 
-    # A mesh that cannot hold the model is refused by name; the run dir stays as it was.
+    # A mesh that cannot hold the model is refused by name (before the model loads); the run
+    # dir stays as it was.
     # So is one that does not divide the batch's rows (4 prompts x 8 samples over 3).
     before = {p: p.read_bytes() for p in (run_dir / "ledger.jsonl", run_dir / "config.json")}
     for devices, settings, named in (
-        (4, ["system.mesh_tensor=4"], ["system.mesh_tensor=4:", "kv_heads = 2"]),
-        (3, ["system.mesh_data=3", "system.mesh_fsdp=1"], ["system.mesh_data=3,", "batch = 32"]),
+        (4, ["system.mesh_tensor=4"], ["system.mesh_tensor=4", "n_kv_heads=2"]),
+        (3, ["system.mesh_data=3", "system.mesh_fsdp=1"], ["32 sequences", "system.mesh_data=3"]),
     ):
         refused = subprocess.run(
             [sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",
