@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -143,3 +144,26 @@ class RewardStage:
         with self._lock:
             self._seconds += time.perf_counter() - t0
         return rollouts
+
+
+def scorer_metrics(rollouts: Sequence[Any]) -> dict[str, Any]:
+    """What scored the step's samples (their ``info``, written by the reward stage,
+    :mod:`a3po_jax.rollout.scoring`): ``reward/scorer``, the ``name@version`` of each
+    scorer, comma-separated; and, where a scorer other than the verifier scored,
+    ``reward/gold_score_mean``, the mean of the verifier's scores of the same samples (the
+    gold reward beside the learned one). Nothing for samples that do not say (recordings
+    from before the stage)."""
+    labels = sorted(
+        {
+            f"{r.info['scorer']}@{r.info.get('scorer_version', '')}"
+            for r in rollouts
+            if "scorer" in r.info
+        }
+    )
+    out: dict[str, Any] = {}
+    if labels:
+        out["reward/scorer"] = ", ".join(labels)
+    gold = [float(r.info["gold_score"]) for r in rollouts if "gold_score" in r.info]
+    if gold:
+        out["reward/gold_score_mean"] = float(np.mean(gold))
+    return out

@@ -44,6 +44,7 @@ import numpy as np
 
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.rollout.admission import staleness_metrics, trained_staleness
+from a3po_jax.rollout.scoring import scorer_metrics
 
 log = logging.getLogger(__name__)
 
@@ -579,26 +580,3 @@ def step_record(
         record.update(length_metrics(counters["queue"]))
     record.update(scorer_metrics(rollouts))
     return record
-
-
-def scorer_metrics(rollouts: Sequence[Any]) -> dict[str, Any]:
-    """What scored the step's samples (their ``info``, written by the reward stage,
-    :mod:`a3po_jax.rollout.scoring`): ``reward/scorer``, the ``name@version`` of each
-    scorer, comma-separated; and, where a scorer other than the verifier scored,
-    ``reward/gold_score_mean``, the mean of the verifier's scores of the same samples (the
-    gold reward beside the learned one). Nothing for samples that do not say (recordings
-    from before the stage)."""
-    labels = sorted(
-        {
-            f"{r.info['scorer']}@{r.info.get('scorer_version', '')}"
-            for r in rollouts
-            if "scorer" in r.info
-        }
-    )
-    out: dict[str, Any] = {}
-    if labels:
-        out["reward/scorer"] = ", ".join(labels)
-    gold = [float(r.info["gold_score"]) for r in rollouts if "gold_score" in r.info]
-    if gold:
-        out["reward/gold_score_mean"] = float(np.mean(gold))
-    return out
