@@ -146,27 +146,11 @@ def _run(args: argparse.Namespace) -> int:
     return _train(args, train, held, pairs_sha, out)
 
 
-def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
-    # Heavy imports once the arguments and the pairs are known to be good.
-    import jax
-
-    from a3po_jax.core.bradley_terry import PairBatch, jit_pair_eval, jit_reward_step
-    from a3po_jax.core.optim import make_optimizer
-    from a3po_jax.core.placement import place_train_state
+def _load_model(args: argparse.Namespace):
+    """The reward model to train (``--model``) and the mesh it trains on, or a refusal."""
     from a3po_jax.model.checkpoint_io import CheckpointError
-    from a3po_jax.model.reward_model import INFO_FILE, init_reward_model, weights_version
+    from a3po_jax.model.reward_model import init_reward_model
     from a3po_jax.parallel.sharding import check_batch_divisible, make_mesh
-    from a3po_jax.tasks.reward_model_scorer import (
-        bucket_for,
-        length_buckets,
-        pad_rows,
-        reward_model_tokens,
-    )
-    from a3po_jax.training.checkpointing import (
-        CheckpointManager,
-        restore_train_state,
-        save_train_state,
-    )
 
     try:
         model = init_reward_model(
@@ -190,51 +174,110 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
         check_batch_divisible(args.batch_size, mesh)
     except ValueError as err:
         raise Refused(f"--batch-size {args.batch_size}: {err}") from err
+    return model, mesh
 
-    def encode(split):
-        rows = [
-            (
-                reward_model_tokens(model.tokenizer, p.prompt, p.chosen),
-                reward_model_tokens(model.tokenizer, p.prompt, p.rejected),
-            )
-            for p in split
-        ]
-        return rows
 
-    train_rows, held_rows = encode(train), encode(held)
-    longest = max(len(side) for rows in (train_rows, held_rows) for pair in rows for side in pair)
-    truncated = sum(
-        max(len(c), len(r)) > args.max_length for rows in (train_rows, held_rows) for c, r in rows
-    )
-    length = bucket_for(longest, length_buckets(args.max_length))
-    print(
-        f"tokens: longest side {longest}, padded to {length}; {truncated} pairs longer than "
-        f"--max-length keep their last {args.max_length} tokens",
-        file=sys.stderr,
-    )
+class _PairRows:
+    """The pairs tokenized as the pipeline scores them (``reward_model_tokens``), padded to
+    one length bucket, and the batches drawn from them."""
 
-    def batch_of(rows, mask_count=None):
-        count = len(rows) if mask_count is None else mask_count
-        chosen, chosen_len = pad_rows(
-            [c for c, _ in rows], length, args.batch_size, model.pad_token_id
+    def __init__(self, args: argparse.Namespace, model, train, held):
+        from a3po_jax.tasks.reward_model_scorer import (
+            bucket_for,
+            length_buckets,
+            reward_model_tokens,
         )
-        rejected, rejected_len = pad_rows(
-            [r for _, r in rows], length, args.batch_size, model.pad_token_id
+
+        def encode(split):
+            return [
+                (
+                    reward_model_tokens(model.tokenizer, p.prompt, p.chosen),
+                    reward_model_tokens(model.tokenizer, p.prompt, p.rejected),
+                )
+                for p in split
+            ]
+
+        self.args, self.pad_id = args, model.pad_token_id
+        self.train, self.held = encode(train), encode(held)
+        rows = (*self.train, *self.held)
+        longest = max(len(side) for pair in rows for side in pair)
+        self.truncated = sum(max(len(c), len(r)) > args.max_length for c, r in rows)
+        self.length = bucket_for(longest, length_buckets(args.max_length))
+        print(
+            f"tokens: longest side {longest}, padded to {self.length}; {self.truncated} pairs "
+            f"longer than --max-length keep their last {args.max_length} tokens",
+            file=sys.stderr,
         )
-        mask = (np.arange(args.batch_size) < count).astype(np.float32)
+
+    def batch_of(self, rows):
+        from a3po_jax.core.bradley_terry import PairBatch
+        from a3po_jax.tasks.reward_model_scorer import pad_rows
+
+        size = self.args.batch_size
+        chosen, chosen_len = pad_rows([c for c, _ in rows], self.length, size, self.pad_id)
+        rejected, rejected_len = pad_rows([r for _, r in rows], self.length, size, self.pad_id)
+        mask = (np.arange(size) < len(rows)).astype(np.float32)
         return PairBatch(chosen, chosen_len, rejected, rejected_len, mask)
 
-    def train_batch(step: int):
+    def train_batch(self, step: int):
         """The pairs of `step`: a seeded permutation per epoch, a function of the step alone
         so a resumed run draws what the first one would have drawn."""
-        n = len(train_rows)
+        n, size = len(self.train), self.args.batch_size
         picks = []
-        for k in range(args.batch_size):
-            g = step * args.batch_size + k
-            order = np.random.default_rng([args.seed, g // n]).permutation(n)
-            picks.append(train_rows[order[g % n]])
-        return batch_of(picks)
+        for k in range(size):
+            g = step * size + k
+            order = np.random.default_rng([self.args.seed, g // n]).permutation(n)
+            picks.append(self.train[order[g % n]])
+        return self.batch_of(picks)
 
+    def held_out(self, eval_fn, params) -> dict | None:
+        """Held-out pair loss and accuracy of `params` (None without held-out pairs)."""
+        if not self.held:
+            return None
+        total = np.zeros(3)
+        for start in range(0, len(self.held), self.args.batch_size):
+            rows = self.held[start : start + self.args.batch_size]
+            total += np.asarray(eval_fn(params, self.batch_of(rows)))
+        return {
+            "loss": total[0] / total[2],
+            "accuracy": total[1] / total[2],
+            "pairs": int(total[2]),
+        }
+
+
+def _resume(args, manager, state, settings: dict, out: pathlib.Path):
+    """The state and step a ``--resume`` continues from, refusing other settings or a
+    checkpoint past ``--steps``; (state, 0, None) for a fresh start."""
+    from a3po_jax.training.checkpointing import restore_train_state
+
+    if not args.resume or manager.latest_step() is None:
+        return state, 0, None
+    saved = manager.read_extra()
+    if saved.get("settings") != settings:
+        changed = sorted(k for k in settings if settings[k] != saved.get("settings", {}).get(k))
+        raise Refused(f"--resume: {out / CHECKPOINTS} was trained with other settings ({changed})")
+    if manager.latest_step() > args.steps:
+        raise Refused(
+            f"--resume: {out / CHECKPOINTS} is at step {manager.latest_step()}, past "
+            f"--steps {args.steps}"
+        )
+    state, extra, start = restore_train_state(manager, state)
+    print(f"resumed from step {start} of {manager.directory}", file=sys.stderr)
+    return state, start, extra["held_out_before"]
+
+
+def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
+    # Heavy imports once the arguments and the pairs are known to be good.
+    import jax
+
+    from a3po_jax.core.bradley_terry import jit_pair_eval, jit_reward_step
+    from a3po_jax.core.optim import make_optimizer
+    from a3po_jax.core.placement import place_train_state
+    from a3po_jax.model.reward_model import INFO_FILE, weights_version
+    from a3po_jax.training.checkpointing import CheckpointManager, save_train_state
+
+    model, mesh = _load_model(args)
+    data = _PairRows(args, model, train, held)
     optimizer = make_optimizer(
         learning_rate=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay
     )
@@ -250,65 +293,25 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
     )
     eval_fn = jit_pair_eval(state.params, mesh, config=model.config, batch_size=args.batch_size)
 
-    def held_out(params) -> dict | None:
-        if not held_rows:
-            return None
-        total = np.zeros(3)
-        for start in range(0, len(held_rows), args.batch_size):
-            rows = held_rows[start : start + args.batch_size]
-            total += np.asarray(eval_fn(params, batch_of(rows)))
-        return {
-            "loss": total[0] / total[2],
-            "accuracy": total[1] / total[2],
-            "pairs": int(total[2]),
-        }
-
     settings = _settings(args, pairs_sha)
     with CheckpointManager(
-        out / CHECKPOINTS,
-        max_to_keep=2,
-        save_interval_steps=args.checkpoint_every,
+        out / CHECKPOINTS, max_to_keep=2, save_interval_steps=args.checkpoint_every,
         async_save=False,
-    ) as manager:
-        start = 0
-        if args.resume and manager.latest_step() is not None:
-            saved = manager.read_extra()
-            if saved.get("settings") != settings:
-                changed = sorted(
-                    k for k in settings if settings[k] != saved.get("settings", {}).get(k)
-                )
-                raise Refused(
-                    f"--resume: {out / CHECKPOINTS} was trained with other settings ({changed})"
-                )
-            if manager.latest_step() > args.steps:
-                raise Refused(
-                    f"--resume: {out / CHECKPOINTS} is at step {manager.latest_step()}, past "
-                    f"--steps {args.steps}"
-                )
-            state, extra, start = restore_train_state(manager, state)
-            before = extra["held_out_before"]
-            print(f"resumed from step {start} of {manager.directory}", file=sys.stderr)
-        else:
-            before = held_out(state.params)
+    ) as manager:  # fmt: skip
+        state, start, before = _resume(args, manager, state, settings, out)
+        if start == 0:
+            before = data.held_out(eval_fn, state.params)
         _print_held_out("before training", before)
-
         metrics, t0 = {}, time.perf_counter()
         for step in range(start, args.steps):
-            state, metrics = step_fn(state, train_batch(step))
+            state, metrics = step_fn(state, data.train_batch(step))
             done = step + 1
             if done % args.log_every == 0 or done == args.steps:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                print(
-                    f"step {done}/{args.steps}  loss {m['loss/bradley_terry']:.4f}  "
-                    f"accuracy {m['reward/pair_accuracy']:.3f}  margin {m['reward/margin']:+.3f}  "
-                    f"grad_norm {m['optim/grad_norm']:.3g}  "
-                    f"({time.perf_counter() - t0:.1f} s)",
-                    flush=True,
-                )
-            extra = {"settings": settings, "held_out_before": before}
+                _print_step(done, args.steps, jax.device_get(metrics), time.perf_counter() - t0)
             if manager.should_save(done) or done == args.steps:
+                extra = {"settings": settings, "held_out_before": before}
                 save_train_state(manager, done, state, extra=extra, force=True)
-    after = held_out(state.params)
+    after = data.held_out(eval_fn, state.params)
     _print_held_out("after training", after)
 
     model.params = jax.device_get(state.params)
@@ -319,7 +322,7 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
         "pairs": len(train) + len(held),
         "train_pairs": len(train),
         "held_out_pairs": len(held),
-        "truncated_pairs": int(truncated),
+        "truncated_pairs": int(data.truncated),
         "steps": args.steps,
         "settings": settings,
         "held_out_before": before,
@@ -329,6 +332,16 @@ def _train(args, train, held, pairs_sha: str, out: pathlib.Path) -> int:
     version = _write_model(model, info, out, INFO_FILE, weights_version)
     print(f"reward model: {out} (version {version}); load it with task.reward=model:{out}")
     return 0
+
+
+def _print_step(done: int, steps: int, metrics: dict, seconds: float) -> None:
+    m = {k: float(v) for k, v in metrics.items()}
+    print(
+        f"step {done}/{steps}  loss {m['loss/bradley_terry']:.4f}  "
+        f"accuracy {m['reward/pair_accuracy']:.3f}  margin {m['reward/margin']:+.3f}  "
+        f"grad_norm {m['optim/grad_norm']:.3g}  ({seconds:.1f} s)",
+        flush=True,
+    )
 
 
 def _print_held_out(when: str, result: dict | None) -> None:
