@@ -108,12 +108,10 @@ class RolloutWorkers:
     ):
         self.host = host
         self.lockstep = lockstep
-        self.task = task
         self.tokenizer = tokenizer
         self.prompts = prompts
         self.sampling = sampling
-        self.reward_config = reward_config
-        self.rewards = RewardStage(
+        self.rewards = RewardStage(  # the task and the shaping live in the reward stage
             scorer,
             task=task,
             config=reward_config,
