@@ -420,6 +420,7 @@ def test_closed_host_rejects_and_fails_pending(params):
         h.submit(GenerateRequest("late", PROMPTS["short"]))
 
 
+@pytest.mark.e2e  # a whole host's every program, compiled afresh for a capacity of its own
 def test_warmup_compiles_every_program_the_loop_runs(params):
     # After warmup no admission pattern (how many prompts arrive together, which bucket)
     # and no window compiles while serving: a compile mid-run stalls every running sample.
@@ -555,6 +556,7 @@ def test_smollm2_greedy_through_host():
     assert tokenizer.decode(r.tokens.tolist()).startswith(" Paris")
 
 
+@pytest.mark.e2e  # a whole host serving every prompt length, its programs compiled afresh
 def test_compiles_a_handful_of_shapes(params):
     # Prompts of every length 1..16 and mixed sampling settings: one decode step per
     # attention window (8, 16, 32, 40), and one prefill and one insert per bucket (8, 16)
