@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers.model_reference import greedy_generate
 
 from a3po_jax import model
@@ -38,6 +39,7 @@ class EchoTask:
         return completion_text
 
 
+@pytest.mark.e2e  # a whole host, its serving thread answering the evaluation
 def test_greedy_evaluation_through_the_host_matches_model_greedy():
     cfg = model.ModelConfig.tiny(max_seq_len=512)
     params = model.init_params(cfg, jax.random.key(3))
