@@ -63,6 +63,10 @@ def test_unmarked_slow():
 def test_marked_slow():
     time.sleep(0.6)
 
+@pytest.mark.docs
+def test_docs_slow():
+    time.sleep(0.6)
+
 def test_unmarked_fast():
     pass
 """
@@ -70,11 +74,24 @@ def test_unmarked_fast():
 
 def test_the_budget_fails_a_slow_unit_test_and_spares_a_marked_one(pytester, monkeypatch):
     pytester.makepyfile(test_budget=BODY)
-    pytester.makeini("[pytest]\nmarkers =\n    e2e: whole runs\n")
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: whole runs\n    docs: pages\n")
     monkeypatch.setenv("A3PO_TEST_BUDGET_S", "0.3")
     result = pytester.runpytest_inprocess("-p", "helpers.tiers", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*test_unmarked_slow took *over the unit-test budget of 0.3 s*"])
     monkeypatch.setenv("A3PO_TEST_BUDGET_S", "0")
     result = pytester.runpytest_inprocess("-p", "helpers.tiers", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
+
+
+def test_a_unit_test_within_the_grace_is_listed_not_failed(pytester, monkeypatch):
+    """Between the budget and 1.5 times it, a passing test stays passed and is named at the
+    end; one machine times a test differently from another."""
+    pytester.makepyfile(test_grace="import time\n\ndef test_a_bit_slow():\n    time.sleep(0.5)\n")
+    monkeypatch.setenv("A3PO_TEST_BUDGET_S", "0.4")  # grace up to 0.6 s
+    result = pytester.runpytest_inprocess("-p", "helpers.tiers", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["*over the unit-test budget, within its 1.5x grace*", "*test_a_bit_slow took *"]
+    )
+    monkeypatch.setenv("A3PO_TEST_BUDGET_S", "0")  # the budget read for this test itself
