@@ -6,6 +6,7 @@ standalone inference host. ``--dry-run`` prints the command every host would run
     python scripts/launch.py tpu-pod EXPERIMENT --tpu NAME --zone ZONE --workers 4 \\
         --inference-tpu NAME2 --inference-address 10.0.0.7 [overrides...] --dry-run
     python scripts/launch.py inference-host --model smollm2 --port 50051 --devices 1
+    python scripts/launch.py join-host EXPERIMENT --port 50061 [the run's overrides]
 
 What works today, and what does not (the launcher does not pretend otherwise):
 
@@ -26,6 +27,10 @@ What works today, and what does not (the launcher does not pretend otherwise):
   it, or set ``A3PO_HOST_TOKEN``).
 * ``inference-host``: a standalone host for any of the above (or for a trainer elsewhere,
   ``system.inference_hosts=ADDRESS:PORT``). Every RPC but Health needs the token.
+* ``join-host``: a host that joins a running job, serving what the run's config asks (its
+  model, dtype, buckets, update policy) and registering itself in the run's
+  ``system.hosts_file`` (``cli.serve --join``); stopping it (SIGTERM, Ctrl-C) makes it
+  leave. Give it the run's experiment and overrides, and the run's token file.
 """
 
 from __future__ import annotations
@@ -179,6 +184,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     host.add_argument("--init-seed", type=int, default=0, help="params seed for --model tiny")
     host.add_argument("--warmup", action="store_true", help="compile every bucket first")
     host.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    join = sub.add_parser(
+        "join-host", help="start a host that joins a running job (its system.hosts_file)"
+    )
+    join.add_argument("experiment", help="the run's experiment file")
+    join.add_argument("overrides", nargs="*", help="the run's section.field=value overrides")
+    _add_host_args(join)
+    join.add_argument("--bind", default="127.0.0.1", help="address to bind (0.0.0.0 = all)")
+    join.add_argument("--advertise", default="", help="address the trainer reaches it at")
+    join.add_argument("--devices", default="", help="CUDA_VISIBLE_DEVICES for the host")
+    join.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     # Subcommands rule out parse_intermixed_args: overrides after options come back as
     # leftovers and are appended here; anything else left over is an error.
     args, rest = parser.parse_known_args(argv)
@@ -370,11 +385,38 @@ def plan_inference_host(args: argparse.Namespace) -> list[HostCommand]:
     return [HostCommand("inference host", env, argv)]
 
 
+def plan_join_host(args: argparse.Namespace) -> list[HostCommand]:
+    """A host serving what the run's config asks, joining it through its membership file
+    (``cli.serve --join``): SIGTERM (Ctrl-C here) makes it leave."""
+    cfg = _resolve(args.experiment, args.overrides)
+    if not cfg.system.hosts_file:
+        raise SystemExit(
+            "launch.py join-host: the run's config sets no system.hosts_file; pass the run's "
+            "own overrides (system.inference_hosts=... system.hosts_file=PATH)"
+        )
+    token = _home(args.token_file, remote=False)
+    if not args.dry_run and not Path(token).is_file():
+        raise SystemExit(f"launch.py join-host: no token file {token}: copy the run's")
+    argv = _host_argv(
+        sys.executable,
+        cfg,
+        port=args.port,
+        bind=args.bind,
+        token_file=token,
+        weight_port=args.weight_port,
+    ) + ("--join", cfg.system.hosts_file)
+    if args.advertise:
+        argv += ("--advertise", args.advertise)
+    env = {"CUDA_VISIBLE_DEVICES": args.devices} if args.devices else {}
+    return [HostCommand("inference host", env, argv)]
+
+
 PLANS = {
     "cpu": plan_cpu,
     "gpu-node": plan_gpu_node,
     "tpu-pod": plan_tpu_pod,
     "inference-host": plan_inference_host,
+    "join-host": plan_join_host,
 }
 
 

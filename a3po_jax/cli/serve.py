@@ -6,10 +6,18 @@ CLI layer (entry points): nothing in the package imports it.
         --host 127.0.0.1 --token-file ~/.a3po_host_token [--update-policy drain]
 
 Prints ``A3PO_HOST_READY host:port`` once it serves (`scripts/launch.py` and the tests wait
-for that line). SIGTERM stops it cleanly; with ``--exit-with-parent PID`` it also stops when
-process PID is gone (a trainer that started it and was killed, even with SIGKILL);
-SIGUSR1 prints every thread's stack to stderr (a host that seems stuck). What
-`--model` accepts, how the token is chosen and what the server checks is in
+for that line). SIGTERM stops it cleanly (a second one at once); with ``--exit-with-parent
+PID`` it also stops when process PID is gone (a trainer that started it and was killed, even
+with SIGKILL); SIGUSR1 prints every thread's stack to stderr (a host that seems stuck).
+
+With ``--join PATH`` it joins a running job: PATH is the run's membership file
+(``system.hosts_file``). Once it serves, the host appends its own line (the trainer then
+checks it, pushes it the newest weights and routes requests to it); on SIGTERM it leaves:
+removes its line, finishes what the pool still gives it, and stops once it has been idle
+for ``--leave-quiet-s`` (at most ``--leave-wait-s``). A file that is missing, or whose run
+has ended, is refused before the model loads.
+
+What `--model` accepts, how the token is chosen and what the server checks is in
 `a3po_jax.inference.remote.grpc_server`; the update policies are in `a3po_jax.inference.host`.
 """
 
@@ -24,9 +32,10 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from a3po_jax.inference.host import InferenceHost
-from a3po_jax.inference.remote import grpc_server
+from a3po_jax.inference.remote import grpc_server, membership_file
 from a3po_jax.inference.remote.grpc_messages import TOKEN_ENV
 from a3po_jax.inference.update_policy import UPDATE_POLICIES
 
@@ -72,15 +81,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cores", default="", help="comma-separated CPU ids to run on (default: all allowed)"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--join", default="", metavar="PATH", help="a running job's membership file to join"
+    )
+    parser.add_argument(
+        "--advertise",
+        default="",
+        metavar="HOST",
+        help="the address the trainer reaches this host at, for --join (default: --host)",
+    )
+    parser.add_argument(
+        "--leave-quiet-s", type=float, default=5.0, help="--join: idle this long, then stop"
+    )
+    parser.add_argument(
+        "--leave-wait-s", type=float, default=60.0, help="--join: stop this long after SIGTERM"
+    )
+    args = parser.parse_args(argv)
+    if args.join and not args.advertise and args.host in ("0.0.0.0", "::", ""):
+        parser.error(
+            f"--join with --host {args.host} needs --advertise (how the trainer reaches it)"
+        )
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.cores:  # before JAX starts, so that XLA sizes its thread pool to them
         os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.join:  # before the model loads: a file no run watches is refused at once
+        try:
+            membership_file.check_joinable(args.join)
+        except membership_file.MembershipError as err:
+            sys.exit(f"a3po-serve: {err}")
+    stop, now = threading.Event(), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: (now if stop.is_set() else stop).set())
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.exit_with_parent:
         _die_with_parent(args.exit_with_parent)
@@ -119,14 +153,42 @@ def main(argv: list[str] | None = None) -> None:
     where = f"token file {token_path}" if token_path else f"${TOKEN_ENV}"
     log.info("serving %s on %s:%d (token from %s)", args.model, args.host, port, where)
     print(f"{grpc_server.READY_LINE} {args.host}:{port}", flush=True)
+    address = f"{args.advertise or args.host}:{port}"
     try:
+        if args.join:
+            membership_file.join(args.join, address)
+            log.info("joined the run of %s as %s", args.join, address)
         stop.wait()
+        if args.join:
+            _leave(args, address, host, now)
     except KeyboardInterrupt:
         pass
+    except membership_file.MembershipError as err:
+        log.error("%s", err)
+        raise SystemExit(1) from None
     finally:
         server.stop(grace=2).wait()
         servicer.close()
         host.close()
+
+
+def _leave(args: argparse.Namespace, address: str, host: InferenceHost, now: threading.Event):
+    """Takes the host's line out of the membership file, then serves what the pool still
+    sends until the host has been idle for ``--leave-quiet-s`` (the pool has seen the file
+    and re-issues nothing to it), at most ``--leave-wait-s``, or a second SIGTERM."""
+    if not membership_file.leave(args.join, address):
+        log.warning("%s was not in %s: stopping", address, args.join)
+        return
+    log.info("left the run of %s: finishing what it holds", args.join)
+    deadline = time.monotonic() + args.leave_wait_s
+    idle_since = time.monotonic()
+    while not now.wait(0.1) and time.monotonic() < deadline:
+        stats = host.stats()
+        if stats["slots_busy"] or stats["queue_depth"]:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= args.leave_quiet_s:
+            return
+    log.warning("stopping with work in hand: the pool re-issues it to the others")
 
 
 def _die_with_parent(pid: int) -> None:

@@ -291,6 +291,7 @@ class SystemSection:
     # lines, re-read when it changes; a host added joins, a host removed leaves. It starts
     # as inference_hosts (written if absent); "" = the hosts stay those of inference_hosts
     hosts_file: str = ""  # membership file of the remote hosts (needs inference_hosts)
+    host_leave_grace_s: float = 60.0  # a leaving host finishes what it holds for this long
     # Split cores (docs/scale-out.md): a local host process pinned to this many cores, the
     # trainer on the rest, weights pushed in the background; 0 = the embedded host
     inference_cores: int = 0  # cores of the local host process (0 = none)
@@ -346,6 +347,7 @@ class SystemSection:
         _positive("system", "host_hang_timeout_s", self.host_hang_timeout_s)
         _positive("system", "host_health_interval_s", self.host_health_interval_s)
         _positive("system", "max_reissues", self.max_reissues, allow_zero=True)
+        _positive("system", "host_leave_grace_s", self.host_leave_grace_s, allow_zero=True)
         _positive("system", "inference_cores", self.inference_cores, allow_zero=True)
         _positive("system", "inference_devices", self.inference_devices, allow_zero=True)
         _positive("system", "inference_mesh_tensor", self.inference_mesh_tensor)

@@ -106,6 +106,7 @@ def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
             max_reissues=system.max_reissues,
             background_push=True,
             hosts_file=system.hosts_file or None,
+            leave_grace_s=system.host_leave_grace_s,
             connect=connect,
         )
     except BaseException:
@@ -117,22 +118,10 @@ def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
 def check_hosts_file(addresses: Sequence[str], path: str) -> None:
     """The membership file a run starts with lists the run's starting hosts: written so if
     absent; ValueError naming both lists if it lists others (the run would make the hosts
-    it does not list leave at its first look)."""
-    from pathlib import Path
+    it does not list leave at its first look); the ended mark of a run resumed is dropped."""
+    from a3po_jax.inference.remote import membership_file
 
-    from a3po_jax.inference.remote.pool_members import read_hosts_file
-
-    file = Path(path).expanduser()
-    if not file.exists():
-        file.write_text("".join(f"{a}\n" for a in addresses))
-        return
-    listed = read_hosts_file(file)
-    if sorted(listed) != sorted(addresses):
-        raise ValueError(
-            f"system.hosts_file={path!r} lists {listed}, but the run starts with "
-            f"system.inference_hosts={','.join(addresses)}: make them agree (or remove the "
-            "file: the run writes it)"
-        )
+    membership_file.start_run(path, addresses)
 
 
 def meshes(system) -> tuple[Mesh, Mesh | None]:

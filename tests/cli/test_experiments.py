@@ -494,6 +494,24 @@ def test_launch_inference_host_dry_run(capsys):
     assert not words[words.index("--token-file") + 1].startswith("~")  # expanded here
 
 
+def test_launch_join_host_dry_run_serves_the_runs_settings_and_joins_its_file(capsys):
+    run = ["experiments/smoke_tiny.py", "system.inference_hosts=10.0.0.2:50051"]
+    run.append("system.hosts_file=/shared/hosts.txt")
+    hosts = launch_dry(
+        capsys, "join-host", *run, "--port", "50061", "--bind", "0.0.0.0",
+        "--advertise", "10.0.0.3", "--devices", "2",
+    )  # fmt: skip
+    words = shlex.split(hosts["inference host"])
+    assert words[0] == "CUDA_VISIBLE_DEVICES=2"
+    assert words[words.index("--join") + 1] == "/shared/hosts.txt"
+    assert words[words.index("--advertise") + 1] == "10.0.0.3"
+    assert words[words.index("--port") + 1] == "50061"
+    assert words[words.index("--model") + 1] == "tiny"  # the run's model, not a flag's
+    launch = load_script("launch")
+    with pytest.raises(SystemExit, match="sets no system.hosts_file"):
+        launch.main(["join-host", "experiments/smoke_tiny.py", "--dry-run"])
+
+
 @pytest.mark.e2e
 def test_run_sweep_subprocess_mode_runs_each_run_in_a_child(tmp_path, capsys):
     import jax

@@ -151,10 +151,12 @@ COMMANDS: dict[str, object] = {
     ),
     "a3po-train experiments/smoke_tiny.py system.inference_hosts=127.0.0.1:50051 "
     "system.host_token_file=~/.a3po_host_token system.hosts_file=hosts.txt": PRINT_CONFIG,
-    "python -m a3po_jax.cli.serve --model tiny --port 50061 --token-file ~/.a3po_host_token": (
-        PARSE_ONLY
-    ),
-    "echo 127.0.0.1:50061 >> hosts.txt": AS_WRITTEN,
+    "python -m a3po_jax.cli.serve --model tiny --port 50061 --token-file ~/.a3po_host_token "
+    "--join hosts.txt": PARSE_ONLY,
+    "python scripts/launch.py join-host experiments/smoke_tiny.py "
+    "system.inference_hosts=127.0.0.1:50051 system.hosts_file=hosts.txt --port 50061 "
+    "--weight-port 50062 --token-file ~/.a3po_host_token": Append("--dry-run"),
+    "echo 127.0.0.1:50071 >> hosts.txt": AS_WRITTEN,
     "sed -i /127.0.0.1:50051/d hosts.txt": AS_WRITTEN,
     # Tiny real runs, and what the pages do with them afterwards.
     "a3po-train experiments/smoke_tiny.py": TINY_RUN,

@@ -1,16 +1,21 @@
 """Inference hosts joining and leaving a running job through its membership file.
 
 A run starts on one gRPC host process (A) with ``system.hosts_file``; mid-run a second host
-(B) is started and its address appended to the file: the pool checks its settings, pushes it
-the trainer's current weights, and only then routes requests to it, so both serve. Later A's
-line is removed: A takes no new request, finishes (or hands back) what it holds, and leaves
-without counting as a failure. The run finishes every step within the staleness bound, and
-the ledger's audit finds every prompt trained exactly once or dropped with a reason.
+(B) is started with ``cli.serve --join`` and appends its own line: the pool checks its
+settings, pushes it the trainer's current weights, and only then routes requests to it, so
+both serve. Later B is sent SIGTERM: it removes its line, takes no new request, finishes
+what it holds and stops by itself, without counting as a failure, and A serves on. The run
+finishes every step within the staleness bound, the ledger's audit finds every prompt
+trained exactly once or dropped with a reason, and a host asked to join once the run has
+ended is refused by name. (Editing the file by hand does the same: the pool's unit tests.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,6 +24,7 @@ from helpers.trainer_runs import LetterTask, make_cfg
 
 from a3po_jax.cli.train import connect_hosts
 from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
+from a3po_jax.inference.remote.membership_file import read_hosts_file
 from a3po_jax.inference.types import InferenceError
 from a3po_jax.rollout.ledger import audit
 from a3po_jax.training.metrics import read_metrics
@@ -26,7 +32,7 @@ from a3po_jax.training.trainer import Trainer, load_policy
 
 SERVER_ARGS = ("--num-slots", "8", "--prefill-buckets", "64", "--max-cache-len", "96")
 STEPS = 9
-JOIN_AT, LEAVE_AT = 2, 6  # steps after which B is added and A removed
+JOIN_AT, LEAVE_AT = 2, 6  # steps after which B joins and leaves
 
 
 def wait_for(condition, what: str, timeout: float) -> None:
@@ -37,11 +43,12 @@ def wait_for(condition, what: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def test_a_host_joins_and_another_leaves_a_running_job_through_the_hosts_file(tmp_path):
+def test_a_host_joins_a_running_job_and_leaves_it_on_sigterm(tmp_path):
     token_file = tmp_path / "token"
     proc_a, addr_a = start_grpc_server(token_file, *SERVER_ARGS)
     procs = [proc_a]
     hosts_file = tmp_path / "hosts"
+    join_args = (*SERVER_ARGS, "--join", str(hosts_file), "--leave-quiet-s", "1")
     base = make_cfg(tmp_path, "elastic", mode="async", eta=1, steps=STEPS, prox="a3po")
     cfg = dataclasses.replace(
         base,
@@ -60,22 +67,23 @@ def test_a_host_joins_and_another_leaves_a_running_job_through_the_hosts_file(tm
     seen: dict[str, object] = {}
 
     def on_step(step: int, record: dict) -> None:
-        if step == JOIN_AT:  # B starts and is added to the file
-            proc_b, addr_b = start_grpc_server(token_file, *SERVER_ARGS)
+        if step == JOIN_AT:  # B starts and joins by itself
+            proc_b, addr_b = start_grpc_server(token_file, *join_args)
             procs.append(proc_b)
             seen["b"] = addr_b
-            with hosts_file.open("a") as f:
-                f.write(f"{addr_b}\n")
             wait_for(lambda: pool.counters()["joined"] == 1, "B joined", 60)
+            assert read_hosts_file(hosts_file) == [addr_a, addr_b]
             with GrpcInferenceClient(addr_b, token_file.read_text().strip()) as check:
                 seen["b_version_on_join"] = check.version  # the trainer's, before any work
             seen["version_at_join"] = record["version"]
-        elif step == LEAVE_AT:  # once B has served (its first requests compile), A is removed
-            addr_b = seen["b"]
+        elif step == LEAVE_AT:  # once B has served (its first requests compile), it leaves
+            addr_b, proc_b = seen["b"], procs[1]
             wait_for(lambda: pool.counters()["served"][addr_b] > 0, "B served", 90)
             seen["served_before_leave"] = dict(pool.counters()["served"])
-            hosts_file.write_text(f"{seen['b']}\n")
-            wait_for(lambda: pool.counters()["left"] == 1, "A left", 90)
+            proc_b.send_signal(signal.SIGTERM)
+            wait_for(lambda: pool.counters()["left"] == 1, "B left", 90)
+            assert proc_b.wait(timeout=90) == 0  # it stopped by itself, once idle
+            assert read_hosts_file(hosts_file) == [addr_a]
 
     try:
         trainer = Trainer(
@@ -90,13 +98,13 @@ def test_a_host_joins_and_another_leaves_a_running_job_through_the_hosts_file(tm
         assert [r["version"] for r in records] == list(range(1, STEPS + 1))
         assert all(r["staleness/max_observed"] <= 1 for r in records)
         # B got the trainer's weights before it served, both hosts served while both were
-        # in the pool, and B served on after A left (the step record counts per host).
+        # in the pool, and A served on after B left (the step record counts per host).
         assert seen["b_version_on_join"] == seen["version_at_join"]
         before = seen["served_before_leave"]
         assert before[addr_a] > 0 and before[addr_b] > 0
         last = records[-1]
-        assert last[f"hosts/served/{addr_a}"] > 0
-        assert last[f"hosts/served/{addr_b}"] > before[addr_b]
+        assert last[f"hosts/served/{addr_b}"] > 0
+        assert last[f"hosts/served/{addr_a}"] > before[addr_a]
         # Joining and leaving are not failures.
         assert last["hosts/joined"] == 1 and last["hosts/left"] == 1
         hosts = pool.counters()
@@ -105,7 +113,7 @@ def test_a_host_joins_and_another_leaves_a_running_job_through_the_hosts_file(tm
         assert hosts["samples_lost"] == 0
         pool.check_invariant()
         stats = pool.stats()
-        assert stats["hosts_total"] == 1 and stats["hosts"][addr_a]["state"] == "left"
+        assert stats["hosts_total"] == 1 and stats["hosts"][addr_b]["state"] == "left"
         trainer.queue.check_invariant()
         result = audit(cfg.run_dir)
         assert result.ok, result.summary()
@@ -114,6 +122,13 @@ def test_a_host_joins_and_another_leaves_a_running_job_through_the_hosts_file(tm
         pool.close()
         for proc in procs:
             stop_grpc_server(proc)
+    # The run has ended: a host asked to join it is refused by name, before its model loads.
+    late = subprocess.run(
+        [sys.executable, "-m", "a3po_jax.cli.serve", "--port", "0", "--join", str(hosts_file)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert late.returncode != 0
+    assert "the run that watched this file has ended" in late.stderr
 
 
 def test_hosts_that_cannot_join_are_refused_by_name(tmp_path, caplog):

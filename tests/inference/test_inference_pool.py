@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from a3po_jax.inference.protocol import Host
+from a3po_jax.inference.remote.membership_file import has_ended
 from a3po_jax.inference.remote.pool import HostPool
 from a3po_jax.inference.transfer.weight_sync import TensorSpec
 from a3po_jax.inference.types import (
@@ -658,5 +659,6 @@ def test_the_membership_file_adds_and_removes_hosts(tmp_path, caplog):
             pool.submit(r)
         assert_each_sample_once(collect(pool, 6), reqs)
         assert pool.counters()["host_failures"] == {"h:1": 0, "h:2": 0}
+    assert has_ended(path)  # the pool closed: a host asked to join now is refused
     with pytest.raises(ValueError, match="hosts_file needs connect"):
         HostPool([FakeHost("a")], hosts_file=path)

@@ -67,6 +67,7 @@ from collections.abc import Callable
 from typing import Any
 
 from a3po_jax.inference.protocol import Host, InAnotherProcess
+from a3po_jax.inference.remote import membership_file
 from a3po_jax.inference.remote.pool_health import Health
 from a3po_jax.inference.remote.pool_members import (
     RETRY_SEP,
@@ -355,6 +356,11 @@ class HostPool(Membership, Health, InAnotherProcess):
         self._closed.set()
         for thread in self._threads:
             thread.join(timeout=10)
+        if self.hosts_file is not None:  # no one watches it now: a later join is refused
+            try:
+                membership_file.end_run(self.hosts_file)
+            except OSError as err:
+                log.warning("could not mark membership file %s ended: %s", self.hosts_file, err)
         if self._close_hosts:
             for member in self._members:
                 if member.left:

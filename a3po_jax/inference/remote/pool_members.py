@@ -212,24 +212,6 @@ def settings_refusal(
     return None
 
 
-def read_hosts_file(path) -> list[str]:
-    """The ``host:port`` lines of a membership file, in order, without blank lines, ``#``
-    comments or repeats. ValueError names a line that is not ``host:port``."""
-    from pathlib import Path
-
-    out: list[str] = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        address = line.split("#", 1)[0].strip()
-        if not address:
-            continue
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{path}, line {number}: {address!r} is not host:port")
-        if address not in out:
-            out.append(address)
-    return out
-
-
 def close_quietly(member: Member) -> None:
     """Closes a member's host, ignoring a failure (a dead host may not close cleanly)."""
     try:

@@ -16,12 +16,8 @@ import threading
 import time
 
 from a3po_jax.inference.protocol import Host
-from a3po_jax.inference.remote.pool_members import (
-    Member,
-    close_quietly,
-    read_hosts_file,
-    settings_refusal,
-)
+from a3po_jax.inference.remote.membership_file import read_hosts_file
+from a3po_jax.inference.remote.pool_members import Member, close_quietly, settings_refusal
 from a3po_jax.inference.types import InferenceError
 
 log = logging.getLogger(__name__)
