@@ -29,10 +29,11 @@ tasks and the config, never the trainer; the command line is :mod:`a3po_jax.cli.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -392,3 +393,26 @@ def host_generate_fn(host: Any, *, stop_tokens: Sequence[int] = ()) -> GenerateF
         return out
 
     return generate
+
+
+@contextlib.contextmanager
+def policy_generate_fn(
+    policy: Any, rendered_prompts: Sequence[Sequence[int]], *, num_slots: int, max_new_tokens: int
+) -> Iterator[GenerateFn]:
+    """A `generate_fn` over an in-process host serving ``policy`` (a `load_policy` result),
+    sized for ``rendered_prompts`` (one prefill bucket: the smallest power of two from 64
+    that holds the longest), stopping at the tokenizer's EOS; the host closes on exit."""
+    from a3po_jax.inference.host import InferenceHost
+
+    bucket = 64
+    while bucket < max(len(r) for r in rendered_prompts):
+        bucket *= 2
+    eos = policy.tokenizer.eos_token_id
+    with InferenceHost(
+        policy.config,
+        policy.params,
+        num_slots=num_slots,
+        prefill_buckets=(bucket,),
+        max_cache_len=bucket + max_new_tokens,
+    ) as host:
+        yield host_generate_fn(host, stop_tokens=() if eos is None else (int(eos),))

@@ -26,7 +26,7 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from a3po_jax.analysis.evaluation import EVAL_SPLIT, EvalSpec, evaluate, host_generate_fn
+from a3po_jax.analysis.evaluation import EVAL_SPLIT, EvalSpec, evaluate, policy_generate_fn
 from a3po_jax.cli.refusals import Refused, run_refusing
 from a3po_jax.tasks import make_task, render_prompt
 from a3po_jax.training.config import ConfigError, ModelSection, config_from_dict
@@ -176,24 +176,14 @@ def _load_policy(args: argparse.Namespace, run_cfg):
 
 def _evaluate_on_host(args: argparse.Namespace, policy, task, spec: EvalSpec, prompts):
     """Scores ``prompts`` (the first of the split) with the policy on an in-process host."""
-    from a3po_jax.inference.host import InferenceHost
-
-    eos = policy.tokenizer.eos_token_id
-    longest = max(len(render_prompt(policy.tokenizer, p)) for p in prompts)
-    bucket = 64
-    while bucket < longest:
-        bucket *= 2
-    with InferenceHost(
-        policy.config,
-        policy.params,
-        num_slots=args.num_slots,
-        prefill_buckets=(bucket,),
-        max_cache_len=bucket + spec.max_new_tokens,
-    ) as host:
+    rendered = [render_prompt(policy.tokenizer, p) for p in prompts]
+    with policy_generate_fn(
+        policy, rendered, num_slots=args.num_slots, max_new_tokens=spec.max_new_tokens
+    ) as generate:
         return evaluate(
             task,
             spec.split,
-            host_generate_fn(host, stop_tokens=() if eos is None else (int(eos),)),
+            generate,
             policy.tokenizer,
             num_prompts=len(prompts),
             k=args.k,

@@ -143,23 +143,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace, policy, prompts) -> list[list[str]]:
     """K decoded completions per prompt, sampled on an in-process host."""
-    from a3po_jax.analysis.evaluation import host_generate_fn
-    from a3po_jax.inference.host import InferenceHost
+    from a3po_jax.analysis.evaluation import policy_generate_fn
 
     tokenizer = policy.tokenizer
     rendered = [render_prompt(tokenizer, p) for p in prompts]
-    bucket = 64
-    while bucket < max(len(r) for r in rendered):
-        bucket *= 2
-    eos = tokenizer.eos_token_id
-    with InferenceHost(
-        policy.config,
-        policy.params,
-        num_slots=args.num_slots,
-        prefill_buckets=(bucket,),
-        max_cache_len=bucket + args.max_new_tokens,
-    ) as host:
-        generate = host_generate_fn(host, stop_tokens=() if eos is None else (int(eos),))
+    with policy_generate_fn(
+        policy, rendered, num_slots=args.num_slots, max_new_tokens=args.max_new_tokens
+    ) as generate:
         samples = generate(
             rendered,
             num_samples=args.samples,

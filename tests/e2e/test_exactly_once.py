@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.trainer_runs import resumed_progress
 
 from a3po_jax.cli import ledger as ledger_cli
-from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.inference.types import ErrorKind, SampleResult, SamplingParams, error_result
 from a3po_jax.model.char_tokenizer import char_tokenizer
 from a3po_jax.rollout.ledger import Ledger, audit
@@ -527,18 +527,6 @@ def trainer_cmd(run_dir, *extra):
     ]  # fmt: skip
 
 
-def progress(run_dir, resumes):
-    """Steps logged by the current attempt's run (0 until it has logged its resume)."""
-    ledger, metrics = run_dir / "ledger.jsonl", run_dir / "metrics.jsonl"
-    if not (ledger.exists() and metrics.exists()):
-        return 0
-    if ledger.read_text().count('"event": "resume"') < resumes:
-        return 0  # the resumed process has not restored its checkpoint yet
-    if latest_checkpoint_step(run_dir) < 1:
-        return 0  # nothing to resume from yet
-    return len(read_metrics(run_dir))
-
-
 @pytest.mark.parametrize(
     "mode",
     [
@@ -567,7 +555,7 @@ def test_kill_9_three_times_then_audit(tmp_path, mode):
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
-            if progress(run_dir, n) >= kill_after:
+            if resumed_progress(run_dir, n) >= kill_after:
                 break
             time.sleep(0.05)
         time.sleep(extra_delay)  # kill at different points of a step

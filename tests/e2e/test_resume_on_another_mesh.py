@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from helpers.paths import REPO
 from helpers.processes import cpu_env, free_port
+from helpers.trainer_runs import resumed_progress
 
 from a3po_jax.cli.train import latest_checkpoint_step
 from a3po_jax.rollout.ledger import audit
@@ -62,18 +63,6 @@ def trainer_cmd(run_dir, *extra):
     ]  # fmt: skip
 
 
-def progress(run_dir, resumes):
-    """Steps logged by the current leg's run (0 until it has logged its resume)."""
-    ledger, metrics = run_dir / "ledger.jsonl", run_dir / "metrics.jsonl"
-    if not (ledger.exists() and metrics.exists()):
-        return 0
-    if ledger.read_text().count('"event": "resume"') < resumes:
-        return 0  # the resumed process has not restored its checkpoint yet
-    if latest_checkpoint_step(run_dir) < 1:
-        return 0  # nothing to resume from yet
-    return len(read_metrics(run_dir))
-
-
 def saved_mesh(checkpoints, step):
     """The (data, fsdp, tensor) sizes of the mesh the params of ``step`` were saved from."""
     with CheckpointManager(checkpoints, async_save=False) as manager:
@@ -95,7 +84,7 @@ def run_leg(run_dir, n, devices, kill_after):
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if progress(run_dir, n) >= kill_after:
+        if resumed_progress(run_dir, n) >= kill_after:
             break
         time.sleep(0.05)
     assert proc.poll() is None, proc.stderr.read().decode()[-3000:]

@@ -41,3 +41,18 @@ def run(cfg, *, resume=False):
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     trainer.run(resume=resume)
     return read_metrics(cfg.run_dir)
+
+
+def resumed_progress(run_dir, resumes):
+    """Steps logged by the current leg of a run killed and resumed ``resumes`` times (0 until
+    that leg has logged its resume, or while there is no checkpoint to resume from)."""
+    from a3po_jax.cli.train import latest_checkpoint_step
+
+    ledger, metrics = run_dir / "ledger.jsonl", run_dir / "metrics.jsonl"
+    if not (ledger.exists() and metrics.exists()):
+        return 0
+    if ledger.read_text().count('"event": "resume"') < resumes:
+        return 0  # the resumed process has not restored its checkpoint yet
+    if latest_checkpoint_step(run_dir) < 1:
+        return 0  # nothing to resume from yet
+    return len(read_metrics(run_dir))
