@@ -386,7 +386,7 @@ class InferenceHost(ServingLoop):
         # would be placed (the shared trainer's one-device mesh), so every split compiles to
         # the same program whatever sharding the caller's arrays carry; a device-to-device
         # copy from another device or mesh (split devices).
-        split = self._core.split_params(self._core.place_params(params))
+        split = self._core.place_and_split(params)
 
         def copy(x):
             return None if x is None else jax.device_put(x, x.sharding, may_alias=False)

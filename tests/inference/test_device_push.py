@@ -118,3 +118,57 @@ def test_four_devices_blocks_split_two_ways_are_put_together_on_the_target():
         with sharding.no_host_transfers():
             got = jax.block_until_ready(sharding.copy_to_sharding(placed, target))
         np.testing.assert_array_equal(np.asarray(got), x)
+
+
+def live_bytes(devices) -> dict:
+    """Bytes of every live array's shards, per device of ``devices``."""
+    out, seen = dict.fromkeys(devices, 0), set()
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            buffer = (shard.device, shard.data.unsafe_buffer_pointer())
+            if shard.device in out and buffer not in seen:  # a shard is an array too
+                seen.add(buffer)
+                out[shard.device] += shard.data.nbytes
+    return out
+
+
+@four_only
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_four_devices_a_push_holds_a_devices_share_of_the_model_not_the_whole(tensor, monkeypatch):
+    """Per host device, what a push adds beside the copy it serves stays within 1/T of the
+    model plus one layer in transit (0.1 of it here, 8 layers + the embedding): the placed
+    model is never whole on a device beside its split. Measured at every program boundary
+    of the push (each layer placed), from the live arrays' shards."""
+    cfg = ModelConfig.tiny(n_layers=8)
+    mesh = host_mesh(tensor)
+    trainer = make_mesh(1, 2, 1, devices=jax.devices()[:2])
+    first, second = (
+        jax.device_put(p, sharding.param_shardings(p, trainer, sharding.TRAIN_RULES))
+        for p in (init_params(cfg, jax.random.key(s)) for s in (0, 1))
+    )
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(second))
+    host = InferenceHost(cfg, first, num_slots=2, prefill_buckets=(8,), mesh=mesh)
+    core, devices = host._core, list(mesh.devices.flat)
+    seen = []
+    place = type(core).place_params
+
+    def place_and_measure(self, params):
+        placed = jax.block_until_ready(place(self, params))
+        seen.append(live_bytes(devices))
+        return placed
+
+    monkeypatch.setattr(type(core), "place_params", place_and_measure)
+    before = live_bytes(devices)
+    split = jax.block_until_ready(core.place_and_split(second))
+    seen.append(live_bytes(devices))
+    assert len(seen) == cfg.n_layers + 1  # a layer at a time, then the split whole
+    peak = max(max(s[d] - before[d] for d in devices) for s in seen)
+    bound = model_bytes / tensor + 0.1 * model_bytes
+    assert peak <= bound, f"{peak / model_bytes:.2f} of the model per device at tensor {tensor}"
+    # The split itself is the device's share (with the replicated norms).
+    share = max(s[d] - before[d] for s in seen[-1:] for d in devices)
+    assert share <= model_bytes / tensor + 0.02 * model_bytes
+    expected = decode_layout.decode_params(jax.device_get(second), cfg, shards=tensor)
+    for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    host.close()

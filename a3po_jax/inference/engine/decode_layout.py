@@ -179,6 +179,13 @@ def decode_params(
     )
 
 
+def layer_layout(layer: Params, *, out_major: bool = True, shards: int = 1) -> Params:
+    """One layer of `DecodeParams.layers` from that layer's weights as a stack of one
+    (params["layers"] leaves sliced ``[i:i + 1]``): what `decode_params` makes of layer i,
+    for laying a model out one layer at a time (`EngineCore.place_and_split`)."""
+    return _decode_layers(layer, out_major=out_major, shards=int(shards))[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading the layout: out-major products and the layer's weight reader
 

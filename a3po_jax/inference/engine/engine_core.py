@@ -356,6 +356,66 @@ class EngineCore:
             self._split_jits[key] = jax.jit(layout, out_shardings=out)
         return self._split_jits[key](params)
 
+    def place_and_split(self, params: Params) -> decode_layout.DecodeParams:
+        """`params` (stacked, on any devices) placed on this engine's devices and split as
+        `split_params` does, device to device. On a mesh of several devices it goes one
+        layer at a time (slice on the source, copy, lay out into the mesh's shardings), so a
+        device holds its share of the split plus one layer in transit, never the whole placed
+        model beside the split: at tensor T about 1/T of the model per device beyond the
+        copy it serves (docs/scale-out.md)."""
+        if self.mesh.size == 1:
+            return self.split_params(self.place_params(params))
+        leaves, treedef = jax.tree.flatten(params)
+        key = ("by layer", treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+        if key not in self._split_jits:
+            self._split_jits[key] = self._layer_programs(params)
+        take, lay_out, out = self._split_jits[key]
+        stacked = params["layers"]
+        on_devices = all(isinstance(x, jax.Array) for x in jax.tree.leaves(stacked))
+        # The layer index lives beside the weights (a host scalar would be a transfer).
+        index = _zero_beside(jax.tree.leaves(stacked)[0]) if on_devices else None
+        layers = []
+        for i in range(self.config.n_layers):
+            if on_devices:
+                one, index = take(stacked, index)
+            else:  # host data (a checkpoint read into numpy): a view, then a load
+                one = jax.tree.map(lambda x, i=i: x[i : i + 1], stacked)
+            layers.append(lay_out(self.place_params({"layers": one})["layers"]))
+        top = {"embed": out.embed, "final_norm": out.final_norm, "lm_head": out.lm_head}
+        sources = {
+            "embed": params["embed"]["embedding"],
+            "final_norm": params["final_norm"]["scale"],
+            "lm_head": None if out.lm_head is None else params["lm_head"]["kernel"],
+        }
+        placed = {
+            k: None if v is None else sharding.copy_to_sharding(v, top[k])
+            for k, v in sources.items()
+        }
+        return dataclasses.replace(out, layers=tuple(layers), **placed)
+
+    def _layer_programs(self, params: Params):
+        """(slice layer i of the stacked layers on their devices, lay one placed layer out
+        into the mesh's shardings, the whole split's shardings) for `place_and_split`. The
+        shape check and the layout's own checks run here, on shapes."""
+
+        def layout(params):
+            return decode_layout.decode_params(
+                params, self.config, out_major=self.out_major, shards=self.shards
+            )
+
+        out = decode_layout.decode_shardings(jax.eval_shape(layout, params), self.mesh)
+
+        def take(layers, i):  # (layer i as a stack of one, i + 1), on the layers' devices
+            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1), layers), i + 1
+
+        lay_out = jax.jit(
+            functools.partial(
+                decode_layout.layer_layout, out_major=self.out_major, shards=self.shards
+            ),
+            out_shardings=out.layers[0],
+        )
+        return jax.jit(take), lay_out, out
+
     def place_params(self, params: Params) -> Params:
         """`params` (stacked, on any devices) on this engine's devices, device to device
         (`sharding.device_to_device`: no byte through host memory, from a trainer's FSDP
@@ -458,3 +518,11 @@ class EngineCore:
             )
         state = self.release(state, jnp.ones((self.num_slots,), jnp.bool_))
         jax.block_until_ready((state, packed))
+
+
+def _zero_beside(x: jax.Array) -> jax.Array:
+    """An int32 zero on the devices of ``x`` (replicated), made there: no host transfer."""
+    where = x.sharding
+    if isinstance(where, NamedSharding):
+        where = NamedSharding(where.mesh, PartitionSpec())
+    return jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=where)()
