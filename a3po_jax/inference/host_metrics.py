@@ -1,4 +1,5 @@
-"""The host's counters: sample accounting and the serving loop's totals behind `stats()`.
+"""The host's counters: sample accounting and the serving loop's totals behind `stats()`,
+and the clock that splits the loop's time by part (`LoopClock`, `loop_time`).
 
 Inference layer (host-side shell).
 """
