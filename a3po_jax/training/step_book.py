@@ -78,21 +78,22 @@ class StepBook:
             self._host_busy_seen = busy
         return out
 
-    def host_time(self, stats: dict[str, Any]) -> dict[str, float]:
-        """Where the host's time went since the last record: ``host/<part>_s``, the
+    def host_time(self, stats: dict[str, Any], read_at: float) -> dict[str, float]:
+        """Where the host's time went since the last record, from ``stats`` read at
+        ``read_at`` (``time.perf_counter``): ``host/<part>_s``, the
         seconds its serving loop spent in each part (the differences of ``stats["loop_s"]``;
         the parts are ``host_metrics.LOOP_PARTS``), and ``host/idle_s``, the rest of the
         seconds since the last record (times the healthy hosts of a pool, which sums its
         hosts' parts): :func:`a3po_jax.inference.host_metrics.loop_time`. The first record
         has none (nothing to take the difference from), nor a host without ``loop_s``."""
-        now, loop = time.perf_counter(), stats.get("loop_s")
+        loop = stats.get("loop_s")
         if loop is None:
             return {}
-        seen, self._host_loop_seen = self._host_loop_seen, (now, dict(loop))
+        seen, self._host_loop_seen = self._host_loop_seen, (read_at, dict(loop))
         if seen is None:
             return {}
         then, before = seen
-        parts = loop_time(before, loop, now - then, int(stats.get("hosts_healthy", 1)))
+        parts = loop_time(before, loop, read_at - then, int(stats.get("hosts_healthy", 1)))
         return {f"host/{part}_s": seconds for part, seconds in parts.items()}
 
     def resumed(self, skipped_steps: int) -> None:
@@ -194,6 +195,7 @@ class StepBook:
         replay = host is None
         queue_counters = self.workers.queue.counters()
         host_stats = {} if replay else host.stats()
+        read_at = time.perf_counter()
         record = step_record(
             groups=groups,
             batch=batch,
@@ -213,7 +215,7 @@ class StepBook:
         record.update(self.filter_metrics(groups, queue_counters))
         record.update(self.reward_time())
         record.update(self.demand(record))
-        record.update(self.host_time(host_stats))
+        record.update(self.host_time(host_stats, read_at))
         real = batch.group_ids >= 0  # a short batch's filler rows are not data
         record["reward/mean"] = float(np.mean(batch.rewards[real]))
         return record

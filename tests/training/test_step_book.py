@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 
 from a3po_jax.inference.host_metrics import LOOP_PARTS
-from a3po_jax.training import step_book
 from a3po_jax.training.step_book import StepBook
 
 
@@ -37,13 +36,11 @@ def loop_stats(hosts: int | None = None, **parts: float) -> dict:
     return stats
 
 
-def test_host_time_by_part_is_the_difference_since_the_last_record(monkeypatch):
-    clock = iter([100.0, 102.0, 103.0])
-    monkeypatch.setattr(step_book.time, "perf_counter", lambda: next(clock))
+def test_host_time_by_part_is_the_difference_since_the_last_record():
     b = book()
     # The first record: cumulative totals, nothing to subtract them from.
-    assert b.host_time(loop_stats(admit=5.0, decode_wait=7.0)) == {}
-    second = b.host_time(loop_stats(admit=5.25, decode_wait=8.0, collect=0.25))
+    assert b.host_time(loop_stats(admit=5.0, decode_wait=7.0), 100.0) == {}
+    second = b.host_time(loop_stats(admit=5.25, decode_wait=8.0, collect=0.25), 102.0)
     assert set(second) == {f"host/{p}_s" for p in LOOP_PARTS} | {"host/idle_s"}
     assert second["host/admit_s"] == pytest.approx(0.25)
     assert second["host/decode_wait_s"] == pytest.approx(1.0)
@@ -53,13 +50,13 @@ def test_host_time_by_part_is_the_difference_since_the_last_record(monkeypatch):
     assert second["host/idle_s"] == pytest.approx(0.5)
     # A pool of two hosts: two host-seconds per second; a part summed over fewer hosts
     # than before (one went down) does not go negative.
-    third = b.host_time(loop_stats(hosts=2, admit=5.0, decode_wait=8.5))
+    third = b.host_time(loop_stats(hosts=2, admit=5.0, decode_wait=8.5), 103.0)
     assert third["host/admit_s"] == 0.0 and third["host/decode_wait_s"] == pytest.approx(0.5)
     assert third["host/idle_s"] == pytest.approx(2 * 1.0 - 0.5)
 
 
 def test_a_host_without_loop_times_or_a_replay_has_no_host_time():
     b = book()
-    assert b.host_time({}) == {} and b.host_time({"busy_s": 3.0}) == {}
+    assert b.host_time({}, 1.0) == {} and b.host_time({"busy_s": 3.0}, 2.0) == {}
     # The first record with the times still has nothing to subtract them from.
-    assert b.host_time(loop_stats(admit=1.0)) == {}
+    assert b.host_time(loop_stats(admit=1.0), 3.0) == {}
