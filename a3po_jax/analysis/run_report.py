@@ -24,7 +24,8 @@ Rows of the report (:func:`report_rows`):
   bound η;
 * which side waited: the trainer's share of its step time spent waiting for rollouts and
   the host's share of it spent serving, read as generation-bound, training-bound or both
-  busy; groups dropped (by reason) and re-issued (after a resume, from the ledger; after
+  busy; where the host's time went per step (``host/<part>_s``, the serving loop's parts
+  and idle); groups dropped (by reason) and re-issued (after a resume, from the ledger; after
   a host failure, from ``hosts/reissued_requests``), with the ledger's exactly-once audit.
 """
 
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from a3po_jax.inference.host_metrics import LOOP_PARTS
 from a3po_jax.rollout.ledger import audit, ledger_path
 from a3po_jax.training.config import EVAL_SPLIT, staleness_bound
 from a3po_jax.training.metrics import METRICS_FILE, TENSORBOARD_DIR, read_metrics
@@ -326,6 +328,9 @@ def report_rows(
     demand = _demand(trained, system.get("mode"))
     if demand is not None:
         rows.append(("which side waited", demand))
+    host_time = _host_time(trained)
+    if host_time is not None:
+        rows.append(("host's time per step", host_time))
     rows.append(("groups dropped / re-issued", _drops(last, ledger)))
     return rows
 
@@ -357,6 +362,23 @@ def _demand(trained: Sequence[dict[str, Any]], mode: str | None) -> str | None:
     if busy_m < HOST_BUSY:
         return text + ": training-bound (the host idles; more trainer devices would use it)"
     return text + ": both busy"
+
+
+def _host_time(trained: Sequence[dict[str, Any]]) -> str | None:
+    """Where the host's time went per step: the mean of each ``host/<part>_s`` over steps
+    2 on (step 1 compiles), largest first, with its share of them all. None for runs
+    without the figures (a replay, older runs)."""
+    later = [r for r in trained if r["step"] >= 2] or list(trained)
+    means = {}
+    for part in (*LOOP_PARTS, "idle"):
+        _, seconds = series(later, f"host/{part}_s")
+        if len(seconds):
+            means[part] = float(seconds.mean())
+    total = sum(means.values())
+    if not means or total <= 0:
+        return None
+    ranked = sorted(means.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{part} {s:.3g} s ({100 * s / total:.0f} %)" for part, s in ranked)
 
 
 def _scorer(trained: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:

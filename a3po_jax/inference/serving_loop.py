@@ -34,7 +34,7 @@ import numpy as np
 
 from a3po_jax.inference.engine import decode_layout, engine_core, steps
 from a3po_jax.inference.engine.steps import SlotSampling
-from a3po_jax.inference.host_metrics import HostMetrics
+from a3po_jax.inference.host_metrics import HostMetrics, LoopClock
 from a3po_jax.inference.host_records import (
     Pending,
     PrefixEntry,
@@ -98,6 +98,7 @@ class ServingLoop:
         self._pending: Pending | None = None  # the dispatched step not read yet
 
         self._metrics = HostMetrics()  # counters for `stats` and `counters`
+        self._clock = LoopClock(self._metrics.loop_s)  # the loop's time by part
 
     @property
     def num_slots(self) -> int:
@@ -155,15 +156,16 @@ class ServingLoop:
         batch shape is fixed, so the slot costs nothing extra). Not pipelined
         (`serve_once`), each step's tokens are read before the call returns.
         """
-        t0 = time.perf_counter()
+        clock = self._clock
+        clock.start()
         self._take_inbox()
         self._drop_cancelled()
         self._maybe_swap_weights()
-        t1 = time.perf_counter()
+        clock.lap("inbox_and_swap")
         inserted = self._admit()
-        t2 = time.perf_counter()
+        clock.lap("admit")
         step = self._dispatch_step()
-        t3 = time.perf_counter()
+        clock.lap("dispatch")
         previous, self._pending = self._pending, None
         finished = np.zeros((self.num_slots,), bool)
         if previous is not None:
@@ -177,12 +179,7 @@ class ServingLoop:
                 self._collect(step, finished, is_step=True)
         if finished.any():
             self._state = self._core.release(self._state, finished)
-        t4 = time.perf_counter()
-        loop = self._metrics.loop_s
-        loop["inbox_and_swap"] += t1 - t0
-        loop["admit"] += t2 - t1
-        loop["dispatch"] += t3 - t2
-        loop["collect"] += t4 - t3  # includes "wait" (blocked on the device)
+        clock.lap("collect")  # less its waits, which `_collect` charged to their own parts
         # Pipelined, reading a step may free slots or allow a swap: go on without sleeping.
         return step is not None or (pipelined and previous is not None)
 
@@ -395,7 +392,7 @@ class ServingLoop:
         caller). Outputs of a slot whose run has finished meanwhile are dropped."""
         t0 = time.perf_counter()
         tokens, logprobs = steps.unpack_outputs(pending.packed)  # waits for it
-        self._metrics.loop_s["wait"] += time.perf_counter() - t0
+        self._clock.waited("decode_wait" if is_step else "prefill_wait", time.perf_counter() - t0)
         now = time.monotonic()
         produced = 0
         for slot, run in enumerate(pending.runs):

@@ -17,6 +17,7 @@ import numpy as np
 
 from a3po_jax.core.batching import TrainBatch
 from a3po_jax.core.types import RolloutGroup
+from a3po_jax.inference.host_metrics import loop_time
 from a3po_jax.training import recording
 from a3po_jax.training.metrics import step_record
 
@@ -42,6 +43,8 @@ class StepBook:
         self._filter_counts_seen = {"filtered_groups": 0, "refilled_groups": 0}
         self._reward_seconds_seen = 0.0
         self._host_busy_seen: float | None = None  # host/busy_s at the last record
+        # (when, the host's loop_s) at the last record's read of the host's stats
+        self._host_loop_seen: tuple[float, dict[str, float]] | None = None
 
     def reward_time(self) -> dict[str, float]:
         """``time/reward_s``: seconds the reward stage spent scoring since the last record
@@ -74,6 +77,24 @@ class StepBook:
                 out["host/busy_frac"] = max(busy - self._host_busy_seen, 0.0) / step_s
             self._host_busy_seen = busy
         return out
+
+    def host_time(self, stats: dict[str, Any], read_at: float) -> dict[str, float]:
+        """Where the host's time went since the last record, from ``stats`` read at
+        ``read_at`` (``time.perf_counter``): ``host/<part>_s``, the
+        seconds its serving loop spent in each part (the differences of ``stats["loop_s"]``;
+        the parts are ``host_metrics.LOOP_PARTS``), and ``host/idle_s``, the rest of the
+        seconds since the last record (times the healthy hosts of a pool, which sums its
+        hosts' parts): :func:`a3po_jax.inference.host_metrics.loop_time`. The first record
+        has none (nothing to take the difference from), nor a host without ``loop_s``."""
+        loop = stats.get("loop_s")
+        if loop is None:
+            return {}
+        seen, self._host_loop_seen = self._host_loop_seen, (read_at, dict(loop))
+        if seen is None:
+            return {}
+        then, before = seen
+        parts = loop_time(before, loop, read_at - then, int(stats.get("hosts_healthy", 1)))
+        return {f"host/{part}_s": seconds for part, seconds in parts.items()}
 
     def resumed(self, skipped_steps: int) -> None:
         """After a resume: the skipped steps so far, and the queue's counts as the origin of
@@ -173,6 +194,8 @@ class StepBook:
         (no ``host/*`` metrics rather than placeholders)."""
         replay = host is None
         queue_counters = self.workers.queue.counters()
+        host_stats = {} if replay else host.stats()
+        read_at = time.perf_counter()
         record = step_record(
             groups=groups,
             batch=batch,
@@ -181,7 +204,7 @@ class StepBook:
             step_metrics=metrics,
             timings=timings,
             version=new_version,
-            host_stats={} if replay else host.stats(),
+            host_stats=host_stats,
             counters={"queue": queue_counters}
             if replay
             else {"queue": queue_counters, "hosts": host.counters()},
@@ -192,6 +215,7 @@ class StepBook:
         record.update(self.filter_metrics(groups, queue_counters))
         record.update(self.reward_time())
         record.update(self.demand(record))
+        record.update(self.host_time(host_stats, read_at))
         real = batch.group_ids >= 0  # a short batch's filler rows are not data
         record["reward/mean"] = float(np.mean(batch.rewards[real]))
         return record

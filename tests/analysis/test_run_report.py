@@ -10,6 +10,7 @@ import pytest
 
 from a3po_jax.analysis.evaluation import Z_95, accuracy_interval, accuracy_with_stderr
 from a3po_jax.analysis.run_report import FIGURES, REPORT_FILE, report_rows, write_run_report
+from a3po_jax.inference.host_metrics import LOOP_PARTS
 from a3po_jax.training.config import ConfigError, RolloutSection, TaskSection, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,6 +181,19 @@ def test_which_side_waited_is_read_from_the_medians_after_step_1(mode, wait, bus
     assert "which side waited" not in dict(report_rows(records_of_a_run(), CONFIG))
 
 
+def test_the_hosts_time_is_the_mean_by_part_after_step_1_largest_first():
+    records = records_of_a_run()
+    for r in records[1:]:
+        r.update({"host/decode_wait_s": 3.0, "host/admit_s": 0.5, "host/idle_s": 0.5})
+    # Step 1 compiles: its figures do not count.
+    records[1].update({"host/decode_wait_s": 100.0, "host/admit_s": 0.0})
+    row = dict(report_rows(records, CONFIG))["host's time per step"]
+    assert row.startswith("decode_wait 3 s (75 %), ")
+    assert "admit 0.5 s (12 %)" in row and "idle 0.5 s (12 %)" in row
+    # Without the figures (a replay, older runs): no row.
+    assert "host's time per step" not in dict(report_rows(records_of_a_run(), CONFIG))
+
+
 def test_a_run_without_evaluation_says_how_to_turn_it_on():
     records = [r for r in records_of_a_run() if r["step"] > 0]
     for r in records:
@@ -252,6 +266,13 @@ def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(t
     steps = [r for r in steps if r.get("step", 0) >= 1]
     assert all(0 <= r["time/wait_frac"] <= 1 for r in steps)
     assert "host/busy_frac" not in steps[0] and steps[1]["host/busy_frac"] >= 0
+    # Where the host's time went: from the second record on, parts that split the seconds
+    # between the two records (the step's wall time and what the trainer did after it).
+    parts = [f"host/{p}_s" for p in (*LOOP_PARTS, "idle")]
+    assert not any(k in steps[0] for k in parts)
+    assert all(steps[1][k] >= 0 for k in parts) and steps[1]["host/decode_wait_s"] > 0
+    assert sum(steps[1][k] for k in parts) >= steps[1]["time/step_s"]
+    assert "host's time per step" in out
     assert "(sync: each side waits for the other by design)" in out
     assert '"final"' not in out  # the report replaced the raw JSON line
     for file in (REPORT_FILE, *FIGURES):

@@ -110,6 +110,9 @@ COMMANDS: dict[str, object] = {
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py system.mode=sync rollout.temperature=1.0 "
+    "rollout.max_new_tokens=32 steps=6 evaluate=false eval_every=0 checkpoint_every=0 "
+    "run_dir=runs/where_time_goes": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=completion "
     "run_dir=runs/completion": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=admission "
@@ -221,6 +224,7 @@ COMMANDS: dict[str, object] = {
     "python -m a3po_jax.cli.results runs/completion runs/admission --out runs/length_bias": (
         PARSE_ONLY
     ),
+    "python -m a3po_jax.cli.results runs/where_time_goes": PARSE_ONLY,
     # Launchers and sweeps print what they would run.
     "python scripts/launch.py tpu-pod experiments/a3po_qwen3_8b_math.py --tpu my-v5p-32 "
     "--zone us-east5-a --workers 4 --dry-run": AS_WRITTEN,
@@ -287,6 +291,8 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_inference.py --model smollm2 --no-hf --repeats 3 --no-profile": (
         PARSE_ONLY
     ),
+    "python scripts/bench_inference.py --experiment experiments/quickstart_a3po.py --rounds 5 "
+    "rollout.temperature=1.0 rollout.max_new_tokens=32": PARSE_ONLY,
     "python scripts/bench_model.py --config smollm2 --batch 4 --seq 256": PARSE_ONLY,
     "python scripts/bench_train_step.py --config smollm2 --batch 32 --group-size 4 "
     "--prompt-len 40 --response-len 32 --repeats 3": PARSE_ONLY,

@@ -22,6 +22,7 @@ from helpers.inference_reference import (
     stop_grpc_server,
 )
 
+from a3po_jax.inference.host_metrics import LOOP_PARTS
 from a3po_jax.inference.remote import inference_pb2 as pb
 from a3po_jax.inference.remote import inference_pb2_grpc as pb_grpc
 from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient, HostAuthenticationError
@@ -157,6 +158,9 @@ def test_stats_over_grpc(client):
     assert isinstance(stats["slots_busy"], int) and stats["samples_done"] > 0
     assert stats["update_policy"] == "in_flight" and stats["live"] is True
     assert "tokens_per_s" in stats and "queue_depth" in stats
+    # The serving loop's seconds by part travel as a table, as the host reports them.
+    assert set(stats["loop_s"]) == set(LOOP_PARTS) and stats["loop_s"]["decode_wait"] > 0
+    assert sum(stats["loop_s"].values()) == pytest.approx(stats["busy_s"])
 
 
 def test_resolve_token(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from helpers.inference_reference import (
 from a3po_jax.inference import HostClosedError, InferenceHost
 from a3po_jax.inference.engine import decode_layout, engine_core
 from a3po_jax.inference.engine import steps as engine_steps
+from a3po_jax.inference.host_metrics import LOOP_PARTS
 from a3po_jax.inference.types import ErrorKind, GenerateRequest, SamplingParams
 
 BUCKETS = (8, 16)
@@ -186,6 +187,24 @@ def test_poll_timeout_and_stats(host):
         assert key in stats
     assert stats["slots_busy"] == 0 and stats["queue_depth"] == 0
     assert stats["samples_done"] > 0
+
+
+def test_loop_time_by_part_covers_the_work_and_no_more(params):
+    # A started host's serving loop: its parts are disjoint, so they add up to its busy
+    # seconds, which fit in the wall time it ran; prefill and decode steps were waited on.
+    h = _host(params)
+    t0 = time.perf_counter()
+    with h.start():
+        h.submit(GenerateRequest("parts", PROMPTS["long"], 2, greedy(8)))
+        collect(h, 2)
+        stats = h.stats()
+        wall = time.perf_counter() - t0
+    parts = stats["loop_s"]
+    assert set(parts) == set(LOOP_PARTS) and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(stats["busy_s"])
+    assert stats["busy_s"] <= wall
+    assert parts["prefill_wait"] > 0 and parts["decode_wait"] > 0
+    assert parts["admit"] > 0 and parts["dispatch"] > 0 and parts["collect"] > 0
 
 
 def test_weights_with_wrong_names_shapes_dtypes_rejected_whole(params):

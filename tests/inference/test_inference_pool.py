@@ -137,6 +137,9 @@ class FakeHost:
             "queue_depth": 0,
             "tokens_per_s": 1.0,
             "live": True,
+            # One second of admitting and two of waiting per sample done.
+            "loop_s": {"admit": 1.0 * self.done, "decode_wait": 2.0 * self.done},
+            "busy_s": 3.0 * self.done,
         }
 
     def counters(self):
@@ -385,6 +388,14 @@ def test_a_pool_is_batch_invariant_only_if_every_host_is():
             assert pool.stats()["batch_invariant"] is expected
         finally:
             pool.close()
+
+
+def test_a_pool_sums_its_hosts_loop_time_by_part():
+    a, b = FakeHost("a"), FakeHost("b")
+    a.done, b.done = 1, 3
+    with HostPool([a, b]) as pool:
+        stats = pool.stats()
+    assert stats["loop_s"] == {"admit": 4.0, "decode_wait": 8.0} and stats["busy_s"] == 12.0
 
 
 def test_every_host_kind_implements_the_host_protocol():

@@ -1,10 +1,11 @@
 """The step book's reading of which side waited: the trainer's wait and the host's serving
-time, as shares of each step, from the step's own record."""
+time, as shares of each step, from the step's own record; and the host's time by part."""
 
 from types import SimpleNamespace
 
 import pytest
 
+from a3po_jax.inference.host_metrics import LOOP_PARTS
 from a3po_jax.training.step_book import StepBook
 
 
@@ -26,3 +27,36 @@ def test_a_replay_or_an_empty_step_has_no_host_share():
     b = book()
     assert b.demand({"time/step_s": 1.0, "time/wait_rollouts_s": 0.0}) == {"time/wait_frac": 0.0}
     assert b.demand({"time/wait_rollouts_s": 1.0}) == {}  # no step time: nothing to share
+
+
+def loop_stats(hosts: int | None = None, **parts: float) -> dict:
+    stats = {"loop_s": {part: parts.get(part, 0.0) for part in LOOP_PARTS}}
+    if hosts is not None:
+        stats["hosts_healthy"] = hosts
+    return stats
+
+
+def test_host_time_by_part_is_the_difference_since_the_last_record():
+    b = book()
+    # The first record: cumulative totals, nothing to subtract them from.
+    assert b.host_time(loop_stats(admit=5.0, decode_wait=7.0), 100.0) == {}
+    second = b.host_time(loop_stats(admit=5.25, decode_wait=8.0, collect=0.25), 102.0)
+    assert set(second) == {f"host/{p}_s" for p in LOOP_PARTS} | {"host/idle_s"}
+    assert second["host/admit_s"] == pytest.approx(0.25)
+    assert second["host/decode_wait_s"] == pytest.approx(1.0)
+    assert second["host/collect_s"] == pytest.approx(0.25)
+    assert second["host/dispatch_s"] == 0.0
+    # Idle: the 2 s since the last record less the 1.5 s worked.
+    assert second["host/idle_s"] == pytest.approx(0.5)
+    # A pool of two hosts: two host-seconds per second; a part summed over fewer hosts
+    # than before (one went down) does not go negative.
+    third = b.host_time(loop_stats(hosts=2, admit=5.0, decode_wait=8.5), 103.0)
+    assert third["host/admit_s"] == 0.0 and third["host/decode_wait_s"] == pytest.approx(0.5)
+    assert third["host/idle_s"] == pytest.approx(2 * 1.0 - 0.5)
+
+
+def test_a_host_without_loop_times_or_a_replay_has_no_host_time():
+    b = book()
+    assert b.host_time({}, 1.0) == {} and b.host_time({"busy_s": 3.0}, 2.0) == {}
+    # The first record with the times still has nothing to subtract them from.
+    assert b.host_time(loop_stats(admit=1.0), 3.0) == {}

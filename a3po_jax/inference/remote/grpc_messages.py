@@ -108,11 +108,19 @@ def result_from_proto(message: pb.SampleResult) -> SampleResult:
     )
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, bool | int | float | np.integer | np.floating)
+
+
 def stats_to_proto(stats: dict[str, Any]) -> pb.StatsResponse:
+    """Numbers as values, other stats as text; a table of numbers (``loop_s``) travels as
+    ``key/entry`` values, which `stats_from_proto` puts back together."""
     values, labels = {}, {}
     for key, value in stats.items():
-        if isinstance(value, bool | int | float | np.integer | np.floating):
+        if _is_number(value):
             values[key] = float(value)
+        elif isinstance(value, dict) and all(_is_number(v) for v in value.values()):
+            values.update({f"{key}/{k}": float(v) for k, v in value.items()})
         else:
             labels[key] = str(value)
     return pb.StatsResponse(values=values, labels=labels)
@@ -138,7 +146,10 @@ _BOOL_STATS = ("update_pending", "live", "batch_invariant")
 def stats_from_proto(message: pb.StatsResponse) -> dict[str, Any]:
     out: dict[str, Any] = dict(message.labels)
     for key, value in message.values.items():
-        if key in _INT_STATS:
+        if "/" in key:  # an entry of a table of numbers
+            table, entry = key.split("/", 1)
+            out.setdefault(table, {})[entry] = value
+        elif key in _INT_STATS:
             out[key] = int(value)
         elif key in _BOOL_STATS:
             out[key] = bool(value)

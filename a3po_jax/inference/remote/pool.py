@@ -303,6 +303,11 @@ class HostPool(Membership, Health, InAnotherProcess):
             summed += ("kv_recomputes", "kv_recompute_tokens", "kv_recompute_s", "busy_s")
             for key in summed:
                 out[key] = sum(m.stats.get(key, 0) for m in healthy)
+            # The serving loops' seconds by part, summed as busy_s is.
+            loop_s: collections.Counter[str] = collections.Counter()
+            for m in healthy:
+                loop_s.update(m.stats.get("loop_s", {}))
+            out["loop_s"] = dict(loop_s)
             out["queue_depth"] += sum(m.stats.get("queue_depth", 0) for m in healthy)
             # The last completed weight push (staging copy and until every host installed it).
             out.update(self._push)
