@@ -179,6 +179,9 @@ def test_bad_inputs_rejected_host_alive(host, params):
 
 
 def test_poll_timeout_and_stats(host):
+    # Its own sample first: on a worker of its own, no earlier test has used the host.
+    host.submit(GenerateRequest("stats", PROMPTS["long"], 1, greedy(4)))
+    collect(host, 1)
     t0 = time.monotonic()
     assert host.poll(timeout=0.2) == []
     assert time.monotonic() - t0 >= 0.2
