@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,10 +69,12 @@ def test_local_host_runs_on_its_cores_with_a_private_token_and_ends_at_close():
     ).start()
     try:
         assert allowed_cores(host.pid) == CORES[:1]
-        folder = host.log_path.parent
-        assert folder.stat().st_mode & 0o077 == 0  # its owner's only
-        # The child read its token before it served: the file is gone, the log alone stays.
-        assert [f.name for f in folder.iterdir()] == ["host.log"]
+        # The child read its token and opened its log before it served: the private folder
+        # is gone, and the log is still read through the descriptor the parent holds.
+        assert host.log_path is None
+        mine = f"{local_process.FOLDER_PREFIX}{os.getpid()}-*"
+        assert not list(Path(tempfile.gettempdir()).glob(mine))
+        assert "serving" in host.log_tail()
         client = GrpcInferenceClient(host.address, host.token)
         assert client.stats()["update_policy"] == "drain"
         client.submit(
@@ -87,7 +90,7 @@ def test_local_host_runs_on_its_cores_with_a_private_token_and_ends_at_close():
         client.close()
     finally:
         host.close()
-    assert gone(host.pid, 10) and not folder.exists()
+    assert gone(host.pid, 10)
 
 
 def test_core_split_leaves_the_trainer_a_core():
@@ -135,10 +138,7 @@ def test_a_trainer_killed_with_sigkill_leaves_no_host_process(tmp_path):
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         assert gone(host, 15), "the host outlived its trainer"
-        # No token left; the folder (host.log) is the dead trainer's, which a start removes.
-        (folder,) = temp.glob(f"{local_process.FOLDER_PREFIX}{trainer.pid}-*")
-        assert [f.name for f in folder.iterdir()] == ["host.log"]
-        assert local_process.remove_stale_folders(temp) == [folder]
+        # Nothing left: the host's folder went as soon as it served.
         assert not list(temp.iterdir())
     finally:
         if trainer.poll() is None:

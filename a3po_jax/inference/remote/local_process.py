@@ -9,16 +9,16 @@ Inference layer (remote).
 
 The child is `python -m a3po_jax.cli.serve` on a free loopback port, with a fresh random
 token that only this process and the child know (a file readable by its owner only, in a
-private directory removed at `close`). It pins itself to `cores` before JAX starts (so XLA
-sizes its thread pool to them), and it ends with its parent on every path: `close`, the
-parent's exit, and the parent being killed with SIGKILL (``--exit-with-parent``: Linux's
-parent-death signal, and a watch of the parent's pid where that signal does not exist).
+private directory). It pins itself to `cores` before JAX starts (so XLA sizes its thread
+pool to them), and it ends with its parent on every path: `close`, the parent's exit, and
+the parent being killed with SIGKILL (``--exit-with-parent``: Linux's parent-death signal,
+and a watch of the parent's pid where that signal does not exist).
 
-Nothing is left behind however the parent ends: the token file is removed as soon as the
-child serves (it has read it; both keep the token in memory), and the private directory
-(its ``host.log``) is named after the parent's pid, so the next start removes those of
-parents that no longer run (`remove_stale_folders`), after a SIGKILL that let no clean-up
-run.
+Nothing is left behind however the parent ends: once the child serves it has read its token
+and both ends hold its stderr file open, so the whole private directory is removed then
+(the log is read through the descriptor this process keeps: `log_tail`). A directory left
+by a parent killed while its child was still starting is named after the parent's pid, and
+the next start removes those of parents that no longer run (`remove_stale_folders`).
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ class LocalHostProcess:
         self.address: str | None = None
         self.proc: subprocess.Popen | None = None
         self._dir: Path | None = None
+        self._log: int | None = None  # a read descriptor of the child's stderr file
 
     @property
     def pid(self) -> int | None:
@@ -136,7 +137,8 @@ class LocalHostProcess:
 
     @property
     def log_path(self) -> Path | None:
-        """The child's stderr (removed at `close`)."""
+        """The child's stderr file while the child starts; None once it serves (the file is
+        unlinked then and read through a descriptor held open: `log_tail`)."""
         return None if self._dir is None else self._dir / "host.log"
 
     def start(self) -> LocalHostProcess:
@@ -160,6 +162,7 @@ class LocalHostProcess:
         ]  # fmt: skip
         env = dict(os.environ)
         env.pop("A3PO_HOST_TOKEN", None)  # the token file decides
+        self._log = os.open(self.log_path, os.O_RDONLY | os.O_CREAT, 0o600)
         with open(self.log_path, "w") as log_file:
             self.proc = subprocess.Popen(
                 cmd,
@@ -192,22 +195,33 @@ class LocalHostProcess:
                 + f"; the end of its log:\n{tail}"
             )
         self.address = ready[0]
-        # The child read it before it served: a SIGKILL from here on leaves no token behind.
-        token_file.unlink(missing_ok=True)
+        # The child read its token before it served, and both ends hold the log open: the
+        # folder goes now, so a SIGKILL of this process from here on leaves nothing behind.
+        self._remove_folder()
         log.info("local inference host pid %d on %s, cores %s", self.pid, self.address, self.cores)
         return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except (OSError, AttributeError):
+    def log_tail(self, lines: int = 20, max_bytes: int = 1 << 16) -> str:
+        """The last ``lines`` lines of the child's stderr (read through the held descriptor)."""
+        if self._log is None:
             return ""
+        try:
+            size = os.fstat(self._log).st_size
+            text = os.pread(self._log, max_bytes, max(0, size - max_bytes))
+        except OSError:
+            return ""
+        return "\n".join(text.decode(errors="replace").splitlines()[-lines:])
+
+    def _remove_folder(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def close(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout` s; removes the token and log."""
+        """SIGTERM, then SIGKILL after `timeout` s; removes what is left of its folder."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -215,9 +229,10 @@ class LocalHostProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._remove_folder()
+        if self._log is not None:
+            os.close(self._log)
+            self._log = None
 
     def __enter__(self) -> LocalHostProcess:
         return self.start() if self.proc is None else self
