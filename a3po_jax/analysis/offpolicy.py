@@ -32,6 +32,7 @@ from a3po_jax.analysis.tables import mean_std
 
 EVAL_ACCURACY = "eval/accuracy"  # held-out greedy pass@1 (logged at step 0 and the end)
 KL_REF = "kl/ref_k3"  # k3 KL(π_θ ‖ π_init) on the trained tokens (algo.track_ref_kl)
+GOLD_REWARD = "reward/gold_score_mean"  # the verifier's score under a reward model
 OFFPOLICY_N = "algo.num_minibatches"
 
 
@@ -207,6 +208,9 @@ def is_offpolicy_sweep(runs: Sequence[Run]) -> bool:
 _LAB_COLUMNS = (
     (REWARD, "last", "reward final"),
     (REWARD, "area", "reward area"),
+    # Under a reward model (task.reward=model:PATH) the reward is the proxy's; the gold
+    # scorer's on the same samples beside it shows over-optimisation (the gap).
+    (GOLD_REWARD, "last", "gold final"),
     (EVAL_ACCURACY, "end", "held-out end"),
     (KL_REF, "last", "KL to init"),
     ("loss/clipfrac", "area", "clip frac"),
@@ -233,7 +237,8 @@ def _config_cell(value):
 def lab_table(runs: Sequence[Run], *, last_k: int = 5) -> pd.DataFrame:
     """One row per configuration (runs that differ only by seed share one): its differing
     config values, the seeds, and ``mean ± std`` over them of the final reward (mean of
-    the last ``last_k`` steps), the reward area (mean over every step), the held-out
+    the last ``last_k`` steps), the reward area (mean over every step), the gold scorer's
+    final reward (runs against a reward model), the held-out
     pass@1 at the end (of runs that evaluate), the KL to the
     initial policy over the last ``last_k`` steps, and the means over steps of the clip
     fraction, the masked fraction, the ESS of the importance weights and the staleness.

@@ -203,6 +203,7 @@ def test_lab_table_per_method_over_seeds(tmp_path):
     assert rec["reward final"] == "0.700" and rec["ESS"] == "0.900"
     assert "masked frac" not in table  # no run logged it
     assert "held-out end" not in table  # no run evaluated
+    assert "gold final" not in table  # no run trained against a reward model
     # Held-out pass@1 logged at step 0 and at the end: the table takes the last.
     for name, end in (("naive0", 0.25), ("naive1", 0.75)):
         path = tmp_path / name / "metrics.jsonl"
@@ -217,6 +218,15 @@ def test_lab_table_per_method_over_seeds(tmp_path):
     assert table.loc["behav", "held-out end"] == "0.500 ± 0.354"
     assert table.loc["recompute", "held-out end"] == "n/a"  # this run did not evaluate
     assert table.loc["recompute", "learning_rate"] == "3e-05"  # a config value, not 0.000
+    # Against a reward model, the gold scorer's reward on the same samples sits beside it.
+    path = tmp_path / "rec0" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record, gold in zip(records, [0.1, 0.2, 0.4], strict=True):
+        record["reward/gold_score_mean"] = gold
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = results.lab_table(results.load_runs([tmp_path]), last_k=2).set_index("prox")
+    assert table.loc["recompute", "gold final"] == "0.300"  # (0.2 + 0.4) / 2
+    assert table.loc["behav", "gold final"] == "n/a"
     (tmp_path / "naive1" / "metrics.jsonl").write_text(
         "".join(
             json.dumps({k: v for k, v in json.loads(line).items() if k != "mismatch/ess"}) + "\n"
