@@ -211,11 +211,11 @@ RECOMPUTE_LAYOUTS = {
 def recompute_step_in_layout(name):
     """One recompute step on fixed groups in a layout of `RECOMPUTE_LAYOUTS` (cached: every
     comparison reads the plain one)."""
-    packed, batch = RECOMPUTE_LAYOUTS[name]
+    packed, layout = RECOMPUTE_LAYOUTS[name]
     groups = make_groups(seed=6)
     build = packing.pack_groups if packed else build_batch
     batch = as_jnp(build(groups, advantage="grpo", length_bucket=16))
-    cfg = make_config(prox="recompute", batch=batch)
+    cfg = make_config(prox="recompute", batch=layout)
     state, _ = setup(cfg)
     return step_fn(cfg)(state, batch, None)
 
