@@ -31,6 +31,8 @@ Parent:   the defaults in a3po_jax/training/config.py.
 
 from a3po_jax.training.config import (
     AlgoSection,
+    BatchSection,
+    HostsSection,
     ModelSection,
     OptimSection,
     RolloutSection,
@@ -77,12 +79,14 @@ def config() -> TrainConfig:
             mode="async",
             max_staleness=2,
             update_policy="in_flight",
-            micro_batch_size=16,
-            # 1024-token answers in groups of 4: packing saves little, its 4k-token rows'
-            # attention costs more (docs/training.md, "Packing and one-pass log-probs")
-            packed_prompts=False,
-            length_bucket=128,
-            rollout_timeout_s=3600.0,
+            batch=BatchSection(
+                micro_batch_size=16,
+                # 1024-token answers in groups of 4: packing saves little, its 4k-token rows'
+                # attention costs more (docs/training.md, "Packing and one-pass log-probs")
+                packed_prompts=False,
+                length_bucket=128,
+            ),
+            hosts=HostsSection(rollout_timeout_s=3600.0),
         ),
         steps=300,
         seed=1,

@@ -14,7 +14,7 @@ Data:     DAPO-style math as JSONL files you prepare (task "jsonl"): one record 
           "answer_field": "answer"}'. Completions are scored on their final answer
           (boxed, "Answer:", else the last number).
 Hardware: sized for an 8-GPU node or a TPU slice, inference on its own devices. The
-          trainer shards the model over its devices (system.mesh_fsdp=-1: every device
+          trainer shards the model over its devices (system.mesh.fsdp=-1: every device
           the host does not take); params are stored in bfloat16 so that the state (8 B
           params + Adam moments in bf16 + gradients ≈ 64 GB before activations) also fits
           one 80 GB device with remat and micro-batches of 2 sequences. Not run for this
@@ -70,9 +70,8 @@ def config() -> TrainConfig:
         system=replace(
             parent.system,
             max_staleness=4,
-            micro_batch_size=2,
-            length_bucket=512,
-            rollout_timeout_s=7200.0,
+            batch=replace(parent.system.batch, micro_batch_size=2, length_bucket=512),
+            hosts=replace(parent.system.hosts, rollout_timeout_s=7200.0),
         ),
         steps=400,
         run_dir="runs/a3po_qwen3_8b_math",

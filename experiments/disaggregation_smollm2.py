@@ -5,7 +5,7 @@ Command:  python scripts/run_sweep.py experiments/disaggregation_smollm2.py --su
           python -m a3po_jax.cli.results results/disaggregation_smollm2 \\
               --out results/disaggregation_smollm2 --level 0.65
 Hardware: a 2-core CPU. Split: the inference host is a local process pinned to core 0 and
-          the trainer to core 1 (system.inference_cores=1), weights pushed over the host's
+          the trainer to core 1 (system.placement.inference_cores=1), weights pushed over the host's
           weight port in the background. Shared: the embedded host, both on both cores.
           4-9 minutes per run (split sync and periodic the longest), 20 runs.
 What it shows: A-3PO (arXiv 2512.06547), Periodic Asynchrony (arXiv 2511.18871) and
@@ -33,9 +33,10 @@ MODES = (
     {"system.mode": "async", "algo.prox": "recompute", "system.max_staleness": 1},
 )
 # Seed-major (an interrupted sweep holds whole seeds of every mode); the shared runs last.
-SWEEP = [
-    {**mode, "system.inference_cores": 1, "seed": seed} for seed in SEEDS for mode in MODES
-] + [{**mode, "system.inference_cores": 0, "seed": 0} for mode in MODES]
+CORES = "system.placement.inference_cores"
+SWEEP = [{**mode, CORES: 1, "seed": seed} for seed in SEEDS for mode in MODES] + [
+    {**mode, CORES: 0, "seed": 0} for mode in MODES
+]
 
 
 def config() -> TrainConfig:

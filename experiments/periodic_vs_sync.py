@@ -13,7 +13,7 @@ Command:  inference host on its own GPU, trainer on another (where the gain can 
               task.name=chain_sum \\
               'task.options={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}' \\
               rollout.groups_per_step=4 rollout.max_new_tokens=40 rollout.num_slots=16 \\
-              rollout.prompt_buckets=64,128 system.micro_batch_size=0 steps=20 \\
+              rollout.prompt_buckets=64,128 system.batch.micro_batch_size=0 steps=20 \\
               eval_every=10 eval_prompts=32
 What it shows: Periodic Asynchrony (arXiv 2511.18871, seeds 002/003): weights are synced
           only at the start of an iteration and the trainer folds each group into the
@@ -35,7 +35,13 @@ Parent:   experiments/a3po_qwen25_1p5b_gsm8k.py (model, GSM8K, batch, lengths, o
 import dataclasses
 from pathlib import Path
 
-from a3po_jax.training.config import SystemSection, TrainConfig, load_experiment
+from a3po_jax.training.config import (
+    BatchSection,
+    HostsSection,
+    SystemSection,
+    TrainConfig,
+    load_experiment,
+)
 
 SWEEP = [{"system.mode": "periodic"}, {"system.mode": "sync"}]
 
@@ -50,9 +56,8 @@ def config() -> TrainConfig:
             max_staleness=0,
             # Periodic mode folds in one group (4 sequences) at a time, so a micro-batch
             # must divide the group, not just the batch.
-            micro_batch_size=4,
-            length_bucket=parent.system.length_bucket,
-            rollout_timeout_s=parent.system.rollout_timeout_s,
+            batch=BatchSection(micro_batch_size=4, length_bucket=parent.system.batch.length_bucket),
+            hosts=HostsSection(rollout_timeout_s=parent.system.hosts.rollout_timeout_s),
         ),
         steps=100,
         eval_every=20,

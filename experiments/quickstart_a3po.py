@@ -21,9 +21,11 @@ Parent:   the defaults in a3po_jax/training/config.py; changes the model size- a
 
 from a3po_jax.training.config import (
     AlgoSection,
+    BatchSection,
     ModelSection,
     OptimSection,
     RolloutSection,
+    RunSection,
     SystemSection,
     TaskSection,
     TrainConfig,
@@ -60,12 +62,10 @@ def config() -> TrainConfig:
             # η = 2: tokens two versions old get A-3PO's α = 1/2 (at η = 1 it trains as naive PPO).
             max_staleness=2,
             update_policy="in_flight",
-            length_bucket=64,
-            packed_prompts=True,
-            groups_per_row=2,
+            batch=BatchSection(length_bucket=64, packed_prompts=True, groups_per_row=2),
             # Freed heap handed back four times as often as the default: a lower, steadier peak
             # for a few per cent more seconds per step (docs/performance.md, docs/log.md).
-            trim_heap_every_s=0.25,
+            run=RunSection(trim_heap_every_s=0.25),
         ),
         steps=24,
         seed=0,

@@ -9,8 +9,8 @@ Each mode runs as its own ``a3po-train EXPERIMENT`` process (same model, task, b
 seed; ``system.mode`` and, for async, ``system.max_staleness`` and ``algo.prox`` differ):
 
 * ``shared``: the embedded host, generation and training take turns on every core;
-* ``split``: ``system.inference_cores=N``, a local host process on N cores and the trainer on
-  the rest, weights pushed in the background (docs/scale-out.md).
+* ``split``: ``system.placement.inference_cores=N``, a local host process on N cores and the
+  trainer on the rest, weights pushed in the background (docs/scale-out.md).
 
 The first ``--warmup`` steps (compilation) are left out. Per mode it prints steps per hour,
 generated and trained tokens per second, each side's busy fraction (trainer: train seconds
@@ -52,7 +52,7 @@ MODES = (
 def run_mode(args, placement: str, label: str, overrides: tuple[str, ...], tmp: Path) -> dict:
     """Runs one mode to completion in a child process; returns its summary."""
     run_dir = tmp / f"{placement}-{label.replace(' ', '-')}"
-    extra = [f"system.inference_cores={args.host_cores}"] if placement == "split" else []
+    extra = [f"system.placement.inference_cores={args.host_cores}"] if placement == "split" else []
     if "system.mode=async" in overrides:
         extra.append(f"system.max_staleness={args.eta}")
     cmd = [

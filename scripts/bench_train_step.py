@@ -90,7 +90,13 @@ from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.stats import Stats
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    BatchSection,
+    RolloutSection,
+    SystemSection,
+    TrainConfig,
+)
 from a3po_jax.training.metrics import peak_memory
 
 PROX_MODES = ("recompute", "a3po", "behav")
@@ -208,11 +214,11 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--packed",
         action="store_true",
-        help="shared-prompt packed rows (system.packed_prompts): FLOPs counted on the packed\n"
-        "[N, L] rows and the lm_head's N·K completion positions",
+        help="shared-prompt packed rows (system.batch.packed_prompts): FLOPs counted on the\n"
+        "packed [N, L] rows and the lm_head's N·K completion positions",
     )
     p.add_argument(
-        "--groups-per-row", type=int, default=1, help="with --packed: system.groups_per_row"
+        "--groups-per-row", type=int, default=1, help="with --packed: system.batch.groups_per_row"
     )
     args = p.parse_args(argv)
 
@@ -279,10 +285,12 @@ def main(argv=None) -> dict:
             ),
             algo=AlgoSection(prox=prox),
             system=SystemSection(
-                micro_batch_size=args.micro_batch,
-                packed_prompts=args.packed,
-                groups_per_row=args.groups_per_row if args.packed else 1,
-                length_bucket=64,
+                batch=BatchSection(
+                    micro_batch_size=args.micro_batch,
+                    packed_prompts=args.packed,
+                    groups_per_row=args.groups_per_row if args.packed else 1,
+                    length_bucket=64,
+                )
             ),
         )
         opt = step_builder.optimizer(cfg)

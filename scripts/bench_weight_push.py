@@ -6,7 +6,7 @@ beside the raw TCP bandwidth of the same loopback between the same cores, in one
     python scripts/bench_weight_push.py --placement devices  # in-process, device to device
     python scripts/bench_weight_push.py --model tiny --repeats 3
 
-``--placement cores`` (split cores, as `system.inference_cores` places them): a local host
+``--placement cores`` (split cores, as `system.placement.inference_cores` places them): a local host
 process (`LocalHostProcess`) on the first ``--host-cores`` cores, this process on the rest.
 Measured:
 
@@ -23,7 +23,7 @@ Measured:
   to local and remote hosts: the seconds the trainer is held (the staging copy) and the
   seconds until the host serves.
 
-``--placement devices`` (split devices, as `system.inference_devices` places them): the
+``--placement devices`` (split devices, as `system.placement.inference_devices` places them): the
 trainer's weights FSDP-sharded over the first ``--trainer-devices`` (as a run holds them),
 an embedded host tensor-parallel over the next ``--host-devices`` (`InferenceHost` with a
 mesh of its own); a push is ``update_weights`` (resharded on the trainer's devices, copied

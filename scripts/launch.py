@@ -13,9 +13,9 @@ What works today, and what does not (the launcher does not pretend otherwise):
 * ``cpu``: one process, embedded inference host (``a3po-train`` as is).
 * ``gpu-node``: the inference host (``python -m a3po_jax.cli.serve``) on its own
   GPUs and the trainer on others, talking over gRPC on localhost with a shared token file.
-  The trainer shards the model over all its ``--trainer-gpus`` (``system.mesh_*``; FSDP
+  The trainer shards the model over all its ``--trainer-gpus`` (``system.mesh.*``; FSDP
   over all of them by default). More inference hosts (other nodes) can be added with
-  ``system.inference_hosts=a:50051,b:50051``: the trainer spreads requests over them and
+  ``system.placement.inference_hosts=a:50051,b:50051``: the trainer spreads requests over them and
   fails over when one dies (``a3po_jax.inference.remote.pool``).
 * ``tpu-pod``: prints and runs (over ``gcloud ... ssh``) the trainer command for every
   worker, with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
@@ -26,10 +26,10 @@ What works today, and what does not (the launcher does not pretend otherwise):
   single-process only. The token file must exist on the inference VM and on worker 0 (copy
   it, or set ``A3PO_HOST_TOKEN``).
 * ``inference-host``: a standalone host for any of the above (or for a trainer elsewhere,
-  ``system.inference_hosts=ADDRESS:PORT``). Every RPC but Health needs the token.
+  ``system.placement.inference_hosts=ADDRESS:PORT``). Every RPC but Health needs the token.
 * ``join-host``: a host that joins a running job, serving what the run's config asks (its
   model, dtype, buckets, update policy) and registering itself in the run's
-  ``system.hosts_file`` (``cli.serve --join``); stopping it (SIGTERM, Ctrl-C) makes it
+  ``system.placement.hosts_file`` (``cli.serve --join``); stopping it (SIGTERM, Ctrl-C) makes it
   leave. Give it the run's experiment and overrides, and the run's token file.
 """
 
@@ -185,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     host.add_argument("--warmup", action="store_true", help="compile every bucket first")
     host.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     join = sub.add_parser(
-        "join-host", help="start a host that joins a running job (its system.hosts_file)"
+        "join-host", help="start a host that joins a running job (its system.placement.hosts_file)"
     )
     join.add_argument("experiment", help="the run's experiment file")
     join.add_argument("overrides", nargs="*", help="the run's section.field=value overrides")
@@ -250,7 +250,7 @@ def _host_argv(
         "--init-seed",
         str(cfg.model.seed),
         "--param-dtype",
-        cfg.system.inference_dtype or cfg.model.param_dtype,
+        cfg.system.placement.inference_dtype or cfg.model.param_dtype,
         "--compute-dtype",
         cfg.model.compute_dtype,
         "--weight-port",
@@ -286,7 +286,10 @@ def plan_gpu_node(args: argparse.Namespace) -> list[HostCommand]:
             weight_port=args.weight_port,
         ),
     )
-    remote = [f"system.inference_hosts=127.0.0.1:{args.port}", f"system.host_token_file={token}"]
+    remote = [
+        f"system.placement.inference_hosts=127.0.0.1:{args.port}",
+        f"system.placement.host_token_file={token}",
+    ]
     trainer = HostCommand(
         "trainer",
         env,
@@ -328,8 +331,8 @@ def plan_tpu_pod(args: argparse.Namespace) -> list[HostCommand]:
             )
         )
         overrides += [
-            f"system.inference_hosts={address}:{args.port}",
-            f"system.host_token_file={token}",
+            f"system.placement.inference_hosts={address}:{args.port}",
+            f"system.placement.host_token_file={token}",
         ]
     coordinator = args.coordinator_address or "<worker-0-internal-ip>:8476"
     for worker in range(args.workers):
@@ -389,10 +392,11 @@ def plan_join_host(args: argparse.Namespace) -> list[HostCommand]:
     """A host serving what the run's config asks, joining it through its membership file
     (``cli.serve --join``): SIGTERM (Ctrl-C here) makes it leave."""
     cfg = _resolve(args.experiment, args.overrides)
-    if not cfg.system.hosts_file:
+    if not cfg.system.placement.hosts_file:
         raise SystemExit(
-            "launch.py join-host: the run's config sets no system.hosts_file; pass the run's "
-            "own overrides (system.inference_hosts=... system.hosts_file=PATH)"
+            "launch.py join-host: the run's config sets no system.placement.hosts_file; pass "
+            "the run's own overrides (system.placement.inference_hosts=... "
+            "system.placement.hosts_file=PATH)"
         )
     token = _home(args.token_file, remote=False)
     if not args.dry_run and not Path(token).is_file():
@@ -404,7 +408,7 @@ def plan_join_host(args: argparse.Namespace) -> list[HostCommand]:
         bind=args.bind,
         token_file=token,
         weight_port=args.weight_port,
-    ) + ("--join", cfg.system.hosts_file)
+    ) + ("--join", cfg.system.placement.hosts_file)
     if args.advertise:
         argv += ("--advertise", args.advertise)
     env = {"CUDA_VISIBLE_DEVICES": args.devices} if args.devices else {}

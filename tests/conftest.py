@@ -53,3 +53,27 @@ def _free_compiled_programs():
     if count is None or count > MAX_MAPPINGS:
         sys.modules["jax"].clear_caches()
         gc.collect()
+
+
+@pytest.fixture
+def flat_system_names(monkeypatch):
+    """For a test of the flat system names' deprecation path (``inference_hosts`` directly on
+    ``system``): each is announced again, and `_no_flat_system_names` lets the test read them."""
+    from a3po_jax.training import system_config
+
+    monkeypatch.setattr(system_config, "_NOTICED", set())
+
+
+@pytest.fixture(autouse=True)
+def _no_flat_system_names(request):
+    """Fails a test that reads a flat system name (each is announced once per process, so the
+    first test to read one fails) unless it asks for `flat_system_names`."""
+    module = sys.modules.get("a3po_jax.training.system_config")
+    before = set(module._NOTICED) if module else set()
+    yield
+    module = sys.modules.get("a3po_jax.training.system_config")
+    if module is None or "flat_system_names" in request.fixturenames:
+        return
+    read = sorted(module._NOTICED - before)
+    if read:
+        pytest.fail(f"flat system name(s) {read} read: write system.<section>.<field>")

@@ -11,7 +11,7 @@ PID`` it also stops when process PID is gone (a trainer that started it and was 
 with SIGKILL); SIGUSR1 prints every thread's stack to stderr (a host that seems stuck).
 
 With ``--join PATH`` it joins a running job: PATH is the run's membership file
-(``system.hosts_file``). Once it serves, the host appends its own line (the trainer then
+(``system.placement.hosts_file``). Once it serves, the host appends its own line (the trainer then
 checks it, pushes it the newest weights and routes requests to it); on SIGTERM it leaves:
 removes its line, finishes what the pool still gives it, and stops once it has been idle
 for ``--leave-quiet-s`` (at most ``--leave-wait-s``). A file that is missing, or whose run

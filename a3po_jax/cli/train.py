@@ -9,7 +9,7 @@ Examples::
     a3po-train experiments/quickstart_a3po.py algo.prox=recompute steps=10 run_dir=runs/rc
     a3po-train experiments/quickstart_a3po.py --resume          # continue from checkpoints
     a3po-train --print-config experiments/quickstart_a3po.py    # show the resolved config
-    a3po-train --replay runs/rec                 # re-train a system.record_rollouts=true run
+    a3po-train --replay runs/rec                 # re-train a system.run.record_rollouts=true run
 
 ``--replay RUN_DIR`` rebuilds the trainer from ``RUN_DIR/config.json`` (overrides apply
 on top), trains on the groups recorded in ``RUN_DIR/rollouts/`` with no inference host,
@@ -17,7 +17,7 @@ into ``RUN_DIR/replay`` (``run_dir=`` to change), for the recorded steps (or ``s
 fewer), then prints whether ``loss/total`` and ``optim/grad_norm`` match the recording's
 ``metrics.jsonl`` per step (``replay_check.json`` in the replay's run dir).
 
-With ``system.inference_hosts`` empty the inference host is embedded in this process;
+With ``system.placement.inference_hosts`` empty the inference host is embedded in this process;
 otherwise the trainer talks to the gRPC hosts at those addresses (see
 ``python -m a3po_jax.cli.serve``).
 
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--replay",
         metavar="RUN_DIR",
-        help="re-train on the rollouts a system.record_rollouts=true run recorded (no host)",
+        help="re-train on the rollouts a system.run.record_rollouts=true run recorded (no host)",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
@@ -193,13 +193,13 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     # Before anything is loaded or written: a fresh run must not land on a finished one.
     check_run_dir_creatable(cfg.run_dir)
     start = check_run_dir(cfg, resume=args.resume)
-    if cfg.system.inference_cores:
+    if cfg.system.placement.inference_cores:
         # Split cores: this process on its share before JAX starts (XLA sizes its thread
         # pool from it); the trainer starts the host process on the others.
         from a3po_jax.training import host_placement
 
         try:
-            host_placement.pin_trainer(cfg.system.inference_cores)
+            host_placement.pin_trainer(cfg.system.placement.inference_cores)
         except ValueError as err:
             raise Refused(f"config error: {err}") from err
     task = preflight(cfg, replay=args.replay is not None)
@@ -263,8 +263,8 @@ def preflight(cfg: TrainConfig, *, replay: bool = False):
         check_model_name(cfg.model.name)
     except FileNotFoundError as err:
         raise Refused(f"config error: {err}") from err
-    if cfg.system.inference_hosts:
-        _read_token(cfg.system.host_token_file)
+    if cfg.system.placement.inference_hosts:
+        _read_token(cfg.system.placement.host_token_file)
     from a3po_jax.tasks import make_task
 
     what = f"task.name={cfg.task.name!r} with task.options={cfg.task.options}"
@@ -355,7 +355,7 @@ def _start(
     except (OSError, ValueError) as err:
         raise Refused(f"cannot load the model: {err}") from err
     host = None
-    if cfg.system.inference_hosts and leader:  # only process 0 talks to the hosts
+    if cfg.system.placement.inference_hosts and leader:  # only process 0 talks to the hosts
         host = connect_hosts(cfg.system)
     say("building the train step and the inference host ...")
     try:
@@ -509,17 +509,19 @@ def latest_checkpoint_step(run_dir: str | Path) -> int:
 
 
 def connect_hosts(system):
-    """A `HostPool` over the gRPC hosts of ``system.inference_hosts`` (comma-separated;
+    """A `HostPool` over the gRPC hosts of ``system.placement.inference_hosts`` (comma-separated;
     `a3po_jax.training.host_placement.host_pool`)."""
     from a3po_jax.training import host_placement
 
-    token = _read_token(system.host_token_file)
-    addresses = [a.strip() for a in system.inference_hosts.split(",") if a.strip()]
+    token = _read_token(system.placement.host_token_file)
+    addresses = [a.strip() for a in system.placement.inference_hosts.split(",") if a.strip()]
     if len(set(addresses)) != len(addresses):
-        raise Refused(f"config error: system.inference_hosts lists a host twice: {addresses}")
-    if system.hosts_file:
+        raise Refused(
+            f"config error: system.placement.inference_hosts lists a host twice: {addresses}"
+        )
+    if system.placement.hosts_file:
         try:
-            host_placement.check_hosts_file(addresses, system.hosts_file)
+            host_placement.check_hosts_file(addresses, system.placement.hosts_file)
         except (OSError, ValueError) as err:
             raise Refused(f"config error: {err}") from err
     return host_placement.host_pool(addresses, token, system)
@@ -531,12 +533,14 @@ def _read_token(path: str) -> str:
             with open(os.path.expanduser(path)) as f:
                 return f.read().strip()
         except OSError as err:
-            raise Refused(f"config error: system.host_token_file={path!r}: {err}") from err
+            raise Refused(
+                f"config error: system.placement.host_token_file={path!r}: {err}"
+            ) from err
     token = os.environ.get("A3PO_HOST_TOKEN", "")
     if not token:
         raise Refused(
-            "config error: system.inference_hosts (remote hosts) needs "
-            "system.host_token_file or A3PO_HOST_TOKEN"
+            "config error: system.placement.inference_hosts (remote hosts) needs "
+            "system.placement.host_token_file or A3PO_HOST_TOKEN"
         )
     return token
 

@@ -10,11 +10,11 @@ N groups per step, k minibatches and ``groups_per_row`` = R:
 
     rows             = G · N                 sequences per optimizer step
     minibatch_rows   = rows / k              sequences per optimizer update
-    micro_batch_rows = system.micro_batch_size, or minibatch_rows
+    micro_batch_rows = system.batch.micro_batch_size, or minibatch_rows
     micro_batches    = k · minibatch_rows / micro_batch_rows    the step's split
     leading_rows     = N / R packed rows (shared-prompt packing), else rows
 
-``system.packed_prompts`` is resolved here, once, on the host: ``"auto"`` (the default)
+``system.batch.packed_prompts`` is resolved here, once, on the host: ``"auto"`` (the default)
 packs whenever the geometry allows it (:meth:`BatchPlan.packing_refusal` says why not),
 ``true`` packs or refuses naming the fields, ``false`` never packs.
 
@@ -37,7 +37,7 @@ from a3po_jax.core.batching import TrainBatch, build_batch
 from a3po_jax.core.objectives.registry import ROWS, BatchLayout
 from a3po_jax.core.types import RolloutGroup
 
-# system.packed_prompts' default: packed rows wherever the batch geometry allows them
+# system.batch.packed_prompts' default: packed rows wherever the batch geometry allows them
 AUTO = "auto"
 
 
@@ -49,8 +49,8 @@ class BatchPlan:
     groups: int  # N groups per optimizer step (rollout.groups_per_step)
     num_minibatches: int = 1  # k optimizer updates per batch (algo.num_minibatches)
     micro_batch_size: int = 0  # sequences per micro-batch; 0 = a whole minibatch
-    packed: bool = False  # shared-prompt packing, one row per group (system.packed_prompts)
-    groups_per_row: int = 1  # groups per packed row (system.groups_per_row)
+    packed: bool = False  # shared-prompt packing, one row per group (system.batch.packed_prompts)
+    groups_per_row: int = 1  # groups per packed row (system.batch.groups_per_row)
     periodic: bool = False  # groups are folded in one at a time (system.mode="periodic")
     layout: BatchLayout = ROWS  # the objective's row order
     advantage: str = "grpo"  # advantage estimator build_batch applies (algo.advantage)
@@ -65,20 +65,20 @@ class BatchPlan:
             )
         if mb and self.minibatch_rows % mb:
             raise ValueError(
-                f"system.micro_batch_size={mb} must divide the minibatch of "
+                f"system.batch.micro_batch_size={mb} must divide the minibatch of "
                 f"{self.minibatch_rows} sequences"
             )
         if self.packed and mb and mb % g:
             raise ValueError(
-                f"system.packed_prompts packs whole groups: system.micro_batch_size={mb} must "
-                f"be a multiple of rollout.group_size={g}"
+                "system.batch.packed_prompts packs whole groups: "
+                f"system.batch.micro_batch_size={mb} must be a multiple of rollout.group_size={g}"
             )
         if self.groups_per_row != 1:
             self._check_groups_per_row()
         if self.periodic and mb and not self.packed and g % mb:
             raise ValueError(
                 "system.mode='periodic' folds each group into the gradient as it arrives: "
-                f"system.micro_batch_size={mb} must divide rollout.group_size={g}"
+                f"system.batch.micro_batch_size={mb} must divide rollout.group_size={g}"
             )
         if self.periodic and k != 1:
             raise ValueError(
@@ -92,26 +92,26 @@ class BatchPlan:
         gpr, groups, k = self.groups_per_row, self.groups, self.num_minibatches
         if not self.packed:
             raise ValueError(
-                f"system.groups_per_row={gpr} packs groups into rows: it needs "
-                "system.packed_prompts=true"
+                f"system.batch.groups_per_row={gpr} packs groups into rows: it needs "
+                "system.batch.packed_prompts=true"
             )
         if groups % gpr:
             raise ValueError(
-                f"system.groups_per_row={gpr} must divide rollout.groups_per_step={groups}"
+                f"system.batch.groups_per_row={gpr} must divide rollout.groups_per_step={groups}"
             )
         if self.periodic:  # the fold takes one group at a time: one group per row
             return
         if groups % (gpr * k):
             raise ValueError(
-                f"system.groups_per_row={gpr}: each of the algo.num_minibatches={k} "
+                f"system.batch.groups_per_row={gpr}: each of the algo.num_minibatches={k} "
                 f"minibatches of rollout.groups_per_step={groups} groups must hold whole "
                 f"packed rows of {gpr} groups"
             )
         mb, row = self.micro_batch_size, gpr * self.group_size
         if mb and mb % row:
             raise ValueError(
-                f"system.micro_batch_size={mb} must be a multiple of a packed row's "
-                f"{row} sequences (system.groups_per_row={gpr} x rollout.group_size="
+                f"system.batch.micro_batch_size={mb} must be a multiple of a packed row's "
+                f"{row} sequences (system.batch.groups_per_row={gpr} x rollout.group_size="
                 f"{self.group_size})"
             )
 
@@ -120,14 +120,14 @@ class BatchPlan:
         """The plan of a run configuration (``a3po_jax.training.config.TrainConfig``: its
         ``rollout``, ``algo`` and ``system`` sections; the objective gives the layout).
 
-        ``system.packed_prompts="auto"`` is packed unless :meth:`packing_refusal` gives a
+        ``system.batch.packed_prompts="auto"`` is packed unless :meth:`packing_refusal` gives a
         reason, with ``batch_shards`` the ways the trainer's mesh splits the batch (its
-        data x fsdp axes); ``system.groups_per_row`` > 1 always packs, since that is what it
+        data x fsdp axes); ``system.batch.groups_per_row`` > 1 always packs, since that is what it
         asks for, so its geometry is refused as packing's."""
-        packed = cfg.system.packed_prompts
+        packed = cfg.system.batch.packed_prompts
         if packed == AUTO:
             packed = (
-                cfg.system.groups_per_row != 1
+                cfg.system.batch.groups_per_row != 1
                 or cls.packing_refusal(cfg, batch_shards=batch_shards) is None
             )
         return cls(packed=packed, **cls._geometry(cfg))
@@ -145,7 +145,7 @@ class BatchPlan:
         if rows % batch_shards:
             return (
                 f"a micro-batch's {rows} packed rows do not split over the mesh's "
-                f"{batch_shards} batch parts (system.mesh_data x system.mesh_fsdp)"
+                f"{batch_shards} batch parts (system.mesh.data x system.mesh.fsdp)"
             )
         return None
 
@@ -156,12 +156,12 @@ class BatchPlan:
             group_size=cfg.rollout.group_size,
             groups=cfg.rollout.groups_per_step,
             num_minibatches=cfg.algo.num_minibatches,
-            micro_batch_size=cfg.system.micro_batch_size,
-            groups_per_row=cfg.system.groups_per_row,
+            micro_batch_size=cfg.system.batch.micro_batch_size,
+            groups_per_row=cfg.system.batch.groups_per_row,
             periodic=cfg.system.mode == "periodic",
             layout=objectives.get(cfg.algo.loss).layout,
             advantage=cfg.algo.advantage,
-            length_bucket=cfg.system.length_bucket,
+            length_bucket=cfg.system.batch.length_bucket,
         )
 
     @property

@@ -66,8 +66,9 @@ def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_di
              "a3po_jax.cli.evaluate --run-dir RUN_DIR --step N)"),
             (cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward, "algo.kl_in_reward=True (process "
              "0 scores the batch with the sharded params)"),
-            (bool(cfg.system.inference_devices), "system.inference_devices (serve from hosts "
-             "of their own: system.inference_hosts, scripts/launch.py)"),
+            (bool(cfg.system.placement.inference_devices), "system.placement.inference_devices "
+             "(serve from hosts of their own: system.placement.inference_hosts, "
+             "scripts/launch.py)"),
             (cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling=true (a step whose "
              "groups were all filtered takes no update on process 0 alone)"),
             (cfg.system.lockstep_decode_steps > 0, "system.lockstep_decode_steps (process 0 "
@@ -78,10 +79,10 @@ def refuse_unsupported(cfg: TrainConfig, *, processes: int, host: Any, replay_di
                 raise ValueError(
                     f"{what} runs in one process so far; this job has {processes} processes"
                 )
-    if cfg.rollout.dynamic_sampling and (cfg.system.record_rollouts or replay_dir is not None):
+    if cfg.rollout.dynamic_sampling and (cfg.system.run.record_rollouts or replay_dir is not None):
         raise ValueError(
             "rollout.dynamic_sampling=true makes short and empty steps, which a recording "
-            "cannot replay yet: set system.record_rollouts=false (and do not --replay)"
+            "cannot replay yet: set system.run.record_rollouts=false (and do not --replay)"
         )
     if replay_dir is not None and (host is not None or processes > 1):
         raise ValueError(
@@ -144,10 +145,10 @@ def build_train(cfg: TrainConfig, policy: Policy, *, leader: bool) -> TrainParts
     mesh, host_mesh = host_placement.meshes(cfg.system)
     shards = sharding.batch_shards(mesh)
     algo = step_builder.algorithm(cfg, policy.config, batch_shards=shards)
-    if cfg.system.packed_prompts == AUTO and leader:
+    if cfg.system.batch.packed_prompts == AUTO and leader:
         why = BatchPlan.packing_refusal(cfg, batch_shards=shards)
         log.info(
-            "system.packed_prompts=auto: %s",
+            "system.batch.packed_prompts=auto: %s",
             "packed rows" if algo.plan.packed else f"padded rows, since {why}",
         )
     optimizer = step_builder.optimizer(cfg)
@@ -183,7 +184,7 @@ def build_train(cfg: TrainConfig, policy: Policy, *, leader: bool) -> TrainParts
 @contextlib.contextmanager
 def _naming_mesh_settings(system, mesh):
     """A dimension the trainer's mesh does not divide (a weight, or the micro-batch's rows),
-    refused with the ``system.mesh_*`` settings of the axes that split it: a fresh run and a
+    refused with the ``system.mesh.*`` settings of the axes that split it: a fresh run and a
     resume alike (a checkpoint restores onto any mesh that divides the model,
     docs/scale-out.md)."""
     try:
@@ -193,7 +194,7 @@ def _naming_mesh_settings(system, mesh):
         for axis in err.mesh_axes:
             value = getattr(system, f"mesh_{axis}")
             size = "" if value == mesh.shape[axis] else f" ({axis} = {mesh.shape[axis]})"
-            settings.append(f"system.mesh_{axis}={value}{size}")
+            settings.append(f"system.mesh.{axis}={value}{size}")
         layout = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
         raise ValueError(
             f"{', '.join(settings)}: the trainer's mesh ({layout} over {mesh.devices.size} "
@@ -207,7 +208,7 @@ class RunParts:
 
     ``host`` is None in a replay and on every process but 0; ``own_host`` says whether the
     run started it (and closes it); ``local_host`` is the local host process behind it with
-    ``system.inference_cores``."""
+    ``system.placement.inference_cores``."""
 
     train: TrainParts
     task: Any
@@ -266,8 +267,8 @@ def build_run(
         ),
         recorder=recorder(cfg, leader=leader, replay_dir=replay_dir),
         checkpoints=checkpoint_manager(cfg, train.mesh),
-        trimmer=heap.Trimmer(cfg.system.trim_heap_every_s)
-        if cfg.system.trim_heap_every_s > 0
+        trimmer=heap.Trimmer(cfg.system.run.trim_heap_every_s)
+        if cfg.system.run.trim_heap_every_s > 0
         else None,
         leader=leader,
         replay_dir=replay_dir,
@@ -334,11 +335,11 @@ def rollout_source(
 
 
 def recorder(cfg: TrainConfig, *, leader: bool, replay_dir) -> recording.RolloutRecorder | None:
-    """The recorder of consumed batches (``system.record_rollouts``); warns where the
+    """The recorder of consumed batches (``system.run.record_rollouts``); warns where the
     recording or a replay cannot be reproduced exactly."""
     made = (
         recording.RolloutRecorder(Path(cfg.run_dir))
-        if cfg.system.record_rollouts and leader
+        if cfg.system.run.record_rollouts and leader
         else None
     )
     if made is not None or replay_dir is not None:

@@ -18,16 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from a3po_jax.core import advantages, importance, losses, objectives, prox
-from a3po_jax.core.batch_plan import AUTO, BatchPlan
+from a3po_jax.core.batch_plan import BatchPlan
 from a3po_jax.rollout.queue import CONSUME_ORDERS
 from a3po_jax.tasks.scorers import DEFAULT_REWARD, parse_reward
-from a3po_jax.training import objective_settings, schedules
+from a3po_jax.training import objective_settings, schedules, system_config
 from a3po_jax.training.config_values import (  # noqa: F401 (INT_LIMIT..: the config's names)
     INT_LIMIT,
     MAX_SECONDS,
     MINUS_ONE_FIELDS,
     ConfigError,
-    _check_address,
     _check_types,
     _choice,
     _parse_value,
@@ -35,6 +34,14 @@ from a3po_jax.training.config_values import (  # noqa: F401 (INT_LIMIT..: the co
     json_object,
 )
 from a3po_jax.training.experiment_files import import_experiment, load_config  # noqa: F401
+from a3po_jax.training.system_config import (
+    DTYPES,
+    BatchSection,
+    HostsSection,
+    MeshSection,
+    PlacementSection,
+    RunSection,
+)
 
 # The built-in modes (a3po_jax.training.schedules registers them, and any mode a module adds).
 MODES = schedules.names()
@@ -49,7 +56,6 @@ SEQ_CAP_MODES = importance.SEQ_CAP_MODES
 SEQ_WEIGHT_FORMS = importance.SEQ_FORMS
 ZERO_STALENESS = prox.ZERO_STALENESS
 UPDATE_POLICIES = ("in_flight", "drain")
-DTYPES = ("float32", "bfloat16")
 # The held-out split a run is evaluated on; training draws from ``task.split``, never this.
 EVAL_SPLIT = "test"
 
@@ -276,49 +282,16 @@ class OptimSection:
                 raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
 
 
+@system_config.with_flat_names
 @dataclasses.dataclass(frozen=True)
 class SystemSection:
-    """Training mode, staleness, and the machinery around the step."""
+    """Training mode and staleness, which every run sets; the machinery around the step in
+    a sub-section per concern (:mod:`a3po_jax.training.system_config`), each its class or a
+    mapping of its fields."""
 
     mode: str = "async"  # "sync", "periodic", "one_step_off", "async" or a registered mode
     max_staleness: int = 2  # η for "async"; fixed to 0 / 1 by the other modes
     update_policy: str = "in_flight"  # weight updates on the host: "in_flight" or "drain"
-    micro_batch_size: int = 0  # sequences per micro-batch; 0 = whole batch at once
-    length_bucket: int = 32  # sequence lengths are padded to multiples of this
-    inference_hosts: str = ""  # comma-separated gRPC addresses; empty = a host this run starts
-    host_token_file: str = ""  # file holding the remote hosts' token
-    # Hosts joining and leaving during the run (docs/scale-out.md): a file of host:port
-    # lines, re-read when it changes; a host added joins, a host removed leaves. It starts
-    # as inference_hosts (written if absent); "" = the hosts stay those of inference_hosts
-    hosts_file: str = ""  # membership file of the remote hosts (needs inference_hosts)
-    host_leave_grace_s: float = 60.0  # a leaving host finishes what it holds for this long
-    # Split cores (docs/scale-out.md): a local host process pinned to this many cores, the
-    # trainer on the rest, weights pushed in the background; 0 = the embedded host
-    inference_cores: int = 0  # cores of the local host process (0 = none)
-    # Split devices: the embedded host serves on the last N devices (a mesh of its own,
-    # tensor-parallel over inference_mesh_tensor), the trainer's mesh takes the others
-    inference_devices: int = 0  # devices of the embedded host (0 = it shares device 0)
-    inference_mesh_tensor: int = 1  # tensor-parallel size of the host's mesh (divides N)
-    inference_dtype: str = ""  # serving dtype of a host this run starts; "" = model's
-    rollout_timeout_s: float = 600.0  # give up waiting for a batch after this long
-    host_timeout_s: float = 60.0  # remote hosts: stats/health call deadline (frozen host)
-    host_hang_timeout_s: float = 300.0  # remote host with work and no new token: hung
-    host_health_interval_s: float = 2.0  # remote hosts: seconds between health checks
-    max_reissues: int = 2  # re-issues of a request after host failures before it is lost
-    max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row
-    # Shared-prompt packing, one row [prompt | r_1 | … | r_G] per group (Periodic Async.),
-    # exact and faster; "auto" packs wherever micro-batches hold whole groups (and split over
-    # the mesh), else pads; true packs or is refused; false pads (docs/training.md)
-    packed_prompts: bool | str = AUTO  # "auto", true or false
-    # Groups packed into one row (shared-prompt packing): fewer padded slots, longer
-    # attention rows; periodic mode folds one group at a time and always uses 1
-    groups_per_row: int = 1  # groups per packed row (>= 1; > 1 packs, as packed_prompts=true)
-    one_pass_old: bool = False  # prox=recompute with 1 minibatch: old = sg(current), no pass
-    mesh_data: int = 1  # trainer mesh: data-parallel axis size
-    mesh_fsdp: int = -1  # trainer mesh: FSDP axis size (-1 = all remaining devices)
-    mesh_tensor: int = 1  # trainer mesh: tensor-parallel axis size
-    # Every consumed batch to run_dir/rollouts/ for a3po-train --replay (training/recording.py)
-    record_rollouts: bool = False  # write each step's consumed groups, in consumption order
     # Queue order: "completion" (first finished first; long answers train staler, are
     # dropped more) or "admission" (oldest admitted first, waiting for it; docs/training.md)
     consume_order: str = "completion"  # "completion" or "admission" (rollout/queue.py)
@@ -327,74 +300,24 @@ class SystemSection:
     # batch needs while it waits), so admissions, weight swaps and results land at points
     # the run's logic fixes; 0 = the host runs free in a thread of its own
     lockstep_decode_steps: int = 0
-    # Freed heap memory back to the OS every this many seconds (glibc malloc_trim, a thread;
-    # training/heap.py): a CPU run's RSS stays near its live memory instead of creeping up
-    trim_heap_every_s: float = 1.0  # 0 = never
+    batch: BatchSection = BatchSection()  # the step's batch geometry
+    placement: PlacementSection = PlacementSection()  # where the inference host runs
+    hosts: HostsSection = HostsSection()  # deadlines and health checks of the hosts
+    mesh: MeshSection = MeshSection()  # the trainer's mesh
+    run: RunSection = RunSection()  # recording, non-finite steps, heap trimming
 
     def __post_init__(self):
+        for name in system_config.SECTIONS:
+            object.__setattr__(self, name, system_config.build(name, getattr(self, name)))
         _check_types("system", self)
         self.schedule.check(self, error=ConfigError)
         _choice("system", "update_policy", self.update_policy, UPDATE_POLICIES)
         _choice("system", "consume_order", self.consume_order, CONSUME_ORDERS)
         _positive("system", "max_staleness", self.max_staleness, allow_zero=True)
-        _positive("system", "micro_batch_size", self.micro_batch_size, allow_zero=True)
-        _positive("system", "length_bucket", self.length_bucket)
-        _positive("system", "groups_per_row", self.groups_per_row)
-        _positive("system", "rollout_timeout_s", self.rollout_timeout_s)
-        _positive("system", "max_nonfinite_steps", self.max_nonfinite_steps)
-        _positive("system", "trim_heap_every_s", self.trim_heap_every_s, allow_zero=True)
-        _positive("system", "host_timeout_s", self.host_timeout_s)
-        _positive("system", "host_hang_timeout_s", self.host_hang_timeout_s)
-        _positive("system", "host_health_interval_s", self.host_health_interval_s)
-        _positive("system", "max_reissues", self.max_reissues, allow_zero=True)
-        _positive("system", "host_leave_grace_s", self.host_leave_grace_s, allow_zero=True)
-        _positive("system", "inference_cores", self.inference_cores, allow_zero=True)
-        _positive("system", "inference_devices", self.inference_devices, allow_zero=True)
-        _positive("system", "inference_mesh_tensor", self.inference_mesh_tensor)
-        if self.inference_dtype:
-            _choice("system", "inference_dtype", self.inference_dtype, DTYPES)
-        for address in self.inference_hosts.split(","):
-            _check_address(address.strip())
-        if self.inference_hosts and not self.inference_hosts.replace(",", "").strip():
-            raise ConfigError(
-                f"system.inference_hosts={self.inference_hosts!r} lists no host:port (leave it "
-                "empty for a host this run starts)"
-            )
-        if self.hosts_file and not self.inference_hosts:
-            raise ConfigError(
-                f"system.hosts_file={self.hosts_file!r} changes the remote hosts of a run: it "
-                "needs system.inference_hosts (the hosts it starts with)"
-            )
-        placements = [
-            name
-            for name, on in (
-                ("inference_hosts", bool(self.inference_hosts)),
-                ("inference_cores", self.inference_cores > 0),
-                ("inference_devices", self.inference_devices > 0),
-            )
-            if on
-        ]
-        if len(placements) > 1:
-            raise ConfigError(
-                f"system.{' and system.'.join(placements)} both place the inference host: "
-                "set one of them (docs/scale-out.md)"
-            )
-        if self.inference_devices and self.inference_devices % self.inference_mesh_tensor:
-            raise ConfigError(
-                f"system.inference_mesh_tensor={self.inference_mesh_tensor} must divide "
-                f"system.inference_devices={self.inference_devices}"
-            )
-        if not isinstance(self.record_rollouts, bool):
-            raise ConfigError(
-                f"system.record_rollouts must be a bool (true/false), got {self.record_rollouts!r}"
-            )
-        for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-            value = getattr(self, name)
-            if value != -1 and value < 1:
-                raise ConfigError(f"system.{name} must be a positive int or -1, got {value}")
         _positive("system", "lockstep_decode_steps", self.lockstep_decode_steps, allow_zero=True)
         if self.lockstep_decode_steps:
-            clash = [f"system.{p}" for p in placements if p != "inference_devices"]
+            placed = self.placement.placements
+            clash = [f"system.placement.{p}" for p in placed if p != "inference_devices"]
             clash += [] if self.schedule.drives_in_lockstep else [f"system.mode={self.mode!r}"]
             if clash:
                 raise ConfigError(
@@ -498,11 +421,11 @@ class TrainConfig:
             raise ConfigError("algo.advantage='rloo' needs rollout.group_size >= 2")
         _ = self.staleness_bound  # refuses async η < k - 1 before anything loads
         _ = self.batch_plan  # refuses a batch that does not split as configured
-        if self.system.one_pass_old and (
+        if self.system.batch.one_pass_old and (
             self.algo.prox != "recompute" or self.algo.num_minibatches != 1
         ):
             raise ConfigError(
-                "system.one_pass_old=true reuses the current log-probs as the old policy's, "
+                "system.batch.one_pass_old=true reuses the current log-probs as the old policy's, "
                 "which is exact only with algo.prox='recompute' and algo.num_minibatches=1"
             )
 
@@ -511,7 +434,7 @@ class TrainConfig:
         """The step's batch geometry (:class:`a3po_jax.core.batch_plan.BatchPlan`): rows,
         minibatches, micro-batches and packing, computed from this config in one place;
         raises :class:`ConfigError` naming the fields when the batch does not split. On a
-        mesh that splits the batch the trainer resolves ``system.packed_prompts="auto"``
+        mesh that splits the batch the trainer resolves ``system.batch.packed_prompts="auto"``
         with its mesh (:meth:`BatchPlan.from_config`'s ``batch_shards``)."""
         try:
             return BatchPlan.from_config(self)
@@ -537,6 +460,7 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
     changes: dict[str, dict[str, Any]] = {}
     top_changes: dict[str, Any] = {}
     own: dict[str, dict[str, Any]] = {}  # objective -> its settings' changes
+    nested: dict[str, dict[str, Any]] = {}  # system sub-section -> its changes
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.field=value")
@@ -548,11 +472,15 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
                 sections = [k for k, v in top_hints.items() if dataclasses.is_dataclass(v)]
                 raise ConfigError(f"unknown config section {section!r}; sections: {sections}")
             hints = typing.get_type_hints(top_hints[section])
-            setting = None
+            setting = part = None
             if section == "algo" and field not in hints:
                 setting = objective_settings.parse_override(field, text)
+            if section == "system" and field not in hints:
+                part = system_config.parse_override(field, text)
             if setting is not None:
                 own.setdefault(setting[0], {})[setting[1]] = setting[2]
+            elif part is not None:
+                nested.setdefault(part[0], {})[part[1]] = part[2]
             elif field not in hints:
                 raise ConfigError(
                     f"unknown config field {key!r}; {section} has: {', '.join(hints)}"
@@ -566,6 +494,9 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
     if own:
         algo = changes.setdefault("algo", {})
         algo["settings"] = objective_settings.updated(config.algo.settings, own)
+    for name, fields in nested.items():  # validated as a whole, with the section's rules
+        current = dataclasses.asdict(getattr(config.system, name))
+        changes.setdefault("system", {})[name] = current | fields
     updated = {s: dataclasses.replace(getattr(config, s), **f) for s, f in changes.items()}
     return dataclasses.replace(config, **updated, **top_changes)
 
@@ -582,6 +513,8 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
             known = {f.name for f in dataclasses.fields(hint)}
             if hint is AlgoSection:  # each objective's settings, and their flat spellings
                 value = objective_settings.saved_algo(value, known - {"settings"})
+            if hint is SystemSection:  # its sub-sections' flat names still read (announced)
+                known |= set(system_config.FLAT)
             unknown = set(value) - known
             if unknown:
                 raise ConfigError(f"unknown config field(s) {sorted(unknown)} in section {key!r}")

@@ -47,7 +47,7 @@ INT_LIMIT = 2**31
 # Numbers are >= 0 (sizes, seeds, rates, coefficients, caps, seconds), or -1 where -1 means
 # "all" or "automatic": in the fields named here and in every field whose default is -1. A
 # field added to a section gets this rule without a line of its own.
-MINUS_ONE_FIELDS = frozenset({"system.mesh_data", "system.mesh_fsdp", "system.mesh_tensor"})
+MINUS_ONE_FIELDS = frozenset({"system.mesh.data", "system.mesh.fsdp", "system.mesh.tensor"})
 # Durations (fields named *_s) end up as thread wait timeouts, which refuse longer ones.
 MAX_SECONDS = threading.TIMEOUT_MAX
 
@@ -119,14 +119,14 @@ def json_object(where: str, text: str, *, error: type[Exception] = ConfigError) 
 
 
 def _check_address(address: str) -> None:
-    """One ``system.inference_hosts`` entry: ``host:port`` (empty entries are skipped)."""
+    """One ``system.placement.inference_hosts`` entry: ``host:port`` (empty entries are skipped)."""
     if not address:
         return
     host, _, port = address.rpartition(":")
     ok_host = host and host.isascii() and host.isprintable() and " " not in host
     if not (ok_host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(
-            f"system.inference_hosts entry {address!r} is not host:port (port 1-65535)"
+            f"system.placement.inference_hosts entry {address!r} is not host:port (port 1-65535)"
         )
 
 

@@ -14,7 +14,7 @@ resident memory then creeps up step after step with the same live arrays between
 ``trim()`` calls ``malloc_trim(0)``, which hands every free page of every heap back
 (``madvise``); what is touched again is page-faulted once. Elsewhere (musl, macOS, Windows)
 there is no ``malloc_trim`` and ``trim()`` does nothing. The trainer runs a `Trimmer`, a
-thread calling it every ``system.trim_heap_every_s`` seconds: memory is freed at many
+thread calling it every ``system.run.trim_heap_every_s`` seconds: memory is freed at many
 points (the step's end, a weight push, the host's swap to new weights, in two threads), so
 a trim at a fixed point of the step leaves more resident than one on a clock, at the same
 seconds per step (docs/log.md).

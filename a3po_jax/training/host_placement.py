@@ -5,14 +5,14 @@ Training layer (host-side shell). One setting of ``system`` picks the placement
 
 * **shared** (default): an embedded `InferenceHost` on this process's first device, which is
   also in the trainer's mesh; generation and training take turns on the same hardware.
-* **split devices** (``system.inference_devices=N``): the embedded host serves on the last N
-  devices, a mesh of its own; the trainer's mesh takes the others (`device_split`).
-* **split cores** (``system.inference_cores=N``): a local host process pinned to N cores
-  (`LocalHostProcess`), the trainer pinned to the rest; weights go over the host's weight
+* **split devices** (``system.placement.inference_devices=N``): the embedded host serves on
+  the last N devices, a mesh of its own; the trainer's mesh takes the others (`device_split`).
+* **split cores** (``system.placement.inference_cores=N``): a local host process pinned to N
+  cores (`LocalHostProcess`), the trainer pinned to the rest; weights go over the host's weight
   port in the background while the host keeps generating (`HostPool(background_push=True)`).
-* **remote hosts** (``system.inference_hosts=a:p,b:q``): gRPC hosts started elsewhere
+* **remote hosts** (``system.placement.inference_hosts=a:p,b:q``): gRPC hosts started elsewhere
   (``python -m a3po_jax.cli.serve``, `scripts/launch.py`), also pushed in the background;
-  with ``system.hosts_file`` hosts join and leave during the run (`host_pool`).
+  with ``system.placement.hosts_file`` hosts join and leave during the run (`host_pool`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def split_cores(host_cores: int) -> tuple[list[int], list[int]]:
         allowed = sorted(os.sched_getaffinity(0)) if _CORE_SPLIT is None else sum(_CORE_SPLIT, [])
         if not 0 < host_cores < len(allowed):
             raise ValueError(
-                f"system.inference_cores={host_cores} must leave the trainer at least one of "
-                f"the {len(allowed)} cores this process may use ({allowed})"
+                f"system.placement.inference_cores={host_cores} must leave the trainer at least "
+                f"one of the {len(allowed)} cores this process may use ({allowed})"
             )
         _CORE_SPLIT = (allowed[:host_cores], allowed[host_cores:])
     return _CORE_SPLIT
@@ -66,12 +66,12 @@ def start_local_host(cfg, *, num_slots: int, prefill_buckets: Sequence[int], max
     the update policy the mode needs and the run's serving dtype."""
     from a3po_jax.inference.remote.local_process import LocalHostProcess
 
-    host_cores, _ = split_cores(cfg.system.inference_cores)
+    host_cores, _ = split_cores(cfg.system.placement.inference_cores)
     return LocalHostProcess(
         model=cfg.model.name,
         cores=host_cores,
         update_policy=cfg.system.effective_update_policy,
-        param_dtype=cfg.system.inference_dtype or cfg.model.param_dtype,
+        param_dtype=cfg.system.placement.inference_dtype or cfg.model.param_dtype,
         compute_dtype=cfg.model.compute_dtype,
         init_seed=cfg.model.seed,
         num_slots=num_slots,
@@ -86,14 +86,14 @@ def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
 
     Requests spread over the hosts; one that dies or hangs is taken out and its work
     re-issued to the others, and it is taken back (current weights first) when it answers
-    again. Every host must be up at start. With ``system.hosts_file`` the pool watches that
-    file: a ``host:port`` line added joins that host (same token), a line removed makes it
-    leave (`check_hosts_file` sets the file up first).
+    again. Every host must be up at start. With ``system.placement.hosts_file`` the pool
+    watches that file: a ``host:port`` line added joins that host (same token), a line
+    removed makes it leave (`check_hosts_file` sets the file up first).
     """
     from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
 
     def connect(address: str) -> GrpcInferenceClient:
-        return GrpcInferenceClient(address, token, timeout=system.host_timeout_s)
+        return GrpcInferenceClient(address, token, timeout=system.hosts.timeout_s)
 
     clients = []
     try:
@@ -101,12 +101,12 @@ def host_pool(addresses: Sequence[str], token: str, system) -> HostPool:
             clients.append(connect(address))
         return HostPool(
             clients,
-            health_interval_s=system.host_health_interval_s,
-            hang_timeout_s=system.host_hang_timeout_s,
-            max_reissues=system.max_reissues,
+            health_interval_s=system.hosts.health_interval_s,
+            hang_timeout_s=system.hosts.hang_timeout_s,
+            max_reissues=system.hosts.max_reissues,
             background_push=True,
-            hosts_file=system.hosts_file or None,
-            leave_grace_s=system.host_leave_grace_s,
+            hosts_file=system.placement.hosts_file or None,
+            leave_grace_s=system.placement.host_leave_grace_s,
             connect=connect,
         )
     except BaseException:
@@ -126,16 +126,16 @@ def check_hosts_file(addresses: Sequence[str], path: str) -> None:
 
 def meshes(system) -> tuple[Mesh, Mesh | None]:
     """(the trainer's mesh, the embedded host's mesh or None): with
-    ``system.inference_devices`` the host takes the last N devices (``data`` x ``tensor``,
-    tensor = ``system.inference_mesh_tensor``) and the trainer the others; else the trainer
-    takes them all and the host shares the first."""
+    ``system.placement.inference_devices`` the host takes the last N devices (``data`` x
+    ``tensor``, tensor = ``system.placement.inference_mesh_tensor``) and the trainer the
+    others; else the trainer takes them all and the host shares the first."""
     trainer_devices, host_mesh = None, None
-    if system.inference_devices:
-        host_devices, trainer_devices = device_split(system.inference_devices)
-        tensor = system.inference_mesh_tensor
+    if system.placement.inference_devices:
+        host_devices, trainer_devices = device_split(system.placement.inference_devices)
+        tensor = system.placement.inference_mesh_tensor
         host_mesh = make_mesh(len(host_devices) // tensor, 1, tensor, devices=host_devices)
     mesh = make_mesh(
-        system.mesh_data, system.mesh_fsdp, system.mesh_tensor, devices=trainer_devices
+        system.mesh.data, system.mesh.fsdp, system.mesh.tensor, devices=trainer_devices
     )
     return mesh, host_mesh
 
@@ -151,17 +151,17 @@ MODEL_DIMENSIONS = {
 }
 # The config fields behind the trainer's mesh axes.
 TRAINER_AXES = {
-    "data": "system.mesh_data",
-    "fsdp": "system.mesh_fsdp",
-    "tensor": "system.mesh_tensor",
+    "data": "system.mesh.data",
+    "fsdp": "system.mesh.fsdp",
+    "tensor": "system.mesh.tensor",
 }
 
 
 def check_placement(cfg, model_config, num_devices: int, *, processes: int = 1) -> None:
     """Every placement `meshes`, the placed train state, the batch and the embedded host
     would refuse, checked from the config, the model's config (no weights) and the device
-    count, before anything loads: the devices ``system.inference_devices`` leaves the
-    trainer, the trainer's ``system.mesh_*`` sizes against them, each mesh axis against the
+    count, before anything loads: the devices ``system.placement.inference_devices`` leaves the
+    trainer, the trainer's ``system.mesh.*`` sizes against them, each mesh axis against the
     model's dimensions it splits (`sharding.TRAIN_RULES` / `INFERENCE_RULES`), a micro-batch
     against the trainer's batch parts, and the host's slots against its ``data`` axis.
 
@@ -169,22 +169,24 @@ def check_placement(cfg, model_config, num_devices: int, *, processes: int = 1) 
       ValueError: one line naming the fields (and the model dimension) that do not fit.
     """
     system = cfg.system
-    host = system.inference_devices
+    host = system.placement.inference_devices
     if host and processes > 1:
         raise ValueError(
-            f"system.inference_devices={host} runs in one process so far; this job has "
-            f"{processes} processes (serve from hosts of their own: system.inference_hosts, "
-            "scripts/launch.py)"
+            f"system.placement.inference_devices={host} runs in one process so far; this job "
+            f"has {processes} processes (serve from hosts of their own: "
+            "system.placement.inference_hosts, scripts/launch.py)"
         )
     if host and not 0 < host < num_devices:
         raise ValueError(
-            f"system.inference_devices={host} must leave the trainer at least one of the "
+            f"system.placement.inference_devices={host} must leave the trainer at least one of the "
             f"{num_devices} devices ({jax.default_backend()}; on a CPU, "
             "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
         )
     trainer_devices = num_devices - host
-    whose = f"devices left to the trainer by system.inference_devices={host}" if host else "devices"
-    requested = {"data": system.mesh_data, "fsdp": system.mesh_fsdp, "tensor": system.mesh_tensor}
+    whose = "devices"
+    if host:
+        whose = f"devices left to the trainer by system.placement.inference_devices={host}"
+    requested = {"data": system.mesh.data, "fsdp": system.mesh.fsdp, "tensor": system.mesh.tensor}
     sizes = sharding.mesh_sizes(
         requested, trainer_devices, names=TRAINER_AXES, where="the trainer's mesh", devices=whose
     )
@@ -192,13 +194,16 @@ def check_placement(cfg, model_config, num_devices: int, *, processes: int = 1) 
     _check_dimensions(model_config, cfg.model.name, sizes, described, sharding.TRAIN_RULES)
     _check_batch(cfg, sizes, described)
     if host:
-        tensor = system.inference_mesh_tensor
+        tensor = system.placement.inference_mesh_tensor
         host_sizes = {"data": host // tensor, "fsdp": 1, "tensor": tensor}
-        data = f"system.inference_devices={host} / system.inference_mesh_tensor={tensor}"
+        data = (
+            f"system.placement.inference_devices={host} / "
+            f"system.placement.inference_mesh_tensor={tensor}"
+        )
         host_described = {
             "data": f"the host's data axis ({data} = {host // tensor})",
             "fsdp": "the host's fsdp axis (1)",
-            "tensor": f"system.inference_mesh_tensor={tensor}",
+            "tensor": f"system.placement.inference_mesh_tensor={tensor}",
         }
         _check_dimensions(
             model_config, cfg.model.name, host_sizes, host_described, sharding.INFERENCE_RULES
@@ -243,8 +248,8 @@ def _check_batch(cfg, sizes, described) -> None:
             f"a micro-batch's {rows} {kind} (rollout.group_size={cfg.rollout.group_size}, "
             f"rollout.groups_per_step={cfg.rollout.groups_per_step}, "
             f"algo.num_minibatches={cfg.algo.num_minibatches}, "
-            f"system.micro_batch_size={cfg.system.micro_batch_size}) do not split over the "
-            f"trainer's {parts} batch parts ({' x '.join(described[a] for a in axes)})"
+            f"system.batch.micro_batch_size={cfg.system.batch.micro_batch_size}) do not split "
+            f"over the trainer's {parts} batch parts ({' x '.join(described[a] for a in axes)})"
         )
 
 
@@ -254,8 +259,8 @@ def device_split(num_inference: int) -> tuple[list[jax.Device], list[jax.Device]
     devices = jax.devices()
     if not 0 < num_inference < len(devices):
         raise ValueError(
-            f"system.inference_devices={num_inference} must leave the trainer at least one of "
-            f"the {len(devices)} devices ({jax.default_backend()}; on a CPU, "
+            f"system.placement.inference_devices={num_inference} must leave the trainer at "
+            f"least one of the {len(devices)} devices ({jax.default_backend()}; on a CPU, "
             "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
         )
     return devices[-num_inference:], devices[:-num_inference]
@@ -264,13 +269,14 @@ def device_split(num_inference: int) -> tuple[list[jax.Device], list[jax.Device]
 def start_run_host(cfg, model_config, params, host_mesh):
     """(the run's own inference host, the local host process behind it or None), placed as
     ``system`` says: a local host process on cores of its own behind a pool
-    (``system.inference_cores``), or an embedded host (on ``host_mesh`` with split devices)."""
+    (``system.placement.inference_cores``), or an embedded host (on ``host_mesh`` with split
+    devices)."""
     system, rollout = cfg.system, cfg.rollout
-    if not system.inference_cores:
+    if not system.placement.inference_cores:
         # Lockstep: the trainer's thread drives it (not started).
         start = system.lockstep_decode_steps == 0
         return embedded_host(cfg, model_config, params, host_mesh, start=start), None
-    pin_trainer(system.inference_cores)  # the CLI did, before JAX started
+    pin_trainer(system.placement.inference_cores)  # the CLI did, before JAX started
     local = start_local_host(
         cfg,
         num_slots=rollout.num_slots,

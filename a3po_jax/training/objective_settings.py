@@ -178,7 +178,7 @@ def objective_spec(cfg: Any) -> ObjectiveSpec:
             rule=a.prox,
             zero_staleness=a.a3po_zero_staleness,
             staleness_unit=a.a3po_staleness_unit,
-            one_pass_old=cfg.system.one_pass_old,
+            one_pass_old=cfg.system.batch.one_pass_old,
         ),
         clip=ClipSpec(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ClipSpec)}),
     )

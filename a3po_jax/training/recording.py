@@ -3,7 +3,7 @@
 Training layer (host-side shell).
 
 An asynchronous run is not reproducible: which policy version generated which sample
-depends on timing. With ``system.record_rollouts=true`` the trainer writes the groups of
+depends on timing. With ``system.run.record_rollouts=true`` the trainer writes the groups of
 every step, in the order it consumed them (in ``periodic`` mode the order they were folded
 into the gradient), to ``RUN_DIR/rollouts/``; ``a3po-train --replay RUN_DIR`` trains the
 same model on exactly those groups, without an inference host or rollout threads
@@ -238,7 +238,7 @@ def list_steps(directory: str | Path) -> list[int]:
 
 class RolloutRecorder:
     """Writes each step's consumed groups under ``run_dir/rollouts/`` (the trainer's
-    ``system.record_rollouts``)."""
+    ``system.run.record_rollouts``)."""
 
     def __init__(self, run_dir: str | Path):
         self.directory = Path(run_dir) / ROLLOUTS_DIR
@@ -406,13 +406,14 @@ class ReplaySource:
 
 def recorded_steps(run_dir: str | Path) -> list[int]:
     """The steps recorded in ``run_dir/rollouts/`` (1, 2, ..., n); raises
-    :class:`ReplayError` naming ``system.record_rollouts`` when there are none, and for a gap."""
+    :class:`ReplayError` naming ``system.run.record_rollouts`` when there are none, and for
+    a gap."""
     directory = Path(run_dir) / ROLLOUTS_DIR
     steps = list_steps(directory)
     if not steps:
         raise ReplayError(
             f"{run_dir} has no recorded rollouts ({directory} has no step files): record a run "
-            "with system.record_rollouts=true to replay it"
+            "with system.run.record_rollouts=true to replay it"
         )
     if steps != list(range(1, len(steps) + 1)):
         missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))
@@ -442,7 +443,9 @@ def replay_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Any:
     recorded = config_from_dict(json.loads(config_file.read_text()))
     base = dataclasses.replace(
         recorded,
-        system=dataclasses.replace(recorded.system, record_rollouts=False),
+        system=dataclasses.replace(
+            recorded.system, run=dataclasses.replace(recorded.system.run, record_rollouts=False)
+        ),
         run_dir=str(run_dir / "replay"),
     )
     cfg = apply_overrides(base, list(overrides))

@@ -105,7 +105,7 @@ class RunCheckpoints:
         except RolloutTimeout as err:
             raise RolloutTimeout(
                 f"checkpoint of step {step}: the groups in flight from older weights did not "
-                f"complete within system.rollout_timeout_s={timeout}s: {err}"
+                f"complete within system.hosts.rollout_timeout_s={timeout}s: {err}"
             ) from err
         if not settled:
             log.warning(

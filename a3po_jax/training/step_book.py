@@ -29,7 +29,7 @@ class StepBook:
 
     Args:
       cfg: the run's config (``rollout.groups_per_step``, ``rollout.extra_groups_budget``,
-        ``system.max_nonfinite_steps``, ``algo.num_minibatches``).
+        ``system.run.max_nonfinite_steps``, ``algo.num_minibatches``).
       workers: the rollout source (its queue's counters; admissions given back).
     """
 
@@ -166,7 +166,7 @@ class StepBook:
 
     def nonfinite(self, batch: TrainBatch, metrics: dict) -> None:
         """A step's loss or gradient was not finite: its update was skipped; its admissions
-        are given back; FloatingPointError after ``system.max_nonfinite_steps`` in a row."""
+        are given back; FloatingPointError after ``system.run.max_nonfinite_steps`` in a row."""
         self.skipped_steps += 1
         self.nonfinite_in_a_row += 1
         # The batch is thrown away: give its admissions back (every slot, empty ones too)
@@ -178,11 +178,11 @@ class StepBook:
             metrics.get("optim/grad_norm"),
             sorted(set(batch.prompt_ids)),
         )
-        limit = self.cfg.system.max_nonfinite_steps
+        limit = self.cfg.system.run.max_nonfinite_steps
         if self.nonfinite_in_a_row >= limit:
             raise FloatingPointError(
                 f"{self.nonfinite_in_a_row} non-finite steps in a row "
-                f"(system.max_nonfinite_steps={limit}); "
+                f"(system.run.max_nonfinite_steps={limit}); "
                 f"last prompts: {sorted(set(batch.prompt_ids))}"
             )
 

@@ -25,7 +25,7 @@ from a3po_jax.training.objective_settings import objective_spec
 def algorithm(cfg: TrainConfig, model_config: ModelConfig, *, batch_shards: int = 1) -> Algorithm:
     """The step's algorithm for ``cfg`` and the policy's architecture, with the config's
     batch plan (computed here once; the trainer reads it back as ``algo.plan``), its
-    ``system.packed_prompts="auto"`` resolved for a mesh that splits the batch into
+    ``system.batch.packed_prompts="auto"`` resolved for a mesh that splits the batch into
     ``batch_shards`` parts."""
     plan = (
         cfg.batch_plan

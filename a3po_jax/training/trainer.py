@@ -91,7 +91,7 @@ class Trainer:
       console: print a progress line per step.
       on_step: called as ``on_step(step, record)`` after each step is logged (notebooks,
         tests, custom stopping rules); an exception from it stops the run.
-      replay_dir: replay this recorded run (``system.record_rollouts``): the groups come from
+      replay_dir: replay this recorded run (``system.run.record_rollouts``): the groups come from
         its ``rollouts/`` step by step (:class:`a3po_jax.training.recording.ReplaySource`),
         with no inference host and no rollout threads; no ``host/*`` metrics.
     """
@@ -152,7 +152,7 @@ class Trainer:
                 schedule=self.schedule,
                 book=self.book,
                 leader=self.leader,
-                rollout_timeout_s=cfg.system.rollout_timeout_s,
+                rollout_timeout_s=cfg.system.hosts.rollout_timeout_s,
                 interrupted=self.stop_while_waiting(),
                 stop_signum=lambda: self._sigterm.signum,
                 trim=self._trim_heap,
@@ -212,7 +212,7 @@ class Trainer:
         advantages when the algorithm charges the KL to the reward, and with
         ``rollout.overlong_filter`` truncated samples masked.
 
-        With ``system.groups_per_row`` > 1 and one minibatch, packing reorders the groups to
+        With ``system.batch.groups_per_row`` > 1 and one minibatch, packing reorders the groups to
         balance its rows, and the batch (advantages, versions, the metrics' staleness)
         follows that order."""
         made = make_batch(

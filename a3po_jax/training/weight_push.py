@@ -55,7 +55,7 @@ class WeightPush:
 
         The host frees that copy when the new weights start serving (its next decode step
         under the in-flight policies), but glibc keeps the freed pages until the heap trimmer
-        comes by, up to `system.trim_heap_every_s` later: by then the next step's temporaries
+        comes by, up to `system.run.trim_heap_every_s` later: by then the next step's temporaries
         are resident too, and the run's peak holds both (docs/performance.md). So wait for
         the swap, briefly, and trim. Under "drain" the swap waits for older requests to
         finish: nothing to wait for here.

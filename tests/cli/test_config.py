@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from a3po_jax.cli.train import main
-from a3po_jax.training import objective_settings
+from a3po_jax.training import objective_settings, system_config
 from a3po_jax.training.config import (
     ConfigError,
     TrainConfig,
@@ -47,7 +47,10 @@ def test_overrides_parse_types_and_sections():
         ("nosection.x=1", "unknown config section 'nosection'"),
         ("system.max_staleness=two", "system.max_staleness expects an int"),
         ("algo.kl_in_reward=maybe", "algo.kl_in_reward expects a bool"),
-        ("system.packed_prompts=maybe", "system.packed_prompts expects true, false or auto"),
+        (
+            "system.batch.packed_prompts=maybe",
+            "system.batch.packed_prompts expects true, false or auto",
+        ),
         ("optim.learning_rate=0", "optim.learning_rate must be > 0"),
         ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
         ("task.options=[1]", "task.options must be a JSON object"),
@@ -66,22 +69,22 @@ def test_impossible_combinations_are_refused():
     with pytest.raises(ConfigError, match="group_size must be 2"):
         apply_overrides(TrainConfig(), ["algo.loss=dpo"])
     with pytest.raises(ConfigError, match="micro_batch_size=5 must divide"):
-        apply_overrides(TrainConfig(), ["system.micro_batch_size=5"])
+        apply_overrides(TrainConfig(), ["system.batch.micro_batch_size=5"])
     with pytest.raises(ConfigError, match="one_pass_old"):
-        apply_overrides(TrainConfig(), ["system.one_pass_old=true", "algo.prox=a3po"])
+        apply_overrides(TrainConfig(), ["system.batch.one_pass_old=true", "algo.prox=a3po"])
     with pytest.raises(ConfigError, match="dual_clip must be > 1"):
         apply_overrides(TrainConfig(), ["algo.dual_clip=0.5"])
     lockstep = "system.lockstep_decode_steps=8"
     for other, named in (
-        ("system.inference_hosts=localhost:5000", "system.inference_hosts"),
-        ("system.inference_cores=1", "system.inference_cores"),
+        ("system.placement.inference_hosts=localhost:5000", "system.placement.inference_hosts"),
+        ("system.placement.inference_cores=1", "system.placement.inference_cores"),
         ("system.mode=periodic", "system.mode='periodic'"),
     ):
         extra = ["system.max_staleness=0"] if "periodic" in other else []
         with pytest.raises(ConfigError, match=f"lockstep_decode_steps=8 .*not with {named}"):
             apply_overrides(TrainConfig(), [lockstep, other, *extra])
     # The embedded host on devices of its own can be driven all the same.
-    apply_overrides(TrainConfig(), [lockstep, "system.inference_devices=1"])
+    apply_overrides(TrainConfig(), [lockstep, "system.placement.inference_devices=1"])
 
 
 def test_staleness_bound_per_mode():
@@ -151,9 +154,9 @@ def test_experiment_files_and_cli(tmp_path, capsys):
 
 
 def test_periodic_micro_batches_must_divide_the_group():
-    periodic = ["system.mode=periodic", "system.max_staleness=0", "system.micro_batch_size=8"]
+    periodic = ["system.mode=periodic", "system.max_staleness=0", "system.batch.micro_batch_size=8"]
     with pytest.raises(ConfigError, match="micro_batch_size=8 must divide rollout.group_size=4"):
-        apply_overrides(TrainConfig(), [*periodic, "system.packed_prompts=false"])
+        apply_overrides(TrainConfig(), [*periodic, "system.batch.packed_prompts=false"])
     # Packed, a group is one row whatever the micro-batch size: the default packs it.
     assert apply_overrides(TrainConfig(), periodic).batch_plan.packed
 
@@ -164,26 +167,30 @@ def test_periodic_micro_batches_must_divide_the_group():
     + [("0", False), ("False", False)],
 )
 def test_packed_prompts_parses_auto_true_and_false(text, value):
-    cfg = apply_overrides(TrainConfig(), [f"system.packed_prompts={text}"])
-    assert cfg.system.packed_prompts == value and type(cfg.system.packed_prompts) is type(value)
+    cfg = apply_overrides(TrainConfig(), [f"system.batch.packed_prompts={text}"])
+    assert cfg.system.batch.packed_prompts == value and type(
+        cfg.system.batch.packed_prompts
+    ) is type(value)
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "Auto", "", None, 1, 0, 1.0])
 def test_packed_prompts_refuses_anything_but_auto_true_and_false(value):
-    with pytest.raises(ConfigError, match="system.packed_prompts must be true, false or 'auto'"):
-        dataclasses.replace(TrainConfig().system, packed_prompts=value)
+    with pytest.raises(
+        ConfigError, match="system.batch.packed_prompts must be true, false or 'auto'"
+    ):
+        dataclasses.replace(TrainConfig().system.batch, packed_prompts=value)
 
 
 def test_saved_configs_keep_their_packing_setting():
     """A run saved before the default was "auto" has ``false`` in its config.json: it loads
     (replay, evaluation) as false, and "auto" round-trips as itself."""
     saved = TrainConfig().to_dict()
-    assert saved["system"]["packed_prompts"] == "auto"
+    assert saved["system"]["batch"]["packed_prompts"] == "auto"
     assert config_from_dict(json.loads(json.dumps(saved))) == TrainConfig()
     old = json.loads(json.dumps(saved))
-    old["system"]["packed_prompts"] = False
+    old["system"]["batch"]["packed_prompts"] = False
     loaded = config_from_dict(old)
-    assert loaded.system.packed_prompts is False and not loaded.batch_plan.packed
+    assert loaded.system.batch.packed_prompts is False and not loaded.batch_plan.packed
 
 
 def test_bad_task_options_stop_the_cli_before_the_model_loads(capsys):
@@ -295,21 +302,31 @@ def test_a_flat_name_in_an_experiment_file_is_refused_naming_the_new_one(tmp_pat
         load_experiment(path)
 
 
-def test_every_committed_run_config_loads_to_its_saved_values():
+def test_every_committed_run_config_loads_to_its_saved_values(flat_system_names):
     root = Path(__file__).resolve().parents[2] / "results"
-    for path in sorted(root.rglob("config.json")):
+    paths = sorted(root.rglob("config.json"))
+    assert paths
+    for path in paths:
         saved = json.loads(path.read_text())
-        algo = config_from_dict(saved).algo
+        cfg = config_from_dict(saved)
         for flat, (name, field) in FLAT.items():
             if flat in saved["algo"]:
-                assert getattr(algo.settings[name], field) == saved["algo"][flat], (path, flat)
+                assert getattr(cfg.algo.settings[name], field) == saved["algo"][flat], (path, flat)
+        # The system's fields, saved flat before they moved to their sub-section.
+        for flat, (name, field) in system_config.FLAT.items():
+            want = saved["system"].get(flat, saved["system"].get(name, {}).get(field))
+            if want is not None:
+                got = getattr(getattr(cfg.system, name), field)
+                assert got == want, (path, flat, got, want)
 
 
 def test_the_hosts_file_needs_remote_hosts_and_starts_as_they_are(tmp_path):
     from a3po_jax.training.host_placement import check_hosts_file
 
-    with pytest.raises(ConfigError, match="system.hosts_file=.*needs system.inference_hosts"):
-        apply_overrides(TrainConfig(), [f"system.hosts_file={tmp_path / 'hosts'}"])
+    with pytest.raises(
+        ConfigError, match="system.placement.hosts_file=.*needs system.placement.inference_hosts"
+    ):
+        apply_overrides(TrainConfig(), [f"system.placement.hosts_file={tmp_path / 'hosts'}"])
     path = tmp_path / "hosts"
     check_hosts_file(["a:1", "b:2"], str(path))  # absent: written with the starting hosts
     assert path.read_text() == "a:1\nb:2\n"

@@ -57,12 +57,17 @@ FUZZ = settings(
 
 def _fields() -> dict[str, type]:
     """Every config field as ``section.field`` (top-level fields bare) with its type; each
-    objective's settings as ``algo.<objective>.<field>``."""
+    objective's settings as ``algo.<objective>.<field>``, the system's sub-sections' fields
+    as ``system.<sub-section>.<field>``."""
     found = {}
     for name, hint in typing.get_type_hints(TrainConfig).items():
         if dataclasses.is_dataclass(hint):
             for field, inner in typing.get_type_hints(hint).items():
-                found[f"{name}.{field}"] = inner
+                if not dataclasses.is_dataclass(inner):
+                    found[f"{name}.{field}"] = inner
+                    continue
+                for part, innermost in typing.get_type_hints(inner).items():
+                    found[f"{name}.{field}.{part}"] = innermost
         else:
             found[name] = hint
     del found["algo.settings"]
@@ -84,6 +89,10 @@ def _replace(cfg: TrainConfig, key: str, value) -> TrainConfig:
     """``cfg`` with one field set to a Python value, as an experiment file could set it."""
     if "." not in key:
         return dataclasses.replace(cfg, **{key: value})
+    if key.startswith("system.") and key.count(".") == 2:  # system.<sub-section>.<field>
+        _, name, field = key.split(".")
+        part = dataclasses.replace(getattr(cfg.system, name), **{field: value})
+        return dataclasses.replace(cfg, system=dataclasses.replace(cfg.system, **{name: part}))
     if key.count(".") == 2:  # algo.<objective>.<field>
         _, name, field = key.split(".")
         own = {**dataclasses.asdict(cfg.algo.settings[name]), field: value}
@@ -145,7 +154,9 @@ def test_every_field_refuses_values_bad_for_any_field(key):
 
 def test_the_enumeration_sees_every_section():
     # A guard for the enumeration itself: sections and fields of all kinds are found.
-    assert {"algo.clip_eps", "system.rollout_timeout_s", "run_dir", "model.name"} <= set(FIELDS)
+    assert {"algo.clip_eps", "system.hosts.rollout_timeout_s", "run_dir", "model.name"} <= set(
+        FIELDS
+    )
     assert "rollout.prompt_buckets" in FIELDS and "steps" in NUMERIC and "run_dir" in PATHS
     assert {"algo.m2po.tau", "algo.dpo.kind"} <= set(FIELDS)  # each objective's settings
 
@@ -217,9 +228,9 @@ def test_bad_numbers_from_the_command_line_are_refused_naming_the_field(workdir,
 @example(key="steps", text="0")
 @example(key="optim.eps", text="0")
 # Placements this process's one device cannot take, refused before the model loads.
-@example(key="system.inference_devices", text="1")
-@example(key="system.mesh_fsdp", text="2")
-@example(key="system.mesh_data", text="2147483647")
+@example(key="system.placement.inference_devices", text="1")
+@example(key="system.mesh.fsdp", text="2")
+@example(key="system.mesh.data", text="2147483647")
 @given(
     key=st.sampled_from(NUMERIC),
     text=st.sampled_from(["0", "0.0", "1", "1e-30", "1e30", "2147483647"]),
@@ -236,8 +247,9 @@ def test_zero_tiny_and_huge_numbers_build_or_are_refused_naming_the_field(workdi
 @example(key="task.name", text="gsm9k")
 @example(key="task.split", text="validation")
 @example(key="model.name", text="/no/such/model")
-@example(key="system.inference_hosts", text="localhost")
-@example(key="system.inference_hosts", text=" ")  # no address: once passed, then the token
+@example(key="system.placement.inference_hosts", text="localhost")
+# No address: once passed, then the token.
+@example(key="system.placement.inference_hosts", text=" ")
 @example(key="algo.loss", text="")
 @example(key="algo.loss", text="\n")  # once echoed raw in the registry's hint: two lines
 @example(key="run_dir", text="")
@@ -289,7 +301,11 @@ def test_paths_that_cannot_be_used_are_refused_naming_the_field(workdir, key):
     # A run dir must be a directory it can make; a file must exist and be a file.
     bad += [str(a_file)] if key == "run_dir" else [str(workdir / "missing" / "file"), str(workdir)]
     for text in bad:
-        extra = ["system.inference_hosts=localhost:1"] if key == "system.host_token_file" else []
+        extra = (
+            ["system.placement.inference_hosts=localhost:1"]
+            if key == "system.placement.host_token_file"
+            else []
+        )
         run_dir = workdir / "run"
         args = [f"run_dir={run_dir}", *extra, f"{key}={text}"]
         with pytest.raises(Refused) as err:
@@ -344,7 +360,7 @@ def valid_configs(draw) -> dict[str, object]:
             "optim.b1": draw(st.floats(0.0, 0.99)),
             "optim.b2": draw(st.floats(0.0, 0.999)),
             "system.max_staleness": draw(st.integers(0, 8)),
-            "system.rollout_timeout_s": draw(st.floats(0.001, 1e6)),
+            "system.hosts.rollout_timeout_s": draw(st.floats(0.001, 1e6)),
             "seed": draw(st.integers(0, INT_LIMIT - 1)),
             "steps": draw(st.integers(1, 10**6)),
         }
@@ -365,17 +381,17 @@ def valid_configs(draw) -> dict[str, object]:
     if values["system.mode"] == "periodic":
         values["algo.num_minibatches"], values["system.max_staleness"] = 1, 0
     if values["algo.prox"] != "recompute" or values["algo.num_minibatches"] != 1:
-        values["system.one_pass_old"] = False
+        values["system.batch.one_pass_old"] = False
     # The default packs wherever micro-batches hold whole groups, else pads: never refused
     # where false builds (a periodic fold's micro-batches must divide the group unpacked).
-    values["system.packed_prompts"] = draw(st.sampled_from(["auto", False]))
+    values["system.batch.packed_prompts"] = draw(st.sampled_from(["auto", False]))
     mb = draw(st.sampled_from([0, 1, 2, 4, 8]))  # divides every minibatch drawn here
     unpacked_periodic = (
-        values["system.mode"] == "periodic" and values["system.packed_prompts"] is False
+        values["system.mode"] == "periodic" and values["system.batch.packed_prompts"] is False
     )
     if unpacked_periodic and mb and values["rollout.group_size"] % mb:
         mb = 0
-    values["system.micro_batch_size"] = mb
+    values["system.batch.micro_batch_size"] = mb
     return values
 
 
@@ -518,24 +534,25 @@ def test_reported_bad_values_end_in_one_line_and_exit_2(tmp_path, override, mess
 # on 4 virtual devices; now one line naming the fields, before the start-up line.
 PLACEMENTS = [
     (
-        ["system.inference_devices=3", "system.inference_mesh_tensor=3"],
-        "config error: system.inference_mesh_tensor=3 does not divide the model's vocab_size=128",
+        ["system.placement.inference_devices=3", "system.placement.inference_mesh_tensor=3"],
+        "config error: system.placement.inference_mesh_tensor=3 does not divide the model's "
+        "vocab_size=128",
     ),
     (
-        ["system.inference_devices=2", "system.mesh_fsdp=4"],
-        "config error: the trainer's mesh: system.mesh_data=1 x system.mesh_fsdp=4 x "
-        "system.mesh_tensor=1 = 4 but there are 2 devices left to the trainer by "
-        "system.inference_devices=2",
+        ["system.placement.inference_devices=2", "system.mesh.fsdp=4"],
+        "config error: the trainer's mesh: system.mesh.data=1 x system.mesh.fsdp=4 x "
+        "system.mesh.tensor=1 = 4 but there are 2 devices left to the trainer by "
+        "system.placement.inference_devices=2",
     ),
 ]
 # The other placements refused after the load before, each through validate() on 4 devices.
 MORE_PLACEMENTS = [
-    (["system.inference_devices=4"], "system.inference_devices"),
-    (["system.mesh_data=3"], "system.mesh_fsdp=-1"),
-    (["system.inference_devices=1", "system.mesh_fsdp=3"], "system.mesh_fsdp=3"),
-    (["system.mesh_tensor=4"], "system.mesh_tensor=4"),
-    (["system.inference_devices=2", "rollout.num_slots=3"], "rollout.num_slots=3"),
-    (["system.mesh_fsdp=4", "rollout.group_size=2", "rollout.groups_per_step=1"], "mesh_fsdp=4"),
+    (["system.placement.inference_devices=4"], "system.placement.inference_devices"),
+    (["system.mesh.data=3"], "system.mesh.fsdp=-1"),
+    (["system.placement.inference_devices=1", "system.mesh.fsdp=3"], "system.mesh.fsdp=3"),
+    (["system.mesh.tensor=4"], "system.mesh.tensor=4"),
+    (["system.placement.inference_devices=2", "rollout.num_slots=3"], "rollout.num_slots=3"),
+    (["system.mesh.fsdp=4", "rollout.group_size=2", "rollout.groups_per_step=1"], "mesh.fsdp=4"),
 ]
 
 

@@ -72,10 +72,10 @@ def test_experiment_loads_and_every_sweep_entry_applies(path, tmp_path):
         cfg, overrides = resolve(path, run, tmp_path)
         assert cfg.run_dir == str(tmp_path / run.name)
         assert overrides[-1] == f"run_dir={tmp_path / run.name}"
-        if cfg.system.mode == "periodic" and cfg.system.micro_batch_size:
+        if cfg.system.mode == "periodic" and cfg.system.batch.micro_batch_size:
             # The periodic trainer folds in one group at a time, split into micro-batches
             # of micro_batch_size: it must divide the group, not only the batch.
-            assert cfg.rollout.group_size % cfg.system.micro_batch_size == 0
+            assert cfg.rollout.group_size % cfg.system.batch.micro_batch_size == 0
 
 
 @pytest.mark.parametrize("name", REPRODUCTIONS)
@@ -239,7 +239,7 @@ def test_a3po_vs_recompute_smollm2_crosses_methods_etas_and_seeds(tmp_path):
 def test_disaggregation_crosses_modes_with_seeds_on_split_cores_and_once_shared(tmp_path):
     configs = configs_of("disaggregation_smollm2", tmp_path)
     cells = [
-        (c.system.mode, c.algo.prox, c.staleness_bound, c.system.inference_cores, c.seed)
+        (c.system.mode, c.algo.prox, c.staleness_bound, c.system.placement.inference_cores, c.seed)
         for c in configs
     ]
     modes = {
@@ -443,8 +443,8 @@ def test_launch_gpu_node_dry_run_splits_devices(capsys, tmp_path):
     assert host[host.index("--prefill-buckets") + 1] == "256,512"
     assert host[host.index("--max-cache-len") + 1] == str(512 + 1024)
     assert host[host.index("--token-file") + 1] == token
-    assert "system.inference_hosts=127.0.0.1:50077" in trainer
-    assert f"system.host_token_file={token}" in trainer
+    assert "system.placement.inference_hosts=127.0.0.1:50077" in trainer
+    assert f"system.placement.host_token_file={token}" in trainer
     assert "model.name=/ckpt/qwen" in trainer
 
 
@@ -485,7 +485,7 @@ def test_launch_tpu_pod_dry_run_prints_every_worker(capsys):
         remote = words[words.index("--command") + 1]
         assert "JAX_COORDINATOR_ADDRESS=10.0.0.2:8476" in remote
         assert "JAX_NUM_PROCESSES=4" in remote and f"JAX_PROCESS_ID={i}" in remote
-        assert "system.inference_hosts=10.0.0.7:50051" in remote
+        assert "system.placement.inference_hosts=10.0.0.7:50051" in remote
         assert remote.startswith("cd ~/a3po_jax && ")
 
 
@@ -510,8 +510,8 @@ def test_launch_inference_host_dry_run(capsys):
 
 
 def test_launch_join_host_dry_run_serves_the_runs_settings_and_joins_its_file(capsys):
-    run = ["experiments/smoke_tiny.py", "system.inference_hosts=10.0.0.2:50051"]
-    run.append("system.hosts_file=/shared/hosts.txt")
+    run = ["experiments/smoke_tiny.py", "system.placement.inference_hosts=10.0.0.2:50051"]
+    run.append("system.placement.hosts_file=/shared/hosts.txt")
     hosts = launch_dry(
         capsys, "join-host", *run, "--port", "50061", "--bind", "0.0.0.0",
         "--advertise", "10.0.0.3", "--devices", "2",
@@ -523,7 +523,7 @@ def test_launch_join_host_dry_run_serves_the_runs_settings_and_joins_its_file(ca
     assert words[words.index("--port") + 1] == "50061"
     assert words[words.index("--model") + 1] == "tiny"  # the run's model, not a flag's
     launch = load_script("launch")
-    with pytest.raises(SystemExit, match="sets no system.hosts_file"):
+    with pytest.raises(SystemExit, match="sets no system.placement.hosts_file"):
         launch.main(["join-host", "experiments/smoke_tiny.py", "--dry-run"])
 
 

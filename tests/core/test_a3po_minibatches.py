@@ -28,6 +28,7 @@ from a3po_jax.core.stats import finalize
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import (
     AlgoSection,
+    BatchSection,
     ConfigError,
     RolloutSection,
     SystemSection,
@@ -61,7 +62,9 @@ def config(unit, k=2, zero="current", prox_rule="a3po"):
             a3po_staleness_unit=unit,
             a3po_zero_staleness=zero,
         ),
-        system=SystemSection(packed_prompts=False),  # the padded rows build_batch lays out
+        system=SystemSection(
+            batch=BatchSection(packed_prompts=False)
+        ),  # the padded rows build_batch lays out
     )
 
 

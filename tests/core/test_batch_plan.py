@@ -32,7 +32,9 @@ def groups(n=4, g=4, seed=0):
 def test_geometry_golden_values():
     # 8 groups of 4 = 32 sequences; 2 minibatches of 16; micro-batches of 4: 8 in all.
     plan = plan_of(
-        "algo.num_minibatches=2", "system.micro_batch_size=4", "system.packed_prompts=false"
+        "algo.num_minibatches=2",
+        "system.batch.micro_batch_size=4",
+        "system.batch.packed_prompts=false",
     )
     assert (plan.rows, plan.minibatch_rows, plan.micro_batch_rows) == (32, 16, 4)
     assert (plan.micro_batches, plan.leading_rows, plan.leading_rows_per_micro_batch) == (8, 32, 4)
@@ -40,9 +42,9 @@ def test_geometry_golden_values():
     # Packed, 2 groups per row: 4 rows of 8 sequences, micro-batches of one row.
     packed = plan_of(
         "algo.num_minibatches=2",
-        "system.micro_batch_size=8",
-        "system.packed_prompts=true",
-        "system.groups_per_row=2",
+        "system.batch.micro_batch_size=8",
+        "system.batch.packed_prompts=true",
+        "system.batch.groups_per_row=2",
     )
     assert (packed.micro_batches, packed.leading_rows) == (4, 4)
     assert packed.leading_rows_per_micro_batch == 1
@@ -56,14 +58,16 @@ def test_geometry_golden_values():
 
 def test_the_periodic_fold_plan_is_one_group():
     periodic = ("system.mode=periodic", "system.max_staleness=0")
-    fold = plan_of(*periodic, "system.micro_batch_size=2", "system.packed_prompts=false").fold
+    fold = plan_of(
+        *periodic, "system.batch.micro_batch_size=2", "system.batch.packed_prompts=false"
+    ).fold
     assert (fold.groups, fold.rows, fold.micro_batches, fold.leading_rows) == (1, 4, 2, 4)
-    # A packed group is one row: it is never split, whatever system.micro_batch_size says.
+    # A packed group is one row: it is never split, whatever system.batch.micro_batch_size says.
     packed = plan_of(
         *periodic,
-        "system.packed_prompts=true",
-        "system.groups_per_row=2",
-        "system.micro_batch_size=8",
+        "system.batch.packed_prompts=true",
+        "system.batch.groups_per_row=2",
+        "system.batch.micro_batch_size=8",
     )
     assert (packed.fold.micro_batches, packed.fold.leading_rows, packed.fold.groups_per_row) == (
         1,
@@ -76,11 +80,13 @@ def test_the_periodic_fold_plan_is_one_group():
 def test_a_batch_that_does_not_split_is_refused_naming_the_fields():
     with pytest.raises(ValueError, match="algo.num_minibatches=3 must divide the batch of 16"):
         BatchPlan(group_size=4, groups=4, num_minibatches=3)
-    with pytest.raises(ValueError, match="system.micro_batch_size=3 must divide the minibatch"):
+    with pytest.raises(
+        ValueError, match="system.batch.micro_batch_size=3 must divide the minibatch"
+    ):
         BatchPlan(group_size=4, groups=4, micro_batch_size=3)
     with pytest.raises(ValueError, match="must be a multiple of rollout.group_size=4"):
         BatchPlan(group_size=4, groups=4, micro_batch_size=2, packed=True)
-    with pytest.raises(ValueError, match="system.groups_per_row=2 packs groups into rows"):
+    with pytest.raises(ValueError, match="system.batch.groups_per_row=2 packs groups into rows"):
         BatchPlan(group_size=4, groups=4, groups_per_row=2)
 
 
@@ -130,7 +136,7 @@ def test_make_batch_orders_pairs_for_a_pairwise_objective():
 def test_the_step_refuses_a_batch_its_plan_does_not_describe():
     cfg = apply_overrides(
         TrainConfig(),
-        ["rollout.group_size=4", "rollout.groups_per_step=4", "system.packed_prompts=false"],
+        ["rollout.group_size=4", "rollout.groups_per_step=4", "system.batch.packed_prompts=false"],
     )
     algo = step_builder.algorithm(cfg, CFG)
     opt = step_builder.optimizer(cfg)
@@ -142,49 +148,57 @@ def test_the_step_refuses_a_batch_its_plan_does_not_describe():
 
 
 # --------------------------------------------------------------------------------------
-# system.packed_prompts: "auto" (the default), true, false
+# system.batch.packed_prompts: "auto" (the default), true, false
 # --------------------------------------------------------------------------------------
 
 
 def test_the_default_packs_whenever_the_geometry_allows():
-    assert TrainConfig().system.packed_prompts == "auto"
+    assert TrainConfig().system.batch.packed_prompts == "auto"
     assert plan_of().packed  # micro_batch_size=0: whole groups in every micro-batch
-    assert plan_of("system.micro_batch_size=8").packed  # a multiple of group_size=4
+    assert plan_of("system.batch.micro_batch_size=8").packed  # a multiple of group_size=4
     assert plan_of("system.mode=periodic", "system.max_staleness=0").packed
     assert plan_of("algo.loss=dpo", "rollout.group_size=2").packed
     assert BatchPlan.packing_refusal(TrainConfig()) is None
 
 
 def test_the_default_trains_unpacked_where_groups_do_not_fit_a_micro_batch():
-    plan = plan_of("system.micro_batch_size=2")  # group_size=4: no error, padded rows
+    plan = plan_of("system.batch.micro_batch_size=2")  # group_size=4: no error, padded rows
     assert not plan.packed and plan.leading_rows == plan.rows == 32
-    why = BatchPlan.packing_refusal(apply_overrides(TrainConfig(), ["system.micro_batch_size=2"]))
-    assert "system.micro_batch_size=2" in why and "rollout.group_size=4" in why
+    why = BatchPlan.packing_refusal(
+        apply_overrides(TrainConfig(), ["system.batch.micro_batch_size=2"])
+    )
+    assert "system.batch.micro_batch_size=2" in why and "rollout.group_size=4" in why
     # Periodic mode with micro-batches that split a group: the fold takes them unpacked.
     periodic = ("system.mode=periodic", "system.max_staleness=0")
-    assert not plan_of(*periodic, "system.micro_batch_size=2").packed
+    assert not plan_of(*periodic, "system.batch.micro_batch_size=2").packed
 
 
 def test_explicit_true_on_a_geometry_that_cannot_pack_is_refused_naming_the_fields():
     with pytest.raises(ConfigError) as err:
-        plan_of("system.micro_batch_size=2", "system.packed_prompts=true")
-    for field in ("system.packed_prompts", "system.micro_batch_size=2", "rollout.group_size=4"):
+        plan_of("system.batch.micro_batch_size=2", "system.batch.packed_prompts=true")
+    for field in (
+        "system.batch.packed_prompts",
+        "system.batch.micro_batch_size=2",
+        "rollout.group_size=4",
+    ):
         assert field in str(err.value)
 
 
 def test_explicit_false_stays_unpacked():
-    assert not plan_of("system.packed_prompts=false").packed
-    assert not plan_of("system.packed_prompts=false", "system.micro_batch_size=8").packed
-    assert plan_of("system.packed_prompts=true").packed
+    assert not plan_of("system.batch.packed_prompts=false").packed
+    assert not plan_of(
+        "system.batch.packed_prompts=false", "system.batch.micro_batch_size=8"
+    ).packed
+    assert plan_of("system.batch.packed_prompts=true").packed
 
 
 def test_groups_per_row_under_the_default_packs_or_is_refused_as_packing():
-    assert plan_of("system.groups_per_row=2").packed
+    assert plan_of("system.batch.groups_per_row=2").packed
     # Packing is what groups_per_row asks for: its refusal, not an unpacked fallback.
     with pytest.raises(ConfigError, match="packed row's 8 sequences"):
-        plan_of("system.groups_per_row=2", "system.micro_batch_size=4")
-    with pytest.raises(ConfigError, match="needs system.packed_prompts=true"):
-        plan_of("system.groups_per_row=2", "system.packed_prompts=false")
+        plan_of("system.batch.groups_per_row=2", "system.batch.micro_batch_size=4")
+    with pytest.raises(ConfigError, match="needs system.batch.packed_prompts=true"):
+        plan_of("system.batch.groups_per_row=2", "system.batch.packed_prompts=false")
 
 
 def test_the_default_trains_unpacked_where_packed_rows_do_not_split_over_the_mesh():
@@ -194,7 +208,7 @@ def test_the_default_trains_unpacked_where_packed_rows_do_not_split_over_the_mes
     assert "16" in BatchPlan.packing_refusal(cfg, batch_shards=16)
     assert not step_builder.algorithm(cfg, CFG, batch_shards=16).plan.packed
     # Explicit true is kept: the trainer's mesh check refuses it, naming both numbers.
-    packed = apply_overrides(cfg, ["system.packed_prompts=true"])
+    packed = apply_overrides(cfg, ["system.batch.packed_prompts=true"])
     assert BatchPlan.from_config(packed, batch_shards=16).packed
 
 
@@ -216,12 +230,12 @@ def test_the_default_never_refuses_a_geometry_that_trains_unpacked():
             f"rollout.group_size={g}",
             f"rollout.groups_per_step={n}",
             f"algo.num_minibatches={k}",
-            f"system.micro_batch_size={mb}",
+            f"system.batch.micro_batch_size={mb}",
             f"system.mode={mode}",
             "system.max_staleness=0",
         )
-        unpacked = build(*geometry, "system.packed_prompts=false")
-        packed = build(*geometry, "system.packed_prompts=true")
+        unpacked = build(*geometry, "system.batch.packed_prompts=false")
+        packed = build(*geometry, "system.batch.packed_prompts=true")
         auto = build(*geometry)
         assert auto == (packed or unpacked), geometry  # None: all three refused
         checked += auto is not None

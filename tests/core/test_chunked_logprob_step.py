@@ -30,7 +30,13 @@ from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.logprobs import DEFAULT_CHUNK_SIZE
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    BatchSection,
+    RolloutSection,
+    SystemSection,
+    TrainConfig,
+)
 
 
 def full_logits_forward(params, batch, *, model_config, temperature):
@@ -82,7 +88,7 @@ def test_step_equals_the_full_logits_step(case):
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4, temperature=temperature),
         algo=AlgoSection(**algo_fields),
-        system=SystemSection(packed_prompts=packed),
+        system=SystemSection(batch=BatchSection(packed_prompts=packed)),
     )
     groups = synthetic_groups(
         4,
@@ -133,7 +139,7 @@ def test_step_holds_no_full_vocabulary_logits(packed):
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4),
         algo=AlgoSection(prox="recompute"),
-        system=SystemSection(packed_prompts=packed),
+        system=SystemSection(batch=BatchSection(packed_prompts=packed)),
     )
     groups = synthetic_groups(4, 4, prompt_len=60, response_len=100, vocab=mcfg.vocab_size, seed=4)
     build = packing.pack_groups if packed else build_batch

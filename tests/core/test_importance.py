@@ -15,7 +15,13 @@ from a3po_jax.core import train_step as ts
 from a3po_jax.core.batching import build_batch
 from a3po_jax.training import config as config_lib
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    BatchSection,
+    RolloutSection,
+    SystemSection,
+    TrainConfig,
+)
 
 CFG = model.ModelConfig.tiny()
 LN = math.log
@@ -210,7 +216,9 @@ def _step_case(seed, **algo):
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4),
         algo=AlgoSection(prox="a3po", **algo),
-        system=SystemSection(micro_batch_size=4, packed_prompts=False),  # padded rows below
+        system=SystemSection(
+            batch=BatchSection(micro_batch_size=4, packed_prompts=False)
+        ),  # padded rows below
     )
     groups = synthetic_groups(
         4,

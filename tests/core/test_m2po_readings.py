@@ -21,7 +21,13 @@ from a3po_jax.core import losses, objectives
 from a3po_jax.core.objectives import m2po
 from a3po_jax.core.stats import combine, finalize
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, ConfigError, SystemSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    BatchSection,
+    ConfigError,
+    SystemSection,
+    TrainConfig,
+)
 
 CFG = model.ModelConfig.tiny()
 E = np.exp
@@ -312,7 +318,7 @@ def test_micro_batched_step_equals_full_batch(reading):
     # τ high enough that no micro-batch drops or clips a token: each selection is the
     # full batch's, so gradients and metrics add exactly.
     algo_cfg = AlgoSection(loss="m2po", settings={"m2po": {"tau": 1e3, "reading": reading}})
-    cfg = TrainConfig(algo=algo_cfg, system=SystemSection(packed_prompts=False))
+    cfg = TrainConfig(algo=algo_cfg, system=SystemSection(batch=BatchSection(packed_prompts=False)))
     algo = step_builder.algorithm(cfg, CFG)
     params = model.init_params(CFG, jax.random.key(1))
     batch = staleness_batch(seed=2)

@@ -22,6 +22,7 @@ from a3po_jax.core.stats import finalize
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import (
     AlgoSection,
+    BatchSection,
     ConfigError,
     RolloutSection,
     SystemSection,
@@ -32,7 +33,9 @@ from a3po_jax.training.config import (
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = model.ModelConfig.tiny()
-UNPACKED = SystemSection(packed_prompts=False)  # the padded rows build_batch lays out
+UNPACKED = SystemSection(
+    batch=BatchSection(packed_prompts=False)
+)  # the padded rows build_batch lays out
 
 
 # The recipe's module, as docs/losses.md shows it ("Adding an objective"): plain REINFORCE

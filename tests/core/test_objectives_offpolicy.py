@@ -25,11 +25,19 @@ from a3po_jax.core import losses, objectives, prox
 from a3po_jax.core.objectives import gspo, icepop, m2po
 from a3po_jax.core.stats import Stats, combine, finalize, masked_ess
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, ConfigError, SystemSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    BatchSection,
+    ConfigError,
+    SystemSection,
+    TrainConfig,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = model.ModelConfig.tiny()
-UNPACKED = SystemSection(packed_prompts=False)  # the padded rows build_batch lays out
+UNPACKED = SystemSection(
+    batch=BatchSection(packed_prompts=False)
+)  # the padded rows build_batch lays out
 
 # One sequence of four tokens, used by several golden values: π_θ, π_behav and the
 # token ratios ρ = π_θ/π_behav = [1.1111, 1, 0.8571, 2].
@@ -402,9 +410,9 @@ def test_a3po_reads_the_staleness_unit_as_for_ppo(loss_name, unit):
 
 
 def test_prox_rules_bind_as_for_ppo():
-    def build(loss, prox_rule, **system):
+    def build(loss, prox_rule, **batch):
         cfg = TrainConfig(
-            algo=AlgoSection(loss=loss, prox=prox_rule), system=SystemSection(**system)
+            algo=AlgoSection(loss=loss, prox=prox_rule), system=SystemSection(batch=batch)
         )
         return step_builder.algorithm(cfg, CFG)
 

@@ -1,4 +1,4 @@
-"""Several groups per packed row (``system.groups_per_row``) and the compact per-row head:
+"""Several groups per packed row (``system.batch.groups_per_row``) and the compact per-row head:
 the mask never crosses groups, packed == unpacked values and gradients for 1, 2 and 4 groups
 per row, the balancing order, one train step equal across layouts, micro-batches, config."""
 
@@ -35,6 +35,7 @@ from a3po_jax.core.types import RolloutGroup
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import (
     AlgoSection,
+    BatchSection,
     ConfigError,
     RolloutSection,
     SystemSection,
@@ -227,11 +228,11 @@ def test_dpo_pairs_two_groups_per_row(tiny_params):
 # One train step
 
 
-def step_config(**system):
+def step_config(**batch):
     return TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4, temperature=TEMPERATURE),
         algo=AlgoSection(prox="a3po"),
-        system=SystemSection(**{"packed_prompts": True, **system}),
+        system=SystemSection(batch=BatchSection(**{"packed_prompts": True, **batch})),
     )
 
 
@@ -305,29 +306,35 @@ def test_micro_batches_of_two_group_rows(step_groups):
 
 
 def test_groups_per_row_validation():
-    assert step_config(groups_per_row=2).system.groups_per_row == 2
-    with pytest.raises(ConfigError, match="system.groups_per_row"):
-        SystemSection(groups_per_row=0)
-    with pytest.raises(ConfigError, match="system.packed_prompts"):
-        TrainConfig(system=SystemSection(packed_prompts=False, groups_per_row=2))
+    assert step_config(groups_per_row=2).system.batch.groups_per_row == 2
+    with pytest.raises(ConfigError, match="system.batch.groups_per_row"):
+        BatchSection(groups_per_row=0)
+    with pytest.raises(ConfigError, match="system.batch.packed_prompts"):
+        TrainConfig(
+            system=SystemSection(batch=BatchSection(packed_prompts=False, groups_per_row=2))
+        )
     with pytest.raises(ConfigError, match="rollout.groups_per_step=4"):
         step_config(groups_per_row=3)
     with pytest.raises(ConfigError, match="algo.num_minibatches=4"):
         TrainConfig(
             rollout=RolloutSection(group_size=4, groups_per_step=4),
             algo=AlgoSection(num_minibatches=4, prox="a3po"),
-            system=SystemSection(packed_prompts=True, groups_per_row=2, max_staleness=4),
+            system=SystemSection(
+                max_staleness=4, batch=BatchSection(packed_prompts=True, groups_per_row=2)
+            ),
         )
-    with pytest.raises(ConfigError, match="system.micro_batch_size=4"):
+    with pytest.raises(ConfigError, match="system.batch.micro_batch_size=4"):
         step_config(groups_per_row=2, micro_batch_size=4)
     # Periodic mode folds one group at a time: groups_per_row only has to divide the batch.
     periodic = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4),
         system=SystemSection(
-            mode="periodic", max_staleness=0, packed_prompts=True, groups_per_row=2
+            mode="periodic",
+            max_staleness=0,
+            batch=BatchSection(packed_prompts=True, groups_per_row=2),
         ),
     )
-    assert periodic.system.groups_per_row == 2
+    assert periodic.system.batch.groups_per_row == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +354,9 @@ def test_trainer_two_groups_per_row_equals_one(tmp_path):
         cfg = dataclasses.replace(
             cfg,
             rollout=dataclasses.replace(cfg.rollout, groups_per_step=4),
-            system=dataclasses.replace(cfg.system, packed_prompts=True, groups_per_row=gpr),
+            system=dataclasses.replace(
+                cfg.system, batch=BatchSection(packed_prompts=True, groups_per_row=gpr)
+            ),
         )
         (records[gpr],) = run(cfg)
     one, two = records[1], records[2]

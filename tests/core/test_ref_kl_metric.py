@@ -17,6 +17,7 @@ from a3po_jax.core.batching import build_batch
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import (
     AlgoSection,
+    BatchSection,
     ConfigError,
     RolloutSection,
     SystemSection,
@@ -24,7 +25,9 @@ from a3po_jax.training.config import (
 )
 
 CFG = model.ModelConfig.tiny()
-UNPACKED = SystemSection(packed_prompts=False)  # the padded rows build_batch lays out
+UNPACKED = SystemSection(
+    batch=BatchSection(packed_prompts=False)
+)  # the padded rows build_batch lays out
 
 
 def make_config(group_size=4, **algo) -> TrainConfig:

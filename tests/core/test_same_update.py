@@ -77,9 +77,9 @@ CASES: dict[str, list[str]] = {
         "algo.dpo_kind=ipo",
         "rollout.group_size=2",
         "rollout.groups_per_step=8",
-        "system.micro_batch_size=4",
+        "system.batch.micro_batch_size=4",
     ],
-    "micro_batches": ["algo.prox=recompute", "system.micro_batch_size=4"],
+    "micro_batches": ["algo.prox=recompute", "system.batch.micro_batch_size=4"],
     "minibatches": ["algo.num_minibatches=2", "system.max_staleness=2"],
     "minibatches_update_unit": [
         "algo.num_minibatches=2",
@@ -89,33 +89,33 @@ CASES: dict[str, list[str]] = {
     "minibatches_micro": [
         "algo.prox=recompute",
         "algo.num_minibatches=2",
-        "system.micro_batch_size=4",
+        "system.batch.micro_batch_size=4",
     ],
-    "one_pass_old": ["algo.prox=recompute", "system.one_pass_old=true"],
-    "packed": ["system.packed_prompts=true", "algo.prox=recompute"],
-    "packed_two_per_row": ["system.packed_prompts=true", "system.groups_per_row=2"],
+    "one_pass_old": ["algo.prox=recompute", "system.batch.one_pass_old=true"],
+    "packed": ["system.batch.packed_prompts=true", "algo.prox=recompute"],
+    "packed_two_per_row": ["system.batch.packed_prompts=true", "system.batch.groups_per_row=2"],
     "packed_two_per_row_minibatches": [
-        "system.packed_prompts=true",
-        "system.groups_per_row=2",
+        "system.batch.packed_prompts=true",
+        "system.batch.groups_per_row=2",
         "algo.num_minibatches=2",
         "algo.prox=recompute",
     ],
     "packed_micro_kl": [
-        "system.packed_prompts=true",
-        "system.micro_batch_size=8",
+        "system.batch.packed_prompts=true",
+        "system.batch.micro_batch_size=8",
         "algo.kl_coef=0.1",
     ],
     "periodic": [
         "system.mode=periodic",
         "system.max_staleness=0",
         "algo.prox=recompute",
-        "system.micro_batch_size=2",
+        "system.batch.micro_batch_size=2",
     ],
     "periodic_packed_kl": [
         "system.mode=periodic",
         "system.max_staleness=0",
-        "system.packed_prompts=true",
-        "system.groups_per_row=2",
+        "system.batch.packed_prompts=true",
+        "system.batch.groups_per_row=2",
         "algo.kl_coef=0.1",
     ],
     "periodic_dpo": [
@@ -127,7 +127,7 @@ CASES: dict[str, list[str]] = {
     ],
     # The staleness-robust objectives (tests/core/test_objectives_offpolicy.py has their maths).
     "m2po": ["algo.loss=m2po", "algo.m2po_tau=0.02"],
-    "gspo_micro": ["algo.loss=gspo", "algo.gspo_clip_low=0.003", "system.micro_batch_size=4"],
+    "gspo_micro": ["algo.loss=gspo", "algo.gspo_clip_low=0.003", "system.batch.micro_batch_size=4"],
     "icepop_minibatches": [
         "algo.loss=icepop",
         "algo.icepop_low=0.8",
@@ -146,9 +146,9 @@ def case_config(name: str) -> TrainConfig:
             "rollout.group_size=4",
             "rollout.groups_per_step=4",
             "rollout.temperature=0.9",
-            "system.length_bucket=16",
+            "system.batch.length_bucket=16",
             f"optim.learning_rate={LEARNING_RATE}",
-            "system.packed_prompts=false",  # as recorded; the packed cases ask for true
+            "system.batch.packed_prompts=false",  # as recorded; the packed cases ask for true
         ],
     )
     return apply_overrides(base, CASES[name])

@@ -29,6 +29,7 @@ from a3po_jax.training import config as config_lib
 from a3po_jax.training import step_builder
 from a3po_jax.training.config import (
     AlgoSection,
+    BatchSection,
     ConfigError,
     RolloutSection,
     SystemSection,
@@ -210,11 +211,11 @@ RECOMPUTE_LAYOUTS = {
 def recompute_step_in_layout(name):
     """One recompute step on fixed groups in a layout of `RECOMPUTE_LAYOUTS` (cached: every
     comparison reads the plain one)."""
-    packed, system = RECOMPUTE_LAYOUTS[name]
+    packed, layout = RECOMPUTE_LAYOUTS[name]
     groups = make_groups(seed=6)
     build = packing.pack_groups if packed else build_batch
     batch = as_jnp(build(groups, advantage="grpo", length_bucket=16))
-    cfg = make_config(prox="recompute", system=system)
+    cfg = make_config(prox="recompute", batch=layout)
     state, _ = setup(cfg)
     return step_fn(cfg)(state, batch, None)
 
@@ -312,7 +313,7 @@ def test_algorithm_holds_the_chosen_functions():
         assert algo.needs_reference is False and algo.kl_in_loss is None
         prox_fn = algo.loss_term.keywords["anchor"].fn  # the prox rule, bound once
         assert getattr(prox_fn, "func", prox_fn) is prox.PROX_RULES[rule].fn
-    one_pass = algorithm(make_config(prox="recompute", system={"one_pass_old": True}))
+    one_pass = algorithm(make_config(prox="recompute", batch={"one_pass_old": True}))
     assert one_pass.needs_old_pass is False
     dpo = algorithm(make_config(loss="dpo"))
     assert dpo.loss_term.func is dpo_objective.dpo_term
@@ -338,7 +339,7 @@ def test_algorithm_and_plan_come_from_the_config():
     cfg = TrainConfig(
         rollout=RolloutSection(group_size=4, groups_per_step=4, temperature=0.7),
         algo=AlgoSection(prox="recompute", clip_eps_high=0.28, num_minibatches=2),
-        system=SystemSection(micro_batch_size=4, packed_prompts=True),
+        system=SystemSection(batch=BatchSection(micro_batch_size=4, packed_prompts=True)),
     )
     algo = algorithm(cfg)
     assert algo.forward.func is packing.packed_token_logprobs

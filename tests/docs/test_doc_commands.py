@@ -117,8 +117,8 @@ COMMANDS: dict[str, object] = {
     "run_dir=runs/completion": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.consume_order=admission "
     "run_dir=runs/admission": PRINT_CONFIG,
-    "a3po-train experiments/quickstart_a3po.py system.inference_hosts=127.0.0.1:50051 "
-    "system.host_token_file=$HOME/.a3po_host_token": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py system.placement.inference_hosts=127.0.0.1:50051 "
+    "system.placement.host_token_file=$HOME/.a3po_host_token": PRINT_CONFIG,
     "nice -n 5 .venv/bin/python -m a3po_jax.cli.train experiments/smollm2_chain_sum.py "
     "run_dir=/tmp/lb_completion steps=12": PRINT_CONFIG,
     "nice -n 5 .venv/bin/python -m a3po_jax.cli.train experiments/smollm2_chain_sum.py "
@@ -133,9 +133,9 @@ COMMANDS: dict[str, object] = {
     ),
     # Placements: the config resolves (a split run is tests/inference/test_local_host.py and
     # tests/inference/test_split_devices.py).
-    "a3po-train experiments/quickstart_a3po.py system.inference_cores=1": PRINT_CONFIG,
-    "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.inference_devices=4 "
-    "system.inference_mesh_tensor=2": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py system.placement.inference_cores=1": PRINT_CONFIG,
+    "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.placement.inference_devices=4 "
+    "system.placement.inference_mesh_tensor=2": PRINT_CONFIG,
     "python scripts/launch.py tpu-pod experiments/a3po_qwen3_8b_math.py --tpu my-v5p-32 "
     "--zone us-east5-a --workers 4 --inference-tpu my-v5e-8 --inference-address 10.0.0.7 "
     "--dry-run": AS_WRITTEN,
@@ -145,19 +145,21 @@ COMMANDS: dict[str, object] = {
     "steps=4 checkpoint_every=2 run_dir=runs/mesh": AS_WRITTEN,
     "XLA_FLAGS=--xla_force_host_platform_device_count=2 a3po-train experiments/smoke_tiny.py "
     "checkpoint_every=2 run_dir=runs/mesh --resume": Append("steps=6"),
-    "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.mesh_data=2 system.mesh_fsdp=2 "
+    "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.mesh.data=2 system.mesh.fsdp=2 "
     "--resume": PRINT_CONFIG,
     # docs/scale-out.md: a run's hosts growing and shrinking through its hosts file (the
     # whole sequence under a training run is tests/e2e/test_trainer_elastic_hosts.py).
     "python -m a3po_jax.cli.serve --model tiny --port 50051 --token-file ~/.a3po_host_token": (
         PARSE_ONLY
     ),
-    "a3po-train experiments/smoke_tiny.py system.inference_hosts=127.0.0.1:50051 "
-    "system.host_token_file=~/.a3po_host_token system.hosts_file=hosts.txt": PRINT_CONFIG,
+    "a3po-train experiments/smoke_tiny.py system.placement.inference_hosts=127.0.0.1:50051 "
+    "system.placement.host_token_file=~/.a3po_host_token "
+    "system.placement.hosts_file=hosts.txt": PRINT_CONFIG,
     "python -m a3po_jax.cli.serve --model tiny --port 50061 --token-file ~/.a3po_host_token "
     "--join hosts.txt": PARSE_ONLY,
     "python scripts/launch.py join-host experiments/smoke_tiny.py "
-    "system.inference_hosts=127.0.0.1:50051 system.hosts_file=hosts.txt --port 50061 "
+    "system.placement.inference_hosts=127.0.0.1:50051 system.placement.hosts_file=hosts.txt "
+    "--port 50061 "
     "--weight-port 50062 --token-file ~/.a3po_host_token": Append("--dry-run"),
     "echo 127.0.0.1:50071 >> hosts.txt": AS_WRITTEN,
     "sed -i /127.0.0.1:50051/d hosts.txt": AS_WRITTEN,
@@ -170,7 +172,9 @@ COMMANDS: dict[str, object] = {
         TINY_RUN
     ),
     "python -m a3po_jax.cli.results runs/smoke_eval": AS_WRITTEN,
-    "a3po-train experiments/smoke_tiny.py system.record_rollouts=true run_dir=runs/rec": (TINY_RUN),
+    "a3po-train experiments/smoke_tiny.py system.run.record_rollouts=true run_dir=runs/rec": (
+        TINY_RUN
+    ),
     "a3po-train --replay runs/rec": AS_WRITTEN,
     "a3po-train experiments/smoke_tiny.py run_dir=runs/smoke_mismatch": TINY_RUN,
     "python -m a3po_jax.cli.results runs/smoke_mismatch --out runs/smoke_mismatch/report": (

@@ -36,6 +36,7 @@ from a3po_jax.training.config import (
     AlgoSection,
     ModelSection,
     RolloutSection,
+    RunSection,
     SystemSection,
     TaskSection,
     TrainConfig,
@@ -238,7 +239,7 @@ def test_a_recorded_lockstep_async_run_replays_to_the_same_parameters_bit_for_bi
         cfg,
         evaluate=False,
         checkpoint_every=100,  # one checkpoint, forced at the last step
-        system=dataclasses.replace(cfg.system, record_rollouts=True),
+        system=dataclasses.replace(cfg.system, run=RunSection(record_rollouts=True)),
     )
     recorded, params = run(cfg)
     assert train_main(["--replay", cfg.run_dir]) == 0

@@ -1,7 +1,7 @@
 """A run checkpointed on N devices resumes on M: killed (SIGKILL) on 4 virtual CPU devices,
 resumed on 2 and killed again, resumed on 4 to its last step.
 
-The trainer's mesh follows the device count (``system.mesh_fsdp=-1``: FSDP over every
+The trainer's mesh follows the device count (``system.mesh.fsdp=-1``: FSDP over every
 device), so each leg runs on a mesh of its own and saves its checkpoints laid out on it;
 each resume restores them into the new mesh's shardings (orbax reshards). What must hold:
 
@@ -135,8 +135,8 @@ def test_killed_on_4_devices_resumes_on_2_and_again_on_4(tmp_path):
     # So is one that does not divide the batch's rows (4 prompts x 8 samples over 3).
     before = {p: p.read_bytes() for p in (run_dir / "ledger.jsonl", run_dir / "config.json")}
     for devices, settings, named in (
-        (4, ["system.mesh_tensor=4"], ["system.mesh_tensor=4", "n_kv_heads=2"]),
-        (3, ["system.mesh_data=3", "system.mesh_fsdp=1"], ["32 sequences", "system.mesh_data=3"]),
+        (4, ["system.mesh.tensor=4"], ["system.mesh.tensor=4", "n_kv_heads=2"]),
+        (3, ["system.mesh.data=3", "system.mesh.fsdp=1"], ["32 sequences", "system.mesh.data=3"]),
     ):
         refused = subprocess.run(
             [sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py",

@@ -22,6 +22,7 @@ from a3po_jax.rollout.ledger import read_events
 from a3po_jax.tasks.toy import LetterTask
 from a3po_jax.training import recording
 from a3po_jax.training.build import build_run
+from a3po_jax.training.config import RunSection
 from a3po_jax.training.metrics import read_metrics
 
 RM = "model:/reward_models/vowels"
@@ -74,7 +75,7 @@ def test_a_reward_model_scores_every_mode(tmp_path, monkeypatch, mode, algo, sys
 
 def test_a_reward_model_run_replays_from_its_recorded_rewards(tmp_path, monkeypatch):
     use_test_reward_model(monkeypatch)
-    cfg = reward_model_cfg(tmp_path, "sync", record_rollouts=True)
+    cfg = reward_model_cfg(tmp_path, "sync", run=RunSection(record_rollouts=True))
     recorded = run(cfg)
     rec_dir = Path(cfg.run_dir)
     groups, _ = recording.read_step(recording.step_path(rec_dir / "rollouts", 1))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.trainer_runs import LetterTask, make_cfg, run
 
-from a3po_jax.training.config import ConfigError
+from a3po_jax.training.config import BatchSection, ConfigError, PlacementSection
 from a3po_jax.training.metrics import read_metrics
 from a3po_jax.training.trainer import Trainer, load_policy
 
@@ -84,7 +84,9 @@ def test_packed_prompts_and_one_pass_old_through_the_pipeline(tmp_path, mode):
     cfg = make_cfg(tmp_path, f"packed_{mode}", mode=mode, steps=2, prox="recompute")
     cfg = dataclasses.replace(
         cfg,
-        system=dataclasses.replace(cfg.system, packed_prompts=True, one_pass_old=True),
+        system=dataclasses.replace(
+            cfg.system, batch=BatchSection(packed_prompts=True, one_pass_old=True)
+        ),
     )
     records = run(cfg)
     assert [r["version"] for r in records] == [1, 2]
@@ -207,8 +209,11 @@ def test_single_process_features_are_refused_by_name_in_a_multi_process_job():
         "algo.kl_in_reward=True": dataclasses.replace(
             base, algo=dataclasses.replace(base.algo, kl_coef=0.1, kl_in_reward=True)
         ),
-        "system.inference_devices": dataclasses.replace(
-            base, system=dataclasses.replace(base.system, inference_devices=1)
+        "system.placement.inference_devices": dataclasses.replace(
+            base,
+            system=dataclasses.replace(
+                base.system, placement=PlacementSection(inference_devices=1)
+            ),
         ),
     }
     for what, cfg in cases.items():

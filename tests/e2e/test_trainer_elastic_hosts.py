@@ -1,7 +1,7 @@
 """Inference hosts joining and leaving a running job through its membership file.
 
-A run starts on one gRPC host process (A) with ``system.hosts_file``; mid-run a second host
-(B) is started with ``cli.serve --join`` and appends its own line: the pool checks its
+A run starts on one gRPC host process (A) with ``system.placement.hosts_file``; mid-run a
+second host (B) is started with ``cli.serve --join`` and appends its own line: the pool checks its
 settings, pushes it the trainer's current weights, and only then routes requests to it, so
 both serve. Later B is sent SIGTERM: it removes its line, takes no new request, finishes
 what it holds and stops by itself, without counting as a failure, and A serves on. The run
@@ -27,6 +27,7 @@ from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
 from a3po_jax.inference.remote.membership_file import read_hosts_file
 from a3po_jax.inference.types import InferenceError
 from a3po_jax.rollout.ledger import audit
+from a3po_jax.training.config import HostsSection, PlacementSection
 from a3po_jax.training.metrics import read_metrics
 from a3po_jax.training.trainer import Trainer, load_policy
 
@@ -54,12 +55,14 @@ def test_a_host_joins_a_running_job_and_leaves_it_on_sigterm(tmp_path):
         base,
         system=dataclasses.replace(
             base.system,
-            inference_hosts=addr_a,
-            hosts_file=str(hosts_file),
-            host_token_file=str(token_file),
-            host_health_interval_s=0.2,
-            host_hang_timeout_s=120.0,
-            rollout_timeout_s=300.0,
+            placement=PlacementSection(
+                inference_hosts=addr_a,
+                hosts_file=str(hosts_file),
+                host_token_file=str(token_file),
+            ),
+            hosts=HostsSection(
+                health_interval_s=0.2, hang_timeout_s=120.0, rollout_timeout_s=300.0
+            ),
         ),
     )
     pool = connect_hosts(cfg.system)  # what a3po-train builds from the same config
@@ -142,10 +145,10 @@ def test_hosts_that_cannot_join_are_refused_by_name(tmp_path, caplog):
     base = make_cfg(tmp_path, "refused")
     system = dataclasses.replace(
         base.system,
-        inference_hosts=addr_a,
-        hosts_file=str(hosts_file),
-        host_token_file=str(token_file),
-        host_health_interval_s=0.2,
+        placement=PlacementSection(
+            inference_hosts=addr_a, hosts_file=str(hosts_file), host_token_file=str(token_file)
+        ),
+        hosts=HostsSection(health_interval_s=0.2),
     )
     pool = connect_hosts(system)
     try:

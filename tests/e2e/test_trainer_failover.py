@@ -20,6 +20,7 @@ from helpers.trainer_runs import LetterTask, make_cfg
 
 from a3po_jax.cli.train import connect_hosts
 from a3po_jax.inference.remote.grpc_client import GrpcInferenceClient
+from a3po_jax.training.config import HostsSection, PlacementSection
 from a3po_jax.training.metrics import read_metrics
 from a3po_jax.training.trainer import Trainer, load_policy
 
@@ -52,12 +53,15 @@ def test_training_survives_a_killed_and_a_frozen_host(tmp_path):
         base,
         system=dataclasses.replace(
             base.system,
-            inference_hosts=f"{addr_a},{addr_b}",
-            host_token_file=str(token_file),
-            host_timeout_s=HOST_TIMEOUT_S,
-            host_hang_timeout_s=HANG_TIMEOUT_S,
-            host_health_interval_s=0.2,
-            rollout_timeout_s=300.0,
+            placement=PlacementSection(
+                inference_hosts=f"{addr_a},{addr_b}", host_token_file=str(token_file)
+            ),
+            hosts=HostsSection(
+                timeout_s=HOST_TIMEOUT_S,
+                hang_timeout_s=HANG_TIMEOUT_S,
+                health_interval_s=0.2,
+                rollout_timeout_s=300.0,
+            ),
         ),
     )
     pool = connect_hosts(cfg.system)  # what a3po-train builds from the same config

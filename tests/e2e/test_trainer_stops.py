@@ -31,6 +31,7 @@ from a3po_jax.rollout.ledger import audit
 from a3po_jax.training import host_placement
 from a3po_jax.training import trainer as trainer_module
 from a3po_jax.training.checkpointing import CheckpointManager
+from a3po_jax.training.config import HostsSection, PlacementSection, RunSection
 from a3po_jax.training.metrics import MetricsLogger, read_metrics
 from a3po_jax.training.stopping import STOP_DEADLINE_S
 from a3po_jax.training.trainer import Trainer, load_policy
@@ -38,7 +39,9 @@ from a3po_jax.training.trainer import Trainer, load_policy
 
 def test_non_finite_steps_are_skipped_and_n_in_a_row_stop_the_run(tmp_path, caplog):
     base = make_cfg(tmp_path, "nan", mode="sync", steps=6, prox="behav")
-    cfg = dataclasses.replace(base, system=dataclasses.replace(base.system, max_nonfinite_steps=2))
+    cfg = dataclasses.replace(
+        base, system=dataclasses.replace(base.system, run=RunSection(max_nonfinite_steps=2))
+    )
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     step_fn = trainer._train_step
     calls = []
@@ -230,10 +233,8 @@ def test_sigterm_while_the_only_remote_host_is_frozen_saves_and_stops_within_the
         checkpoint_every=100,  # only the SIGTERM save
         system=dataclasses.replace(
             base.system,
-            inference_hosts=address,
-            host_token_file=str(token_file),
-            host_timeout_s=5.0,
-            host_health_interval_s=0.2,
+            placement=PlacementSection(inference_hosts=address, host_token_file=str(token_file)),
+            hosts=HostsSection(timeout_s=5.0, health_interval_s=0.2),
         ),
     )
     policy = load_policy(cfg.model)

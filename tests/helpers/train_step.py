@@ -15,7 +15,13 @@ from a3po_jax.core.algorithm import Algorithm
 from a3po_jax.core.batching import build_batch
 from a3po_jax.core.stats import finalize
 from a3po_jax.training import step_builder
-from a3po_jax.training.config import AlgoSection, RolloutSection, SystemSection, TrainConfig
+from a3po_jax.training.config import (
+    AlgoSection,
+    BatchSection,
+    RolloutSection,
+    SystemSection,
+    TrainConfig,
+)
 from helpers.factories import synthetic_groups
 
 CFG = model.ModelConfig.tiny()
@@ -55,15 +61,15 @@ def staleness_batch(num_groups=4, group_size=4, seed=0, dpo=False):
     return {k: jnp.asarray(v) for k, v in b.arrays().items()}
 
 
-def make_config(group_size=4, groups=4, system=None, **algo):
-    """4 groups of 4 (DPO: pairs) unless told; ``system`` holds SystemSection fields. The
-    step takes the padded rows the tests build unless ``system`` asks for packed ones."""
+def make_config(group_size=4, groups=4, batch=None, **algo):
+    """4 groups of 4 (DPO: pairs) unless told; ``batch`` holds BatchSection fields. The
+    step takes the padded rows the tests build unless ``batch`` asks for packed ones."""
     if algo.get("loss") == "dpo" and group_size == 4:
         group_size, groups = 2, 2 * groups
     return TrainConfig(
         rollout=RolloutSection(group_size=group_size, groups_per_step=groups),
         algo=AlgoSection(**algo),
-        system=SystemSection(**{"packed_prompts": False, **(system or {})}),
+        system=SystemSection(batch=BatchSection(**{"packed_prompts": False, **(batch or {})})),
     )
 
 

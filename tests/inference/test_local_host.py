@@ -1,6 +1,6 @@
 """Split cores: a local host process on cores of its own (`LocalHostProcess`), started and
-ended by the trainer (`system.inference_cores`), and a host that frees the slots of a client
-that went away."""
+ended by the trainer (`system.placement.inference_cores`), and a host that frees the slots
+of a client that went away."""
 
 import json
 import os
@@ -111,7 +111,7 @@ def test_a_trainer_killed_with_sigkill_leaves_no_host_process(tmp_path):
             "-m",
             "a3po_jax.cli.train",
             "experiments/smoke_tiny.py",
-            "system.inference_cores=1",
+            "system.placement.inference_cores=1",
             f"run_dir={run_dir}",
             "steps=500",
             "checkpoint_every=0",

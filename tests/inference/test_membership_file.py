@@ -1,6 +1,6 @@
-"""The membership file a run's remote hosts join and leave through (``system.hosts_file``):
-a run writes it and marks it ended, hosts append and remove their own lines, and a join to a
-file no running run watches is refused by name."""
+"""The membership file a run's remote hosts join and leave through
+(``system.placement.hosts_file``): a run writes it and marks it ended, hosts append and
+remove their own lines, and a join to a file no running run watches is refused by name."""
 
 from __future__ import annotations
 

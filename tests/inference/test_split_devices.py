@@ -1,12 +1,12 @@
 """Split devices: the embedded inference host on a mesh of its own (`EngineCore(mesh=...)`,
-`system.inference_devices`), the trainer's mesh on the other devices.
+`system.placement.inference_devices`), the trainer's mesh on the other devices.
 
 * A host on a ``data`` x ``tensor`` mesh generates what a one-device host generates: equal
   tokens (greedy and sampled), log-probs to 1e-5, the same version stamps across a push.
 * With ``tensor = 2`` each device holds about half of the weights: a model larger than one
   device's share serves.
-* A run with ``system.inference_devices=2`` (the host on 2 devices, the trainer on the other
-  2) trains as the one-device run in the main process does, step for step.
+* A run with ``system.placement.inference_devices=2`` (the host on 2 devices, the trainer on
+  the other 2) trains as the one-device run in the main process does, step for step.
 
 The main pytest process has one CPU device and XLA's device count is fixed at start-up, so
 `test_four_device_suite_in_a_subprocess` re-runs this file with
@@ -30,6 +30,7 @@ from a3po_jax.inference.engine import decode_layout
 from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.types import GenerateRequest, SamplingParams
 from a3po_jax.parallel.sharding import make_mesh
+from a3po_jax.training.config import MeshSection, PlacementSection
 from a3po_jax.training.metrics import read_metrics
 from a3po_jax.training.trainer import Trainer, load_policy
 
@@ -146,7 +147,12 @@ def test_four_devices_a_model_larger_than_one_devices_share_serves():
 
 @four_only
 def test_four_devices_split_run_trains_as_the_one_device_run(tmp_path):
-    cfg = train_cfg(tmp_path, "split", inference_devices=2, inference_mesh_tensor=2, mesh_fsdp=-1)
+    cfg = train_cfg(
+        tmp_path,
+        "split",
+        placement=PlacementSection(inference_devices=2, inference_mesh_tensor=2),
+        mesh=MeshSection(fsdp=-1),
+    )
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     host_devices = set(trainer.host.mesh.devices.flat)
     assert host_devices == set(jax.devices()[2:])

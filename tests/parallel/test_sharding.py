@@ -188,7 +188,7 @@ def test_eight_mesh_not_dividing_heads_or_batch_names_both_numbers():
     three_kv = ModelConfig.tiny(n_heads=6, n_kv_heads=3, head_dim=8)
     with pytest.raises(IndivisibleError, match=r"k_proj/kernel: kv_heads = 3 .* size 4") as err:
         param_shardings(abstract_params(three_kv), mesh, INFERENCE_RULES)
-    assert err.value.mesh_axes == ("tensor",)  # the trainer names system.mesh_tensor by it
+    assert err.value.mesh_axes == ("tensor",)  # the trainer names system.mesh.tensor by it
     # Replicating kv heads (rule kv_heads -> None, as for multi-query attention) leaves the
     # query heads to be checked.
     rules = tuple((k, None if k == "kv_heads" else v) for k, v in INFERENCE_RULES)

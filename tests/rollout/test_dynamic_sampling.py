@@ -236,8 +236,8 @@ def test_dynamic_sampling_refuses_what_it_cannot_run_yet(tmp_path):
     refuse_unsupported(cfg, processes=1, host=None, replay_dir=None)
     with pytest.raises(ValueError, match="rollout.dynamic_sampling=true.*one process so far"):
         refuse_unsupported(cfg, processes=2, host=None, replay_dir=None)
-    recorded = apply_overrides(cfg, ["system.record_rollouts=true"])
-    with pytest.raises(ValueError, match="system.record_rollouts=false"):
+    recorded = apply_overrides(cfg, ["system.run.record_rollouts=true"])
+    with pytest.raises(ValueError, match="system.run.record_rollouts=false"):
         refuse_unsupported(recorded, processes=1, host=None, replay_dir=None)
     with pytest.raises(ValueError, match="cannot replay"):
         refuse_unsupported(cfg, processes=1, host=None, replay_dir=tmp_path)

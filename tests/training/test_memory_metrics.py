@@ -103,13 +103,15 @@ def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
 @pytest.mark.e2e  # a whole run of the trainer
 @pytest.mark.parametrize("every", [0.05, 0.0])
 def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
-    """`system.trim_heap_every_s` > 0 runs a heap trimmer (training/heap.py) from the trainer's
+    """`system.run.trim_heap_every_s` > 0 runs a heap trimmer (training/heap.py) from the trainer's
     start to its close; 0 runs none; a negative period is refused, naming the field."""
     from a3po_jax.tasks.toy import LetterTask
-    from a3po_jax.training.config import ConfigError, SystemSection
+    from a3po_jax.training.config import ConfigError, RunSection, SystemSection
     from a3po_jax.training.trainer import Trainer, load_policy
 
-    cfg = tiny_run_config(tmp_path, steps=2, system=SystemSection(trim_heap_every_s=every))
+    cfg = tiny_run_config(
+        tmp_path, steps=2, system=SystemSection(run=RunSection(trim_heap_every_s=every))
+    )
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     trimmer = trainer._trimmer
     try:
@@ -123,8 +125,8 @@ def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
         trainer.close()
     if every:
         assert not trimmer._thread.is_alive()
-    with pytest.raises(ConfigError, match="system.trim_heap_every_s"):
-        SystemSection(trim_heap_every_s=-1.0)
+    with pytest.raises(ConfigError, match="system.run.trim_heap_every_s"):
+        RunSection(trim_heap_every_s=-1.0)
 
 
 @pytest.mark.e2e  # a whole run of the trainer
@@ -138,14 +140,14 @@ def test_a_weight_push_trims_once_the_embedded_host_serves_it(
     """The embedded host frees its replaced weights at the swap; glibc keeps those pages until
     a trim, so each push waits for the swap and trims then, before the next step's
     temporaries stack on top (design §6). Not under "drain" (the swap waits for older
-    requests) and not with trimming off (`system.trim_heap_every_s=0`)."""
+    requests) and not with trimming off (`system.run.trim_heap_every_s=0`)."""
     from a3po_jax.tasks.toy import LetterTask
     from a3po_jax.training import heap
-    from a3po_jax.training.config import SystemSection
+    from a3po_jax.training.config import RunSection, SystemSection
     from a3po_jax.training.trainer import Trainer, load_policy
 
     cfg = tiny_run_config(
-        tmp_path, steps=2, system=SystemSection(mode=mode, trim_heap_every_s=every)
+        tmp_path, steps=2, system=SystemSection(mode=mode, run=RunSection(trim_heap_every_s=every))
     )
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     seen = []  # (host's serving version, trainer's version) at each trim by the trainer
@@ -173,12 +175,14 @@ def test_a_cpu_trainer_saves_checkpoints_in_place_and_trims_after(tmp_path, monk
     buffers before the next step."""
     from a3po_jax.tasks.toy import LetterTask
     from a3po_jax.training import heap
-    from a3po_jax.training.config import SystemSection
+    from a3po_jax.training.config import RunSection, SystemSection
     from a3po_jax.training.trainer import Trainer, load_policy
 
     if jax.default_backend() != "cpu":
         pytest.skip("accelerators save asynchronously")
-    cfg = tiny_run_config(tmp_path, steps=1, system=SystemSection(trim_heap_every_s=3600.0))
+    cfg = tiny_run_config(
+        tmp_path, steps=1, system=SystemSection(run=RunSection(trim_heap_every_s=3600.0))
+    )
     cfg = dataclasses.replace(cfg, checkpoint_every=1)
     handler_before = signal.getsignal(signal.SIGTERM)
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)

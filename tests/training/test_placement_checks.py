@@ -28,37 +28,40 @@ def check(overrides, devices=4, model=TINY, processes=1):
 REFUSED = [
     # "embed/embedding: vocab = 128 (dimension 0) is not divisible by mesh axes ('tensor',)"
     (
-        ["system.inference_devices=3", "system.inference_mesh_tensor=3"],
-        "system.inference_mesh_tensor=3 does not divide the model's vocab_size=128",
+        ["system.placement.inference_devices=3", "system.placement.inference_mesh_tensor=3"],
+        "system.placement.inference_mesh_tensor=3 does not divide the model's vocab_size=128",
     ),
     # "make_mesh: data=1 x fsdp=4 x tensor=1 = 4 but there are 2 devices"
     (
-        ["system.inference_devices=2", "system.mesh_fsdp=4"],
-        "system.mesh_data=1 x system.mesh_fsdp=4 x system.mesh_tensor=1 = 4 but there are 2 "
-        "devices left to the trainer by system.inference_devices=2",
+        ["system.placement.inference_devices=2", "system.mesh.fsdp=4"],
+        "system.mesh.data=1 x system.mesh.fsdp=4 x system.mesh.tensor=1 = 4 but there are 2 "
+        "devices left to the trainer by system.placement.inference_devices=2",
     ),
     # "make_mesh: fsdp=-1 cannot be inferred: 4 devices are not divisible by ..."
-    (["system.mesh_data=3"], "system.mesh_fsdp=-1 cannot be inferred: 4 devices"),
+    (["system.mesh.data=3"], "system.mesh.fsdp=-1 cannot be inferred: 4 devices"),
     # "embed/embedding: embed = 64 (dimension 1) is not divisible by mesh axes ('fsdp',)"
     (
-        ["system.inference_devices=1", "system.mesh_fsdp=3"],
-        "system.mesh_fsdp=3 does not divide the model's d_model=64",
+        ["system.placement.inference_devices=1", "system.mesh.fsdp=3"],
+        "system.mesh.fsdp=3 does not divide the model's d_model=64",
     ),
     # "layers/attn/k_proj/kernel: kv_heads = 2 (dimension 2) is not divisible by ..."
-    (["system.mesh_tensor=4"], "system.mesh_tensor=4 does not divide the model's n_kv_heads=2"),
+    (["system.mesh.tensor=4"], "system.mesh.tensor=4 does not divide the model's n_kv_heads=2"),
     # "num_slots=3 must be a multiple of the inference mesh's data x fsdp size 2"
     (
-        ["system.inference_devices=2", "rollout.num_slots=3"],
+        ["system.placement.inference_devices=2", "rollout.num_slots=3"],
         "rollout.num_slots=3 must be a multiple of the host's data axis "
-        "(system.inference_devices=2 / system.inference_mesh_tensor=1 = 2)",
+        "(system.placement.inference_devices=2 / system.placement.inference_mesh_tensor=1 = 2)",
     ),
     # "batch: batch = 2 (dimension 0) is not divisible by mesh axes ('data', 'fsdp') of size 4"
     (
-        ["system.mesh_fsdp=4", "rollout.group_size=2", "rollout.groups_per_step=1"],
+        ["system.mesh.fsdp=4", "rollout.group_size=2", "rollout.groups_per_step=1"],
         "a micro-batch's 2 sequences (rollout.group_size=2, rollout.groups_per_step=1",
     ),
-    # "system.inference_devices=4 must leave the trainer at least one of the 4 devices"
-    (["system.inference_devices=4"], "system.inference_devices=4 must leave the trainer"),
+    # "system.placement.inference_devices=4 must leave the trainer at least one of the 4 devices"
+    (
+        ["system.placement.inference_devices=4"],
+        "system.placement.inference_devices=4 must leave the trainer",
+    ),
 ]
 
 
@@ -73,11 +76,15 @@ def test_each_placement_that_cannot_run_is_refused_naming_its_fields(overrides, 
     "overrides",
     [
         [],
-        ["system.inference_devices=2", "system.inference_mesh_tensor=2"],
-        ["system.inference_devices=2", "system.mesh_fsdp=2"],
-        ["system.inference_devices=1", "system.mesh_data=3", "rollout.groups_per_step=3"],
-        ["system.mesh_tensor=2", "system.mesh_fsdp=2"],
-        ["system.inference_devices=2", "system.inference_mesh_tensor=2", "rollout.num_slots=3"],
+        ["system.placement.inference_devices=2", "system.placement.inference_mesh_tensor=2"],
+        ["system.placement.inference_devices=2", "system.mesh.fsdp=2"],
+        ["system.placement.inference_devices=1", "system.mesh.data=3", "rollout.groups_per_step=3"],
+        ["system.mesh.tensor=2", "system.mesh.fsdp=2"],
+        [
+            "system.placement.inference_devices=2",
+            "system.placement.inference_mesh_tensor=2",
+            "rollout.num_slots=3",
+        ],
     ],
 )
 def test_placements_that_run_pass(overrides):
@@ -88,13 +95,21 @@ def test_the_model_dimensions_decide_not_the_tiny_model():
     # SmolLM2 has 9 heads and 3 kv heads: a host of tensor 2 splits no head evenly, 3 does.
     smollm2 = load_model_config("smollm2")
     with pytest.raises(ValueError, match="inference_mesh_tensor=2 does not divide the model's"):
-        check(["system.inference_devices=2", "system.inference_mesh_tensor=2"], model=smollm2)
-    check(["system.inference_devices=3", "system.inference_mesh_tensor=3"], model=smollm2)
+        check(
+            ["system.placement.inference_devices=2", "system.placement.inference_mesh_tensor=2"],
+            model=smollm2,
+        )
+    check(
+        ["system.placement.inference_devices=3", "system.placement.inference_mesh_tensor=3"],
+        model=smollm2,
+    )
 
 
 def test_split_devices_in_a_multi_process_job_are_refused_before_loading():
-    with pytest.raises(ValueError, match="system.inference_devices=2 runs in one process"):
-        check(["system.inference_devices=2"], processes=2)
+    with pytest.raises(
+        ValueError, match="system.placement.inference_devices=2 runs in one process"
+    ):
+        check(["system.placement.inference_devices=2"], processes=2)
 
 
 def test_every_dimension_a_rule_splits_has_its_model_field():

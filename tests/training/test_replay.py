@@ -1,4 +1,4 @@
-"""Recorded rollouts and replay (``system.record_rollouts``, ``a3po-train --replay``): the
+"""Recorded rollouts and replay (``system.run.record_rollouts``, ``a3po-train --replay``): the
 step files round-trip exactly and are written atomically; an asynchronous run (whose
 samples depend on timing) replayed without an inference host reproduces its per-step losses
 and its final parameters; so does a periodic-mode run (groups folded one by one), replayed in
@@ -105,7 +105,7 @@ def test_leftover_temporary_files_are_ignored_and_gaps_refused(tmp_path):
     recording.write_step(rollouts, 3, groups_fixture(), trainer_version=2)
     with pytest.raises(recording.ReplayError, match=r"misses steps \[2\]"):
         recording.recorded_steps(tmp_path)
-    with pytest.raises(recording.ReplayError, match="system.record_rollouts=true"):
+    with pytest.raises(recording.ReplayError, match="system.run.record_rollouts=true"):
         recording.recorded_steps(tmp_path / "elsewhere")
 
 
@@ -139,7 +139,7 @@ def record(tmp_path: Path, name: str, *overrides: str):
         [
             f"run_dir={tmp_path / name}",
             "steps=4",
-            "system.record_rollouts=true",
+            "system.run.record_rollouts=true",
             "checkpoint_every=100",  # one checkpoint, forced at the last step
             *overrides,
         ],
@@ -210,7 +210,7 @@ def test_async_run_replays_to_equal_losses_and_parameters(tmp_path, capsys):
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "config.json").write_text((rec_dir / "config.json").read_text())
     assert main(["--replay", str(tmp_path / "plain")]) == 2
-    assert "system.record_rollouts=true" in capsys.readouterr().err
+    assert "system.run.record_rollouts=true" in capsys.readouterr().err
 
 
 @pytest.mark.e2e
@@ -219,7 +219,7 @@ def test_periodic_run_replays_in_fold_order_and_resumes(tmp_path):
     rec_dir = Path(cfg.run_dir)
     replay_cfg = recording.replay_config(rec_dir)
     assert replay_cfg.run_dir == str(rec_dir / "replay") and replay_cfg.steps == 4
-    assert not replay_cfg.system.record_rollouts
+    assert not replay_cfg.system.run.record_rollouts
     # Two steps with a checkpoint, then --resume to the fourth: the replay cursor is in the
     # checkpoint, so the resumed replay continues with recorded step 3.
     first = dataclasses.replace(replay_cfg, steps=2, checkpoint_every=1)

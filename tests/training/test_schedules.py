@@ -96,7 +96,8 @@ def test_a_second_class_under_a_registered_name_is_refused(scratch_registry):
 
 
 def fake_run(**system):
-    cfg = SimpleNamespace(system=SimpleNamespace(rollout_timeout_s=1.0, **system))
+    hosts = SimpleNamespace(rollout_timeout_s=1.0)
+    cfg = SimpleNamespace(system=SimpleNamespace(hosts=hosts, **system))
     return SimpleNamespace(cfg=cfg, workers=None, host=None, batch_groups=2)
 
 

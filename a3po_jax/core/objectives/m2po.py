@@ -35,7 +35,7 @@ Differences from the references, each deliberate:
   recomputed prox in its place, the same numbers with one minibatch per step.
 * The mask or bound is built per micro-batch, as in AReaL's and the authors' code (both
   call the loss once per micro-batch; ms-swift and Trinity-RFT select once per optimizer
-  batch). With ``system.micro_batch_size=0`` the micro-batch is the minibatch, the paper's
+  batch). With ``system.batch.micro_batch_size=0`` the micro-batch is the minibatch, the paper's
   batch-level M̂₂. With several micro-batches each one's kept tokens satisfy the bound, but
   the tokens dropped (or the bound b) can differ from one pass over the whole minibatch:
   the one part of this loss that does not add exactly across micro-batches.

@@ -1,8 +1,8 @@
-"""The membership file of a run's remote hosts (``system.hosts_file``): one ``host:port`` per
-line, re-read by the pool whenever it changes. The run writes it when it starts and marks it
-ended when it stops; a host joins by appending its own line (``cli.serve --join PATH``) and
-leaves by removing it. Writers take a lock file beside it (``PATH.lock``), and a rewrite
-replaces the file whole, so the pool never reads half a file.
+"""The membership file of a run's remote hosts (``system.placement.hosts_file``): one
+``host:port`` per line, re-read by the pool whenever it changes. The run writes it when it
+starts and marks it ended when it stops; a host joins by appending its own line
+(``cli.serve --join PATH``) and leaves by removing it. Writers take a lock file beside it
+(``PATH.lock``), and a rewrite replaces the file whole, so the pool never reads half a file.
 
 Inference layer (remote).
 """
@@ -61,9 +61,9 @@ def start_run(path, addresses: Sequence[str]) -> None:
         listed = read_hosts_file(file)
         if sorted(listed) != sorted(addresses):
             raise ValueError(
-                f"system.hosts_file={str(path)!r} lists {listed}, but the run starts with "
-                f"system.inference_hosts={','.join(addresses)}: make them agree (or remove "
-                "the file: the run writes it)"
+                f"system.placement.hosts_file={str(path)!r} lists {listed}, but the run starts "
+                f"with system.placement.inference_hosts={','.join(addresses)}: make them agree "
+                "(or remove the file: the run writes it)"
             )
         lines = file.read_text().splitlines()
         if ENDED_LINE in lines:
@@ -85,7 +85,7 @@ def check_joinable(path) -> None:
     if not file.is_file():
         raise MembershipError(
             f"--join {path}: no membership file there; it is written by a run started with "
-            f"system.hosts_file={path} (start the run first, or check the path)"
+            f"system.placement.hosts_file={path} (start the run first, or check the path)"
         )
     if has_ended(file):
         raise MembershipError(

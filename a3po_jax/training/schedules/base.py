@@ -114,7 +114,7 @@ class Schedule:
         return run.workers.get_batch(
             run.batch_groups,
             trainer_version=version,
-            timeout=run.cfg.system.rollout_timeout_s,
+            timeout=run.cfg.system.hosts.rollout_timeout_s,
             interrupted=run.stop_while_waiting(),
         )
 

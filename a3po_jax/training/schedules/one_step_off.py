@@ -42,11 +42,11 @@ class OneStepOff(Schedule):
         Both waits are short: the producer only submits, and the requests older than
         ``version`` are the batch this step just trained."""
         run = self.run
-        timeout = run.cfg.system.rollout_timeout_s
+        timeout = run.cfg.system.hosts.rollout_timeout_s
         run.workers.wait_submitted(timeout=timeout)
         if not run.host.wait_serving(version, timeout=timeout):
             log.warning(
-                "version %d did not start serving within system.rollout_timeout_s=%ss: "
+                "version %d did not start serving within system.hosts.rollout_timeout_s=%ss: "
                 "pushing version %d anyway (groups submitted since get the newer weights)",
                 version,
                 timeout,

@@ -91,7 +91,7 @@ class Periodic(Schedule):
             taken = run.workers.get_batch(
                 1,
                 trainer_version=version,
-                timeout=run.cfg.system.rollout_timeout_s,
+                timeout=run.cfg.system.hosts.rollout_timeout_s,
                 interrupted=run.stop_while_waiting() if i == 0 else None,
             )
             wait += time.perf_counter() - t0
