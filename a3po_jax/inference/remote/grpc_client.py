@@ -123,10 +123,12 @@ class GrpcInferenceClient(InAnotherProcess):
         if self._closed:
             raise HostClosedError("client is closed")
         call = self._stub.Generate(request_to_proto(request), metadata=self._metadata)
-        # The server sends its initial metadata once the host accepted the request; a
-        # rejection ends the call first, with the host's error message.
-        call.initial_metadata()
-        if call.done() and call.code() != grpc.StatusCode.OK:
+        # The server sends ("accepted", request id) as initial metadata once the host
+        # accepted the request; a rejection ends the call without it, with the host's error
+        # (`call.code()` waits for that end: `done()` may not be set yet when the empty
+        # metadata arrives).
+        accepted = dict(call.initial_metadata() or ()).get("accepted")
+        if accepted != request.request_id:
             _raise_for(call, "Generate")
         reader = threading.Thread(
             target=self._read_stream,
