@@ -340,21 +340,24 @@ class EngineCore:
         """`decode_layout.decode_params(params)` in this engine's layout (a new split, not
         cached), laid out for its ``tensor`` size and, on a mesh, placed on it."""
 
-        def layout(params):
-            return decode_layout.decode_params(
-                params, self.config, out_major=self.out_major, shards=self.shards
-            )
-
         if self.mesh.size == 1:
-            return layout(params)
+            return self._layout(params)
         # Laid out straight into the mesh's shardings, on its devices: a `device_put` of a
         # layout placed as XLA chose would reshard through host memory.
-        leaves, treedef = jax.tree.flatten(params)
-        key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+        key = _shapes_key(params)
         if key not in self._split_jits:
-            out = decode_layout.decode_shardings(jax.eval_shape(layout, params), self.mesh)
-            self._split_jits[key] = jax.jit(layout, out_shardings=out)
+            self._split_jits[key] = jax.jit(self._layout, out_shardings=self._shardings(params))
         return self._split_jits[key](params)
+
+    def _layout(self, params: Params) -> decode_layout.DecodeParams:
+        return decode_layout.decode_params(
+            params, self.config, out_major=self.out_major, shards=self.shards
+        )
+
+    def _shardings(self, params: Params) -> decode_layout.DecodeParams:
+        """The mesh's shardings of every leaf of ``params``' split (the layout's own checks
+        run here, on shapes)."""
+        return decode_layout.decode_shardings(jax.eval_shape(self._layout, params), self.mesh)
 
     def place_and_split(self, params: Params) -> decode_layout.DecodeParams:
         """`params` (stacked, on any devices) placed on this engine's devices and split as
@@ -365,8 +368,7 @@ class EngineCore:
         copy it serves (docs/scale-out.md)."""
         if self.mesh.size == 1:
             return self.split_params(self.place_params(params))
-        leaves, treedef = jax.tree.flatten(params)
-        key = ("by layer", treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+        key = ("by layer", *_shapes_key(params))
         if key not in self._split_jits:
             self._split_jits[key] = self._layer_programs(params)
         take, lay_out, out = self._split_jits[key]
@@ -381,29 +383,19 @@ class EngineCore:
             else:  # host data (a checkpoint read into numpy): a view, then a load
                 one = jax.tree.map(lambda x, i=i: x[i : i + 1], stacked)
             layers.append(lay_out(self.place_params({"layers": one})["layers"]))
-        top = {"embed": out.embed, "final_norm": out.final_norm, "lm_head": out.lm_head}
-        sources = {
-            "embed": params["embed"]["embedding"],
-            "final_norm": params["final_norm"]["scale"],
-            "lm_head": None if out.lm_head is None else params["lm_head"]["kernel"],
-        }
-        placed = {
-            k: None if v is None else sharding.copy_to_sharding(v, top[k])
-            for k, v in sources.items()
-        }
-        return dataclasses.replace(out, layers=tuple(layers), **placed)
+        lm_head = None if out.lm_head is None else params["lm_head"]["kernel"]
+        return dataclasses.replace(
+            out,
+            embed=sharding.copy_to_sharding(params["embed"]["embedding"], out.embed),
+            layers=tuple(layers),
+            final_norm=sharding.copy_to_sharding(params["final_norm"]["scale"], out.final_norm),
+            lm_head=None if lm_head is None else sharding.copy_to_sharding(lm_head, out.lm_head),
+        )
 
     def _layer_programs(self, params: Params):
         """(slice layer i of the stacked layers on their devices, lay one placed layer out
-        into the mesh's shardings, the whole split's shardings) for `place_and_split`. The
-        shape check and the layout's own checks run here, on shapes."""
-
-        def layout(params):
-            return decode_layout.decode_params(
-                params, self.config, out_major=self.out_major, shards=self.shards
-            )
-
-        out = decode_layout.decode_shardings(jax.eval_shape(layout, params), self.mesh)
+        into the mesh's shardings, the whole split's shardings) for `place_and_split`."""
+        out = self._shardings(params)
 
         def take(layers, i):  # (layer i as a stack of one, i + 1), on the layers' devices
             return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1), layers), i + 1
@@ -526,3 +518,9 @@ def _zero_beside(x: jax.Array) -> jax.Array:
     if isinstance(where, NamedSharding):
         where = NamedSharding(where.mesh, PartitionSpec())
     return jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=where)()
+
+
+def _shapes_key(params: Params) -> tuple:
+    """A cache key of ``params``' tree and its leaves' shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(params)
+    return (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))

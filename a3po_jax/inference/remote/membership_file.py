@@ -56,7 +56,7 @@ def start_run(path, addresses: Sequence[str]) -> None:
     file = Path(path).expanduser()
     with _locked(file):
         if not file.exists():
-            _replace(file, [f"{a}" for a in addresses])
+            _replace(file, list(addresses))
             return
         listed = read_hosts_file(file)
         if sorted(listed) != sorted(addresses):
