@@ -23,7 +23,7 @@ marks=()
 if [ "$quick" = 1 ]; then
   # tests/helpers/tiers.py's QUICK_DESELECT (a test holds them equal); no docs build. The
   # folders whose every test is deselected are not even imported.
-  marks=(-m "not (e2e or multidevice or soak or bench or docs)")
+  marks=(-m "not (e2e or multidevice or soak or bench or docs or matrix)")
   marks+=(--ignore=tests/e2e --ignore=tests/docs --ignore=tests/bench)
 else
   # The documentation site (mkdocs.yml) with warnings as errors: a broken link or anchor, an

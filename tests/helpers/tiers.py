@@ -11,10 +11,13 @@ TESTS = Path(__file__).resolve().parents[1]
 FOLDER_MARKERS = {"e2e": "e2e", "docs": "docs", "bench": "bench"}
 # Tests under these markers may take longer than the unit budget.
 LONG_MARKERS = frozenset({"e2e", "soak", "bench", "multidevice"})
-# What the quick tier leaves out: the long markers and the docs checks. The budget guards
-# the quick tier, so it spares every one of these.
-WHOLE_ONLY_MARKERS = LONG_MARKERS | {"docs"}
-QUICK_DESELECT = "not (e2e or multidevice or soak or bench or docs)"
+# The further cases of a parametrized test whose every ingredient has a quick-tier case of
+# its own (packing with minibatches, where packing and minibatches each have one).
+MATRIX = "matrix"
+# What the quick tier leaves out: the long markers, the docs checks and the matrix cases.
+# The budget guards the quick tier, so it spares every one of these.
+WHOLE_ONLY_MARKERS = LONG_MARKERS | {"docs", MATRIX}
+QUICK_DESELECT = "not (e2e or multidevice or soak or bench or docs or matrix)"
 DEFAULT_BUDGET_S = 10.0
 # A unit test between the budget and GRACE times it is listed at the end, not failed: two
 # machines (or two loads of one) time the same test differently.
@@ -30,6 +33,7 @@ def unit_budget_s() -> float:
 
 
 def pytest_collection_modifyitems(config, items):
+    _check_matrix_cases(items)
     for item in items:
         try:
             parts = Path(item.fspath).resolve().relative_to(TESTS).parts
@@ -38,6 +42,21 @@ def pytest_collection_modifyitems(config, items):
         marker = FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
         if marker:
             item.add_marker(getattr(pytest.mark, marker))
+
+
+def _check_matrix_cases(items) -> None:
+    """Refuses a test whose every case is marked `matrix`: the marker moves a matrix's
+    further cases to the whole suite, and the quick tier keeps at least one of each test."""
+    quick: dict[str, bool] = {}
+    for item in items:
+        name = f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', item.name)}"
+        quick[name] = quick.get(name, False) or item.get_closest_marker(MATRIX) is None
+    whole = sorted(name for name, kept in quick.items() if not kept)
+    if whole:
+        raise pytest.UsageError(
+            f"every case of {', '.join(whole)} is marked {MATRIX}: leave one in the quick "
+            "tier, or mark the test with the tier it needs (docs/development.md)"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -6,7 +6,7 @@ import ast
 import tomllib
 
 from helpers.paths import REPO, TESTS
-from helpers.tiers import FOLDER_MARKERS, LONG_MARKERS, QUICK_DESELECT
+from helpers.tiers import QUICK_DESELECT, WHOLE_ONLY_MARKERS
 
 pytest_plugins = ["pytester"]
 
@@ -45,7 +45,7 @@ def test_markers_are_strict_and_every_tier_marker_is_registered():
     ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in ini["addopts"].split()
     registered = {m.split(":")[0] for m in ini["markers"]}
-    assert registered == LONG_MARKERS | set(FOLDER_MARKERS.values())
+    assert registered == WHOLE_ONLY_MARKERS
     for marker in registered:
         assert marker in QUICK_DESELECT
     # The quick tier's command deselects exactly these.
@@ -95,3 +95,34 @@ def test_a_unit_test_within_the_grace_is_listed_not_failed(pytester, monkeypatch
         ["*over the unit-test budget, within its 1.5x grace*", "*test_a_bit_slow took *"]
     )
     monkeypatch.setenv("A3PO_TEST_BUDGET_S", "0")  # the budget read for this test itself
+
+
+MATRIX_KEPT = """
+import pytest
+
+@pytest.mark.parametrize("case", ["plain", pytest.param("combined", marks=pytest.mark.matrix)])
+def test_kept(case):
+    pass
+"""
+MATRIX_ALL = """
+import pytest
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.matrix) for c in "ab"])
+def test_all_moved(case):
+    pass
+"""
+
+
+def test_a_matrix_moves_further_cases_and_never_a_whole_test(pytester):
+    """The quick tier deselects a `matrix` case and keeps its test's other cases; a test
+    whose every case is marked is refused by name, since the quick tier would lose it."""
+    pytester.makeini("[pytest]\nmarkers =\n    matrix: further cases\n")
+    args = ("-p", "helpers.tiers", "-p", "no:cacheprovider", "-m", QUICK_DESELECT)
+    pytester.makepyfile(test_matrix=MATRIX_KEPT)
+    result = pytester.runpytest_inprocess(*args, "-v")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["*test_kept[[]plain[]] PASSED*"])
+    pytester.makepyfile(test_matrix=MATRIX_KEPT + MATRIX_ALL)
+    result = pytester.runpytest_inprocess(*args)
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*every case of test_matrix.py::test_all_moved is marked matrix*"])
