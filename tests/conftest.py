@@ -59,26 +59,26 @@ def _free_compiled_programs():
 def flat_system_names(monkeypatch):
     """For a test of the flat system names' deprecation path (``inference_hosts`` directly on
     ``system``): each is announced again, and `_no_flat_system_names` lets the test read them."""
-    from a3po_jax.training import system_config
+    from a3po_jax.training import config_values
 
-    monkeypatch.setattr(system_config, "_NOTICED", set())
+    monkeypatch.setattr(config_values, "RENAMED_READ", set())
 
 
 @pytest.fixture(autouse=True)
 def _no_flat_system_names(request):
     """Fails a test that reads a flat system name unless it asks for `flat_system_names`.
-    Each test starts with an empty set of names announced, so whichever test reads one
-    fails, not only the first in its process to do so."""
-    module = sys.modules.get("a3po_jax.training.system_config")
+    Each test starts with no renamed spelling announced, so whichever test reads one fails,
+    not only the first in its process to do so."""
+    module = sys.modules.get("a3po_jax.training.config_values")
     saved = None
     if module is not None:
-        saved, module._NOTICED = module._NOTICED, set()
+        saved, module.RENAMED_READ = module.RENAMED_READ, set()
     yield
-    module = sys.modules.get("a3po_jax.training.system_config")
+    module = sys.modules.get("a3po_jax.training.config_values")
     if module is None:
         return
-    read = sorted(module._NOTICED)
+    read = sorted(name for name in module.RENAMED_READ if name.startswith("system."))
     if saved is not None:
-        module._NOTICED = saved | module._NOTICED
+        module.RENAMED_READ = saved | module.RENAMED_READ
     if read and "flat_system_names" not in request.fixturenames:
         pytest.fail(f"flat system name(s) {read} read: write system.<section>.<field>")

@@ -53,7 +53,7 @@ def load_jsonl_prompts(
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             where = f"{path} line {line_no}"
-            record = _read_record(raw, where)
+            record = read_json_line(raw, where)
             if record is None:
                 continue
             for field in (prompt_field, answer_field) + ((id_field,) if id_field else ()):
@@ -91,8 +91,9 @@ def load_jsonl_prompts(
     return prompts
 
 
-def _read_record(raw: bytes, where: str) -> dict | None:
-    """One line of the file as a JSON object (None for a blank line)."""
+def read_json_line(raw: bytes, where: str) -> dict | None:
+    """One line of a JSONL file as a JSON object (None for a blank line); every error is a
+    ValueError that starts with ``where`` (``path:line``)."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as err:

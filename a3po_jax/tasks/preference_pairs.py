@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from a3po_jax.tasks.jsonl_task import read_json_line
 from a3po_jax.tasks.reasoning_gym_tasks import holdout_bucket
 from a3po_jax.tasks.task import Prompt, json_safe, validate_messages
 
@@ -50,27 +51,11 @@ def load_preference_pairs(path: str | os.PathLike) -> list[PreferencePair]:
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             where = f"{os.fspath(path)}:{line_no}"
-            record = _read_line(raw, where)
+            record = read_json_line(raw, where)
             if record is None:
                 continue
             pairs.append(_pair(record, where, line_no))
     return pairs
-
-
-def _read_line(raw: bytes, where: str) -> dict | None:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{where}: not UTF-8 text ({err.reason})") from err
-    if not text.strip():
-        return None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not JSON ({err.msg} at column {err.colno})") from err
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: a line must be a JSON object, got {type(record).__name__}")
-    return record
 
 
 def _pair(record: dict[str, Any], where: str, line_no: int) -> PreferencePair:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import threading
 import types
 import typing
@@ -21,9 +22,20 @@ from typing import Any
 from a3po_jax.core.batch_plan import AUTO
 from a3po_jax.core.checks import check_choice, check_finite
 
+log = logging.getLogger(__name__)
+# Renamed spellings (``algo.m2po_tau``) already announced in this process.
+RENAMED_READ: set[str] = set()
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type, or inconsistent."""
+
+
+def announce_renamed(old: str, new: str) -> None:
+    """Says once per process that the spelling ``old`` is read as ``new``, deprecated."""
+    if old not in RENAMED_READ:
+        RENAMED_READ.add(old)
+        log.warning("%s is deprecated: write %s", old, new)
 
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:

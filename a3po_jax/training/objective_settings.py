@@ -18,7 +18,6 @@ gives; the flat spellings the fields had before they moved to their objective
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -30,10 +29,8 @@ from a3po_jax.training.config_values import (
     _check_types,
     _hints,
     _parse_value,
+    announce_renamed,
 )
-
-log = logging.getLogger(__name__)
-_NOTICED: set[str] = set()  # flat spellings already announced in this process
 
 
 class ObjectiveSettings(Mapping[str, Any]):
@@ -123,9 +120,7 @@ def flat(key: str) -> tuple[str, str] | None:
         cls = objectives.get(name).settings
         field = key[len(name) + 1 :]
         if cls is not None and key.startswith(f"{name}_") and field in _hints(cls):
-            if key not in _NOTICED:
-                _NOTICED.add(key)
-                log.warning("algo.%s is deprecated: write algo.%s.%s", key, name, field)
+            announce_renamed(f"algo.{key}", f"algo.{name}.{field}")
             return name, field
     return None
 

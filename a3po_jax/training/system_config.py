@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,10 +36,9 @@ from a3po_jax.training.config_values import (
     _hints,
     _parse_value,
     _positive,
+    announce_renamed,
 )
 
-log = logging.getLogger(__name__)
-_NOTICED: set[str] = set()  # flat names already announced in this process
 DTYPES = ("float32", "bfloat16")
 
 
@@ -209,9 +207,8 @@ def flat(key: str) -> tuple[str, str] | None:
     """``(sub-section, field)`` of a flat name (``inference_hosts``), or None; announces it
     once per process."""
     found = FLAT.get(key)
-    if found is not None and key not in _NOTICED:
-        _NOTICED.add(key)
-        log.warning("system.%s is deprecated: write system.%s.%s", key, *found)
+    if found is not None:
+        announce_renamed(f"system.{key}", "system.{}.{}".format(*found))
     return found
 
 

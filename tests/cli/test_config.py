@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from a3po_jax.cli.train import main
-from a3po_jax.training import objective_settings, system_config
+from a3po_jax.training import config_values, system_config
 from a3po_jax.training.config import (
     ConfigError,
     TrainConfig,
@@ -278,7 +278,7 @@ def test_flat_names_still_read_with_a_notice(flat, new, caplog, monkeypatch):
     name, field = new
     value = {"dpo_kind": "ipo", "m2po_reading": "derived_clip", "icepop_high": "1.5"}
     value = value.get(flat, "0.75")
-    monkeypatch.setattr(objective_settings, "_NOTICED", set())  # once per process
+    monkeypatch.setattr(config_values, "RENAMED_READ", set())  # once per process
     with caplog.at_level("WARNING"):
         cfg = apply_overrides(TrainConfig(), [f"algo.{flat}={value}"])
     assert caplog.messages == [f"algo.{flat} is deprecated: write algo.{name}.{field}"]

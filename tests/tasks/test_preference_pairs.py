@@ -32,8 +32,8 @@ def test_pairs_are_read_with_chat_prompts_and_extra_keys(tmp_path):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("{not json", r"pairs.jsonl:2: not JSON"),
-        ('["a list"]', r"pairs.jsonl:2: a line must be a JSON object"),
+        ("{not json", r"pairs.jsonl:2: not valid JSON"),
+        ('["a list"]', r"pairs.jsonl:2: expected a JSON object"),
         ({"prompt": "p", "chosen": "a"}, r"pairs.jsonl:2: field 'rejected' is missing"),
         ({"chosen": "a", "rejected": "b"}, r"pairs.jsonl:2: field 'prompt' is missing"),
         ({"prompt": "p", "chosen": 3, "rejected": "b"}, r"pairs.jsonl:2: field 'chosen' must be"),
