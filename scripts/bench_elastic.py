@@ -161,7 +161,7 @@ def summarize(label: str, hosts: int, records: list[dict], before: dict, names: 
     last = records[-1]
     served = {
         names[key[len("hosts/served/") :]]: int(last[key] - before.get(key, 0))
-        for key in sorted(last)
+        for key in sorted(last, key=lambda k: names.get(k[len("hosts/served/") :], ""))
         if key.startswith("hosts/served/") and last[key] - before.get(key, 0) > 0
     }
     # Shares of the phase's wall time: host/busy_s sums the hosts' serving seconds (read
@@ -311,7 +311,7 @@ def run(args, tmp: Path, fleet: Fleet) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--experiment", default="experiments/smoke_tiny.py")
-    p.add_argument("--steps-per-phase", type=int, default=8, help="steps measured per phase")
+    p.add_argument("--steps-per-phase", type=int, default=30, help="steps measured per phase")
     p.add_argument("--max-hosts", type=int, default=3, help="hosts at the peak (2 or more)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out (compilation)")
     p.add_argument("--out", default="", help="also write the JSON report here")
@@ -369,4 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("bench_elastic: interrupted; every process it started has stopped")
