@@ -219,7 +219,7 @@ def run(args, tmp: Path, fleet: Fleet) -> dict:
         *host_pin,
         *_host_argv(sys.executable, cfg, port=0, bind="127.0.0.1", token_file=str(token_file),
                     weight_port=0),
-        "--exit-with-parent", str(os.getpid()),  # no host outlives the benchmark
+        "--exit-with-parent", str(parent),  # no host outlives the benchmark
     ]  # fmt: skip
     join_argv = [*host_argv, "--join", str(hosts_file), "--leave-quiet-s", "1"]
     names: dict[str, str] = {}  # address -> A, B, C...
