@@ -314,6 +314,7 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_weight_push.py --dtype bfloat16": PARSE_ONLY,
     "python scripts/bench_weight_push.py --placement devices": PARSE_ONLY,
     "python scripts/bench_packing.py": PARSE_ONLY,
+    "python scripts/bench_elastic.py": PARSE_ONLY,
     "python scripts/bench_decode_dispatch.py --models smollm2,qwen2.5-1.5b --dtype bfloat16": (
         PARSE_ONLY
     ),
