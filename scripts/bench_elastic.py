@@ -44,7 +44,7 @@ from bench_common import describe_machine  # noqa: E402  (scripts/ is on sys.pat
 from launch import READY_LINE, _host_argv, _resolve, ensure_token_file  # noqa: E402
 
 from a3po_jax.analysis.run_report import HOST_BUSY, WAITS
-from a3po_jax.cli.serve import _die_with_parent
+from a3po_jax.cli.serve import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 # Generation-bound with one host on a CPU: long answers (a learning rate too small to teach
@@ -238,7 +238,7 @@ def run(args, tmp: Path, fleet: Fleet) -> dict:
             "checkpoint_every=0", "evaluate=false", "eval_every=0", f"run_dir={run_dir}",
         ],
         cwd=ROOT, env=fleet.env, stdout=(tmp / "trainer.log").open("w"),
-        stderr=subprocess.STDOUT, preexec_fn=lambda: _die_with_parent(parent),
+        stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(parent),
     )  # fmt: skip
     say("trainer started (stopped once the phases are measured)")
     metrics = run_dir / "metrics.jsonl"

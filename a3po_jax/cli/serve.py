@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (now if stop.is_set() else stop).set())
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.exit_with_parent:
-        _die_with_parent(args.exit_with_parent)
+        die_with_parent(args.exit_with_parent)
         _watch_parent(args.exit_with_parent, stop)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
@@ -191,7 +191,7 @@ def _leave(args: argparse.Namespace, address: str, host: InferenceHost, now: thr
     log.warning("stopping with work in hand: the pool re-issues it to the others")
 
 
-def _die_with_parent(pid: int) -> None:
+def die_with_parent(pid: int) -> None:
     """Linux, when `pid` is this process's parent: SIGKILL this process when the parent dies
     (even killed with SIGKILL). Otherwise (or had it died before this) `_watch_parent` acts."""
     if os.getppid() != pid:
