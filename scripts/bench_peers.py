@@ -32,7 +32,9 @@ Per project, over the counted steps:
 * peak memory: the child process's peak resident set (`os.wait4`'s rusage, GiB).
 
 Then the ratio of a3po_jax's step to each peer's against the target of at most 0.5, the
-machine (`bench_common.describe_machine`), and one JSON line. Progress goes to stderr.
+machine (`bench_common.describe_machine`), the 1-minute load average at each row's start and
+end (the rows run one after another, so a machine shared with other work slows them
+unequally), and one JSON line. Progress goes to stderr.
 
 Installing the peers: TRL from the project's `peers` extra (`pip install -e '.[peers]'`),
 Tunix into an environment of its own (`bash scripts/setup.sh --tunix`, then
@@ -42,17 +44,19 @@ Tunix into an environment of its own (`bash scripts/setup.sh --tunix`, then
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = ("a3po_jax", "trl", "tunix")
+PEERS = ("a3po_jax", "tunix", "trl")  # the issue table's order
 # What a peer's interpreter must import to get a row (its trainer's package).
 PEER_MODULES = {"trl": "trl", "tunix": "tunix"}
 TARGET = 0.5  # the issue's target: a3po_jax's sync step at most half of each peer's
@@ -113,25 +117,36 @@ def workload(args: argparse.Namespace) -> dict:
 
 
 def run_child(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, float, str]:
-    """Runs `cmd` to its end: (exit code, peak RSS in GiB from its own rusage, stderr tail)."""
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
-        deadline = time.monotonic() + timeout
-        while True:
-            # wait4 reaps this child alone: its rusage, not the sum over earlier children.
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.2)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        tail = err.read()[-3000:]
+    """Runs `cmd` to its end: (exit code, peak RSS in GiB from its own rusage, stderr tail).
+    The child's progress lines (this script's `log`) are echoed to stderr as they come."""
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+    def read() -> None:
+        for line in proc.stderr:
+            tail.append(line)
+            if line.startswith("[bench_peers]"):
+                sys.stderr.write(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        # wait4 reaps this child alone: its rusage, not the sum over earlier children.
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.2)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join(timeout=10)
     # ru_maxrss is in KiB on Linux.
-    return proc.returncode, usage.ru_maxrss / 2**20, tail
+    return proc.returncode, usage.ru_maxrss / 2**20, "".join(tail)[-3000:]
 
 
 def run_a3po(args: argparse.Namespace, work: dict, tmp: Path) -> dict:
@@ -149,7 +164,8 @@ def run_a3po(args: argparse.Namespace, work: dict, tmp: Path) -> dict:
     ]  # fmt: skip
     code, rss, tail = run_child(cmd, args.timeout)
     if code:
-        return {"status": f"failed (exit {code}): {tail.strip().splitlines()[-1:]}"}
+        last = tail.strip().splitlines()[-1:] or ["no output"]
+        return {"status": f"failed (exit {code}): {last[0][:300]}"}
     records = read_metrics(run_dir)[args.warmup :]
     median = lambda key: statistics.median(float(r[key]) for r in records)  # noqa: E731
     return {
@@ -246,11 +262,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_peers.") as tmp:
         for name in args.only.split(","):
             log(f"{name}: running ({args.warmup} + {args.steps} steps)")
-            t0 = time.perf_counter()
+            t0, load = time.perf_counter(), os.getloadavg()[0]
             if name == "a3po_jax":
                 rows[name] = run_a3po(args, work, Path(tmp))
             else:
                 rows[name] = run_peer(name, pythons[name], args, work, Path(tmp))
+            # Other processes on the machine slow a row: the 1-minute load at its start and end.
+            rows[name]["load_avg"] = [load, os.getloadavg()[0]]
             log(f"{name}: {rows[name]['status']} in {time.perf_counter() - t0:.0f} s")
     result = {
         "machine": machine,
@@ -269,6 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"{machine['device']}"
     )
     print(table(rows, work))
+    loads = ", ".join(
+        f"{LABELS[n]} {r['load_avg'][0]:.1f} -> {r['load_avg'][1]:.1f}" for n, r in rows.items()
+    )
+    print(f"load average (1 min) at each row's start and end: {loads} ({machine['cores']} cores)")
     for name, ratio in result["ratio_step_a3po_over_peer"].items():
         verdict = "reached" if ratio <= TARGET else "not reached"
         print(f"a3po_jax step / {LABELS[name]} step: {ratio:.2f} (target <= {TARGET}: {verdict})")

@@ -19,7 +19,7 @@ SMALLEST = ["--steps", "1", "--warmup", "0", "--prompts", "2", "--samples", "2"]
 def test_each_row_is_measured_or_says_why_not(capsys):
     result = main([*SMALLEST, "--new-tokens", "4", "--tunix-python", sys.executable])
     rows = result["rows"]
-    assert list(rows) == ["a3po_jax", "trl", "tunix"]
+    assert list(rows) == ["a3po_jax", "tunix", "trl"]
     for name in ("a3po_jax", "trl"):
         row = rows[name]
         assert row["status"] == "ran", row
