@@ -62,9 +62,10 @@ pip_install --upgrade pip
 # "assets": torch (CPU), which transformers needs to read the SmolLM2 GGUF's tokenizer once.
 # The tests also need the extras of the features they cover (pyproject.toml says what each
 # holds): analysis (pandas, matplotlib, notebook runner), gsm8k (tfds, hence TensorFlow),
-# jetstream (JetStream, seqio, TensorFlow) and docs (MkDocs, mkdocstrings).
+# jetstream (JetStream, seqio, TensorFlow), docs (MkDocs, mkdocstrings) and peers (TRL, for
+# scripts/bench_peers.py).
 extras="[assets]"
-if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,docs,gsm8k,jetstream,test]"; fi
+if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,docs,gsm8k,jetstream,peers,test]"; fi
 echo "[setup] installing a3po_jax${extras} (first run: several minutes; --test: ~3 GB with TensorFlow)"
 pip_install -e ".${extras}"
 

@@ -1,7 +1,7 @@
-"""scripts/bench_peers.py at its smallest: this project's sync run and TRL's GRPOTrainer (the
-test extra installs TRL) on one step of 2 prompts x 2 samples of 4 tokens, and Tunix's row
-saying it is not installed where this interpreter lacks it. SmolLM2 from the offline cache:
-nothing downloads."""
+"""scripts/bench_peers.py at its smallest: this project's sync run and TRL's GRPOTrainer
+(the test command's set-up installs TRL, the `peers` extra) on one step of 2 prompts x 2
+samples of 4 tokens, and Tunix's row saying it is not installed where this interpreter lacks
+it. SmolLM2 from the offline cache: nothing downloads."""
 
 import importlib.util
 import json
