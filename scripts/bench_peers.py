@@ -97,6 +97,9 @@ def workload(args: argparse.Namespace) -> dict:
     from a3po_jax.training.config import apply_overrides, load_experiment
 
     cfg = apply_overrides(load_experiment(args.experiment), list(args.overrides))
+    if (cfg.model.name, cfg.model.param_dtype) != ("smollm2", "float32"):
+        # The peers always load the SmolLM2 cache: the rows would not compare like with like.
+        log(f"a3po_jax runs {cfg.model.name} in {cfg.model.param_dtype}; the peers SmolLM2 float32")
     return {
         "experiment": str(args.experiment),
         "model_dir": str(assets.prepare_smollm2()),
