@@ -5,6 +5,9 @@
 #   bash scripts/setup.sh --test   # plus every optional feature, the test tools and the docs
 #                                  # builder, so that every test runs (what CI runs, through
 #                                  # scripts/run_tests.sh)
+#   bash scripts/setup.sh --tunix  # Tunix in an environment of its own, .venv-tunix (it pins
+#                                  # other transformers/safetensors versions than .venv's),
+#                                  # for scripts/bench_peers.py --tunix-python .venv-tunix/bin/python
 # Re-running is cheap: pip skips what is already installed. pip's own output goes to
 # .venv/setup-pip.log; on an error its last lines are shown and the script exits non-zero.
 set -euo pipefail
@@ -12,6 +15,24 @@ cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), f"Python >= 3.11 needed, found {sys.version}"'
+
+# Tunix's own environment: the package (the benchmark's prompts and verifier) and Tunix,
+# whose resolver picks the transformers it accepts; .venv is left as it is.
+if [ "${1:-}" = "--tunix" ]; then
+  if [ ! -x .venv-tunix/bin/python ]; then
+    echo "[setup] creating .venv-tunix with $("$PYTHON" --version)"
+    "$PYTHON" -m venv .venv-tunix
+  fi
+  echo "[setup] installing a3po_jax and google-tunix==0.1.7 into .venv-tunix (pip's log: .venv-tunix/setup-pip.log)"
+  if ! .venv-tunix/bin/python -m pip install --disable-pip-version-check -e . google-tunix==0.1.7 \
+    >.venv-tunix/setup-pip.log 2>&1; then
+    echo "[setup] FAILED; last lines of .venv-tunix/setup-pip.log:" >&2
+    tail -n 40 .venv-tunix/setup-pip.log >&2
+    exit 1
+  fi
+  echo "[setup] done: .venv-tunix is ready (python scripts/bench_peers.py --tunix-python .venv-tunix/bin/python)"
+  exit 0
+fi
 
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $("$PYTHON" --version)"
@@ -41,9 +62,10 @@ pip_install --upgrade pip
 # "assets": torch (CPU), which transformers needs to read the SmolLM2 GGUF's tokenizer once.
 # The tests also need the extras of the features they cover (pyproject.toml says what each
 # holds): analysis (pandas, matplotlib, notebook runner), gsm8k (tfds, hence TensorFlow),
-# jetstream (JetStream, seqio, TensorFlow) and docs (MkDocs, mkdocstrings).
+# jetstream (JetStream, seqio, TensorFlow), docs (MkDocs, mkdocstrings) and peers (TRL, for
+# scripts/bench_peers.py).
 extras="[assets]"
-if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,docs,gsm8k,jetstream,test]"; fi
+if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,docs,gsm8k,jetstream,peers,test]"; fi
 echo "[setup] installing a3po_jax${extras} (first run: several minutes; --test: ~3 GB with TensorFlow)"
 pip_install -e ".${extras}"
 

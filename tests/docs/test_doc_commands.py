@@ -315,6 +315,10 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_weight_push.py --placement devices": PARSE_ONLY,
     "python scripts/bench_packing.py": PARSE_ONLY,
     "python scripts/bench_elastic.py": PARSE_ONLY,
+    "python scripts/bench_peers.py --tunix-python .venv-tunix/bin/python": PARSE_ONLY,
+    "bash scripts/setup.sh --tunix": Replace(
+        "bash -n scripts/setup.sh", "it installs Tunix from PyPI: the script's syntax is checked"
+    ),
     "python scripts/bench_decode_dispatch.py --models smollm2,qwen2.5-1.5b --dtype bfloat16": (
         PARSE_ONLY
     ),
