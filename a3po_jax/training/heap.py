@@ -27,7 +27,13 @@ import functools
 import sys
 import threading
 
-__all__ = ["Trimmer", "trim"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "Trimmer", "mmap_large_blocks", "trim"]
+
+# Blocks from this size up are mmapped and unmapped at free (glibc's M_MMAP_THRESHOLD, fixed):
+# the embedded host's per-layer weights (1-7 MiB) are made anew at every weight push, and in
+# the heaps they spread the live blocks over more and more pages (docs/performance.md).
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 @functools.cache
@@ -44,6 +50,32 @@ def _malloc_trim():
     return fn
 
 
+@functools.cache
+def _mallopt():
+    """glibc's ``int mallopt(int param, int value)``, or None where the C library has none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def mmap_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Serves every block of ``threshold`` bytes or more with its own mmap from now on, so
+    that freeing it returns it to the system at once; True if glibc took the setting.
+
+    glibc's default threshold rises (up to 32 MiB) as large blocks are freed, and blocks under
+    it come from the heaps. Fixing it keeps blocks of a few MiB, made and freed at every step
+    in two threads, from scattering the heaps' live blocks; where the bytes live does not
+    change what is computed."""
+    fn = _mallopt()
+    return bool(fn(_M_MMAP_THRESHOLD, int(threshold))) if fn is not None else False
+
+
 def trim() -> bool:
     """Returns freed heap pages to the system; True if any were released (glibc), False if
     none were or there is no ``malloc_trim``. Thread-safe (glibc locks each arena); costs
@@ -58,6 +90,7 @@ class Trimmer:
     def __init__(self, period_s: float):
         if not period_s > 0:
             raise ValueError(f"period_s must be > 0, got {period_s!r}")
+        mmap_large_blocks()  # what the trimmer cannot hand back: pages a live block pins
         self.period_s = float(period_s)
         self.trims = 0  # calls made so far
         self._stop = threading.Event()

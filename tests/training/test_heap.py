@@ -44,6 +44,36 @@ def test_trim_returns_the_freed_middle_of_the_heap():
         free(top)
 
 
+@pytest.mark.skipif(not GLIBC, reason="mallopt's M_MMAP_THRESHOLD is glibc's")
+def test_blocks_from_the_threshold_up_go_back_at_free():
+    malloc, free = LIBC.malloc, LIBC.free
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    free.argtypes = [ctypes.c_void_p]
+    assert heap.mmap_large_blocks()  # what the trainer's Trimmer sets
+    # Blocks of a few MiB, as the host's per-layer weights are; a large freed block would
+    # otherwise have raised glibc's threshold above them (heap memory, kept at free).
+    big = malloc(16 * MiB)
+    free(big)
+    block, n = 2 * MiB, 64
+    blocks = [malloc(block) for _ in range(n)]
+    assert all(blocks)
+    for p in blocks:
+        ctypes.memset(p, 1, block)
+    top = malloc(block)  # allocated last: in the heap it would keep the others resident
+    try:
+        before = rss_bytes()
+        for p in blocks:
+            free(p)
+        assert rss_bytes() < before - 96 * MiB  # back without a trim
+    finally:
+        free(top)
+
+
+def test_mmap_threshold_without_mallopt_does_nothing(monkeypatch):
+    monkeypatch.setattr(heap, "_mallopt", lambda: None)
+    assert heap.mmap_large_blocks() is False
+
+
 def test_trim_without_malloc_trim_does_nothing(monkeypatch):
     monkeypatch.setattr(heap, "_malloc_trim", lambda: None)
     assert heap.trim() is False
