@@ -176,7 +176,7 @@ SERVER_ARGS += ("--update-policy", "drain")  # what sync mode needs of its hosts
     [("sync", signal.SIGTERM), ("periodic", signal.SIGINT)],
     ids=["sync-SIGTERM", "periodic-SIGINT"],
 )
-def test_sigterm_while_no_host_answers_saves_and_stops_within_a_second(tmp_path, mode, signum):
+def test_sigterm_while_no_host_answers_saves_and_stops_in_seconds(tmp_path, mode, signum):
     # Every host down: the step waits for rollouts that do not come (rollout_timeout_s is
     # 600 s). A preemption notice gives ~30 s: the run must save and stop well inside it.
     # SIGINT (Ctrl-C) is the same request as SIGTERM.
@@ -208,7 +208,9 @@ def test_sigterm_while_no_host_answers_saves_and_stops_within_a_second(tmp_path,
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
     assert trainer.stop_signal == signal.Signals(signum).name
-    assert stopped - sent["at"] < 1.0, "the run did not honour SIGTERM while waiting"
+    # Against the 600 s rollout timeout; the stop includes the save, which a loaded 2-core
+    # machine has taken over a second for.
+    assert stopped - sent["at"] < SAVE_BOUND_S, "the run did not honour SIGTERM while waiting"
     assert [r["version"] for r in read_metrics(cfg.run_dir)] == [1, 2]
     manager = CheckpointManager(tmp_path / mode / "checkpoints", save_interval_steps=100)
     assert manager.latest_step() == 2

@@ -3,6 +3,8 @@ run's resident memory follows its live arrays instead of creeping up (issue 15).
 
 import ctypes
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -44,29 +46,54 @@ def test_trim_returns_the_freed_middle_of_the_heap():
         free(top)
 
 
+# In a fresh process: a worker's heap, after other tests, has free chunks large enough to
+# serve the blocks, and malloc takes a free chunk before it considers an mmap.
+MMAP_CHILD = """
+import ctypes, os
+from a3po_jax.training import heap
+LIBC = ctypes.CDLL(None)
+malloc, free = LIBC.malloc, LIBC.free
+malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+free.argtypes = [ctypes.c_void_p]
+MiB = 2**20
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+if os.environ["SET"] == "1":
+    assert heap.mmap_large_blocks()
+# Blocks of a few MiB, as the host's per-layer weights are; a large freed block raises
+# glibc's default threshold above them (heap memory, kept at free).
+free(malloc(16 * MiB))
+blocks = [malloc(2 * MiB) for _ in range(64)]
+assert all(blocks)
+for p in blocks:
+    ctypes.memset(p, 1, 2 * MiB)
+top = malloc(2 * MiB)  # allocated last: in the heap it would keep the others resident
+ctypes.memset(top, 1, 2 * MiB)
+before = rss()
+for p in blocks:
+    free(p)
+print((before - rss()) // MiB)
+"""
+
+
+def released_at_free_mib(set_threshold: bool) -> int:
+    env = {**os.environ, "SET": "1" if set_threshold else "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", MMAP_CHILD], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
 @pytest.mark.skipif(not GLIBC, reason="mallopt's M_MMAP_THRESHOLD is glibc's")
 def test_blocks_from_the_threshold_up_go_back_at_free():
-    malloc, free = LIBC.malloc, LIBC.free
-    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    free.argtypes = [ctypes.c_void_p]
-    assert heap.mmap_large_blocks()  # what the trainer's Trimmer sets
-    # Blocks of a few MiB, as the host's per-layer weights are; a large freed block would
-    # otherwise have raised glibc's threshold above them (heap memory, kept at free).
-    big = malloc(16 * MiB)
-    free(big)
-    block, n = 2 * MiB, 64
-    blocks = [malloc(block) for _ in range(n)]
-    assert all(blocks)
-    for p in blocks:
-        ctypes.memset(p, 1, block)
-    top = malloc(block)  # allocated last: in the heap it would keep the others resident
-    try:
-        before = rss_bytes()
-        for p in blocks:
-            free(p)
-        assert rss_bytes() < before - 96 * MiB  # back without a trim
-    finally:
-        free(top)
+    # 128 MiB freed in 2 MiB blocks: all of it back at once with the threshold fixed (what
+    # the trainer's Trimmer sets), none of it without (kept in the heap until a trim).
+    assert released_at_free_mib(True) >= 120
+    assert released_at_free_mib(False) < 32
 
 
 def test_mmap_threshold_without_mallopt_does_nothing(monkeypatch):
