@@ -20,6 +20,9 @@ TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# glibc's own mmap threshold: fixed by a trainer's heap trimmer, it stays for the rest of a
+# worker's life and slows every later compile there (training/heap.py).
+os.environ.setdefault("A3PO_MMAP_LARGE_BLOCKS", "0")
 
 # Cheaper CPU code generation: most of the suite's time is XLA compiling small programs that
 # then run for milliseconds, and LLVM's expensive passes are a third of that. The programs

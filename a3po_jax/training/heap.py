@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 import threading
 
@@ -90,7 +91,11 @@ class Trimmer:
     def __init__(self, period_s: float):
         if not period_s > 0:
             raise ValueError(f"period_s must be > 0, got {period_s!r}")
-        mmap_large_blocks()  # what the trimmer cannot hand back: pages a live block pins
+        # What the trimmer cannot hand back: pages a live block pins. A3PO_MMAP_LARGE_BLOCKS=0
+        # leaves glibc's threshold (a process compiling thousands of programs, as a test
+        # worker does, compiles about a tenth slower with it fixed: docs/performance.md).
+        if os.environ.get("A3PO_MMAP_LARGE_BLOCKS", "1") != "0":
+            mmap_large_blocks()
         self.period_s = float(period_s)
         self.trims = 0  # calls made so far
         self._stop = threading.Event()

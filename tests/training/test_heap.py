@@ -96,6 +96,15 @@ def test_blocks_from_the_threshold_up_go_back_at_free():
     assert released_at_free_mib(False) < 32
 
 
+@pytest.mark.parametrize("setting, calls", [("1", 1), ("0", 0)])
+def test_the_trimmer_fixes_the_threshold_unless_told_not_to(monkeypatch, setting, calls):
+    called = []
+    monkeypatch.setattr(heap, "mmap_large_blocks", lambda: called.append(True))
+    monkeypatch.setenv("A3PO_MMAP_LARGE_BLOCKS", setting)
+    heap.Trimmer(1.0).close()
+    assert len(called) == calls
+
+
 def test_mmap_threshold_without_mallopt_does_nothing(monkeypatch):
     monkeypatch.setattr(heap, "_mallopt", lambda: None)
     assert heap.mmap_large_blocks() is False
