@@ -37,32 +37,29 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
-@functools.cache
-def _malloc_trim():
-    """glibc's ``int malloc_trim(size_t pad)``, or None where the C library has none."""
+def _libc(name: str, argtypes: list, restype=ctypes.c_int):
+    """The C library's function ``name`` (the library this process already runs on, glibc
+    on Linux), typed, or None where it has none."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None).malloc_trim  # the C library this process already runs on
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
+    fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``int malloc_trim(size_t pad)``, or None where the C library has none."""
+    return _libc("malloc_trim", [ctypes.c_size_t])
 
 
 @functools.cache
 def _mallopt():
     """glibc's ``int mallopt(int param, int value)``, or None where the C library has none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return _libc("mallopt", [ctypes.c_int, ctypes.c_int])
 
 
 def mmap_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
