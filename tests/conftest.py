@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.codegen import CHEAP_CODEGEN
 from helpers.mappings import MAX_MAPPINGS, mappings
 
 # Tiers by folder and marker, and the unit-test time budget.
@@ -24,11 +25,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # worker's life and slows every later compile there (training/heap.py).
 os.environ.setdefault("A3PO_MMAP_LARGE_BLOCKS", "0")
 
-# Cheaper CPU code generation: most of the suite's time is XLA compiling small programs that
-# then run for milliseconds, and LLVM's expensive passes are a third of that. The programs
-# compute the same to float rounding; only their speed, which no test measures, differs.
-# Where XLA_FLAGS is set already (a user's, or a multi-device child's), it is left as it is.
-CHEAP_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Cheaper CPU code generation (helpers/codegen.py). Where XLA_FLAGS is set already (a
+# user's, or a multi-device child's), it is left as it is.
 os.environ.setdefault("XLA_FLAGS", CHEAP_CODEGEN)
 
 # JAX's persistent compilation cache, keyed as JAX keys it (program, flags, devices, jax

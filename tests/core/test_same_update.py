@@ -36,6 +36,9 @@ from a3po_jax.training.config import TrainConfig, apply_overrides
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "same_update.json"
 MODEL = model.ModelConfig.tiny()
 LEARNING_RATE = 1e-2  # every case's (case_config)
+# A sequence's log-ratio sums up to 10 tokens' log-probs of about 5 (vocab 128), each off
+# by an ulp between two compiles (5e-7): up to 5e-6 apart where the metric itself is 0.13.
+SEQ_LOG_ATOL = 1e-5
 START_VERSION = 3  # the step starts here; tokens were sampled at versions 1..3 (d = 0..2)
 
 # name -> overrides of the base config (4 groups of 4 samples, async, a3po).
@@ -265,7 +268,7 @@ def test_same_update_as_recorded(name):
     _close(got["metrics"]["loss/total"], recorded["metrics"]["loss/total"], "loss/total")
     _close(got["metrics"]["optim/grad_norm"], recorded["metrics"]["optim/grad_norm"], "grad")
     for key, want in recorded["metrics"].items():
-        _close(got["metrics"][key], want, key)
+        _close(got["metrics"][key], want, key, atol=SEQ_LOG_ATOL if "seq_log" in key else 1e-6)
     assert got["param_sum"].keys() == recorded["param_sum"].keys()
     for key in recorded["param_sum"]:
         # Adam moves an entry by lr·m/(√v + eps): an entry whose gradient is near eps moves

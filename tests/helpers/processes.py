@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from a3po_jax.parallel import distributed
+from helpers.codegen import CHEAP_CODEGEN
 from helpers.paths import REPO
 
 __all__ = ["REPO", "cpu_env", "free_port", "run_file_on_devices", "train_tiny"]
@@ -25,12 +26,11 @@ def cpu_env(devices: int, **extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in (distributed.ENV_COORDINATOR, "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
     }
-    # Cheaper CPU code generation halves the compile time of each process; every run of a
+    # Cheaper CPU code generation cuts each process's compile time; every run of a
     # comparison gets the same flags, so the programs compared are compiled alike.
-    flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {flags}",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {CHEAP_CODEGEN}",
     )
     env.update(extra)
     return env
