@@ -352,11 +352,18 @@ def _score_prompt(
 # The inference host as a `generate_fn`, and a command line.
 
 
-def host_generate_fn(host: Any, *, stop_tokens: Sequence[int] = ()) -> GenerateFn:
+def host_generate_fn(
+    host: Any,
+    *,
+    stop_tokens: Sequence[int] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> GenerateFn:
     """A `generate_fn` over an inference host (`InferenceHost` or the gRPC client).
 
     Each prompt is one request of `num_samples` samples; results are collected by request id
-    so the order returned is the prompts' order whatever order they finish in.
+    so the order returned is the prompts' order whatever order they finish in. ``progress``,
+    if given, is called with (prompts complete, prompts) each time a prompt's last sample
+    arrives.
     """
     from a3po_jax.inference.types import GenerateRequest, SamplingParams
 
@@ -379,6 +386,7 @@ def host_generate_fn(host: Any, *, stop_tokens: Sequence[int] = ()) -> GenerateF
             )
         out: list[list[Any]] = [[None] * num_samples for _ in prompt_token_lists]
         remaining = len(prompt_token_lists) * num_samples
+        missing = [num_samples] * len(prompt_token_lists)
         while remaining:
             for res in host.poll(timeout=1.0):
                 if res.request_id not in want:
@@ -390,6 +398,9 @@ def host_generate_fn(host: Any, *, stop_tokens: Sequence[int] = ()) -> GenerateF
                     res.finish_reason == "stop",
                 )
                 remaining -= 1
+                missing[want[res.request_id]] -= 1
+                if progress is not None and missing[want[res.request_id]] == 0:
+                    progress(missing.count(0), len(missing))
         return out
 
     return generate
@@ -397,11 +408,17 @@ def host_generate_fn(host: Any, *, stop_tokens: Sequence[int] = ()) -> GenerateF
 
 @contextlib.contextmanager
 def policy_generate_fn(
-    policy: Any, rendered_prompts: Sequence[Sequence[int]], *, num_slots: int, max_new_tokens: int
+    policy: Any,
+    rendered_prompts: Sequence[Sequence[int]],
+    *,
+    num_slots: int,
+    max_new_tokens: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenerateFn]:
     """A `generate_fn` over an in-process host serving ``policy`` (a `load_policy` result),
     sized for ``rendered_prompts`` (one prefill bucket: the smallest power of two from 64
-    that holds the longest), stopping at the tokenizer's EOS; the host closes on exit."""
+    that holds the longest), stopping at the tokenizer's EOS; the host closes on exit.
+    ``progress`` as in `host_generate_fn`."""
     from a3po_jax.inference.host import InferenceHost
 
     bucket = 64
@@ -415,4 +432,5 @@ def policy_generate_fn(
         prefill_buckets=(bucket,),
         max_cache_len=bucket + max_new_tokens,
     ) as host:
-        yield host_generate_fn(host, stop_tokens=() if eos is None else (int(eos),))
+        stop = () if eos is None else (int(eos),)
+        yield host_generate_fn(host, stop_tokens=stop, progress=progress)

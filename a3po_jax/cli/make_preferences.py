@@ -22,7 +22,7 @@ line of the JSONL file when their scores differ::
      "chosen_score": s+, "rejected_score": s-}
 
 A prompt whose completions all score the same gives no pair (a tie, counted). The counts
-are printed at the end.
+are printed at the end, and a progress line at each tenth of the prompts sampled.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import argparse
 import json
 import pathlib
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from a3po_jax.cli.refusals import Refused, run_refusing
@@ -141,6 +142,22 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def progress_printer(samples: int, *, parts: int = 10) -> Callable[[int, int], None]:
+    """A `progress` callback that prints a line each time another tenth (``parts``) of the
+    prompts is sampled, with the seconds since it was made: 512 prompts take minutes."""
+    start = time.perf_counter()
+    printed = [0]  # parts already announced
+
+    def progress(done: int, total: int) -> None:
+        part = done * parts // total  # integers: 9 of 30 is three tenths exactly
+        if part > printed[0]:
+            printed[0] = part
+            seconds = time.perf_counter() - start
+            print(f"sampled {done}/{total} prompts x {samples} ({seconds:.0f} s)", flush=True)
+
+    return progress
+
+
 def _sample(args: argparse.Namespace, policy, prompts) -> list[list[str]]:
     """K decoded completions per prompt, sampled on an in-process host."""
     from a3po_jax.analysis.evaluation import policy_generate_fn
@@ -148,7 +165,11 @@ def _sample(args: argparse.Namespace, policy, prompts) -> list[list[str]]:
     tokenizer = policy.tokenizer
     rendered = [render_prompt(tokenizer, p) for p in prompts]
     with policy_generate_fn(
-        policy, rendered, num_slots=args.num_slots, max_new_tokens=args.max_new_tokens
+        policy,
+        rendered,
+        num_slots=args.num_slots,
+        max_new_tokens=args.max_new_tokens,
+        progress=progress_printer(args.samples),
     ) as generate:
         samples = generate(
             rendered,

@@ -52,6 +52,7 @@ def test_the_command_writes_pairs_from_the_tiny_model(tmp_path, capsys):
     said = capsys.readouterr().out
     assert f"{len(lines)} pairs from 4 letters/train prompts x 8 samples" in said
     assert "scored by verifier:letters@1" in said
+    assert "sampled 4/4 prompts x 8" in said  # the progress line's last
     assert lines, "the random tiny model's samples should differ in their share of 'a's"
     for pair in lines:
         assert pair["prompt_id"].startswith("letters/train/")
@@ -63,3 +64,11 @@ def test_the_command_writes_pairs_from_the_tiny_model(tmp_path, capsys):
     assert np.isclose(TASK.score(prompt, lines[0]["chosen"]), lines[0]["chosen_score"])
     assert cli.main([*argv, "--samples", "1", "--out", str(out)]) == 2
     assert "--samples must be >= 2" in capsys.readouterr().err
+
+
+def test_progress_is_printed_at_each_tenth_and_at_the_end(capsys):
+    progress = cli.progress_printer(4)
+    for done in range(1, 31):
+        progress(done, 30)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == [f"{3 * k}/30" for k in range(1, 11)]
