@@ -78,6 +78,16 @@ def pad_rows(
     return tokens, lengths
 
 
+def row_bucket(rows: int, batch_size: int) -> int:
+    """Rows a forward pass of ``rows`` is padded to: the next power of two, at most
+    `batch_size`. A group of G = 2 is scored in a pass of 2 rows, not of 16: compute in
+    proportion to the rows, at the price of a program per power of two."""
+    size = 1
+    while size < rows:
+        size *= 2
+    return min(size, batch_size)
+
+
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
     """The smallest bucket that holds `length` (the largest when none does: truncation)."""
     return next((b for b in buckets if b >= length), buckets[-1])
@@ -112,7 +122,7 @@ class RewardScorer:
     version: str  # short content hash of the weights: the same files, the same version
     model: RewardModel
     max_length: int = 1024  # longer inputs keep their last max_length tokens
-    batch_size: int = 16  # rows per forward pass; a short last batch is padded to it
+    batch_size: int = 16  # most rows per forward pass
 
     def __post_init__(self):
         if self.max_length < 1 or self.batch_size < 1:
@@ -149,7 +159,10 @@ class RewardScorer:
             chunk = order[start : start + self.batch_size]
             length = bucket_for(max(len(rows[i]) for i in chunk), self.buckets)
             tokens, lengths = pad_rows(
-                [rows[i] for i in chunk], length, self.batch_size, self.model.pad_token_id
+                [rows[i] for i in chunk],
+                length,
+                row_bucket(len(chunk), self.batch_size),
+                self.model.pad_token_id,
             )
             scores = np.asarray(self._scores(self.model.params, tokens, lengths))
             out[chunk] = scores[: len(chunk)]

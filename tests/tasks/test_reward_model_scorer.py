@@ -26,6 +26,7 @@ from a3po_jax.tasks.reward_model_scorer import (
     load_reward_scorer,
     pad_rows,
     reward_model_tokens,
+    row_bucket,
 )
 from a3po_jax.tasks.task import Prompt, render_prompt
 
@@ -115,3 +116,23 @@ def test_a_different_tokenizer_is_a_tokenizer_mismatch(reward_dir):
     )
     with pytest.raises(ValueError, match=r"tokenizer mismatch: .*vocabulary size 2"):
         load_reward_scorer(reward_dir, tokenizer=smaller)
+
+
+def test_a_short_batch_is_padded_to_the_next_power_of_two_rows_not_to_the_batch_size(
+    reward_dir,
+):
+    scorer = load_reward_scorer(reward_dir, tokenizer=char_tokenizer(), max_length=64)
+    assert [row_bucket(n, 16) for n in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
+    assert row_bucket(9, 12) == 12
+    shapes, scores_fn = [], scorer._scores
+    scorer._scores = lambda params, tokens, lengths: shapes.append(tokens.shape) or scores_fn(
+        params, tokens, lengths
+    )
+    prompts = [_prompt(i, f"What is {i} + 1?") for i in range(18)]
+    texts = [f"{i + 1} is the answer" for i in range(18)]
+    together = scorer.score(prompts, texts)
+    assert [rows for rows, _ in shapes] == [16, 2]  # 18 rows: a full pass and one of 2
+    shapes.clear()
+    pair = scorer.score(prompts[:2], texts[:2])  # a group of G = 2, as the reward stage sends
+    assert [rows for rows, _ in shapes] == [2]
+    np.testing.assert_allclose(pair, together[:2], rtol=1e-5, atol=1e-6)
