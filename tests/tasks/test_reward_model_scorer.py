@@ -125,8 +125,8 @@ def test_a_short_batch_is_padded_to_the_next_power_of_two_rows_not_to_the_batch_
     assert [row_bucket(n, 16) for n in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
     assert row_bucket(9, 12) == 12
     shapes, scores_fn = [], scorer._scores
-    scorer._scores = lambda params, tokens, lengths: shapes.append(tokens.shape) or scores_fn(
-        params, tokens, lengths
+    scorer._scores = lambda params, tokens, lengths: (
+        shapes.append(tokens.shape) or scores_fn(params, tokens, lengths)
     )
     prompts = [_prompt(i, f"What is {i} + 1?") for i in range(18)]
     texts = [f"{i + 1} is the answer" for i in range(18)]
