@@ -13,9 +13,9 @@ Command:  the proxy first (pairs from the untrained policy, labelled by the gold
           python -m a3po_jax.cli.results runs/rlhf_miniature/runs \
               --out runs/rlhf_miniature/runs
 Hardware: a 2-core CPU, embedded inference host: the pairs and the reward model about an
-          hour, then about 10 minutes per run (24 steps of 32 samples, each scored by the
+          hour, then about 7 minutes per run (24 steps of 32 samples, each scored by the
           reward model, and the gold evaluation of 128 test questions at the start and the
-          end), so the 27 runs take about five hours. The proxy is made: its pairs and its
+          end; the first took 6:37), so the 27 runs take about three hours. The proxy is made: its pairs and its
           record (`reward_model.json`: held-out pair accuracy 0.75 on 20 pairs) are in
           results/rlhf_miniature_smollm2/proxy/; the sweep's runs are not all made yet.
 What it shows: the setting of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.18252) at
