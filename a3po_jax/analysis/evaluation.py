@@ -386,7 +386,8 @@ def host_generate_fn(
             )
         out: list[list[Any]] = [[None] * num_samples for _ in prompt_token_lists]
         remaining = len(prompt_token_lists) * num_samples
-        missing = [num_samples] * len(prompt_token_lists)
+        missing = [num_samples] * len(prompt_token_lists)  # per prompt
+        complete = 0  # prompts with every sample in
         while remaining:
             for res in host.poll(timeout=1.0):
                 if res.request_id not in want:
@@ -399,8 +400,10 @@ def host_generate_fn(
                 )
                 remaining -= 1
                 missing[want[res.request_id]] -= 1
-                if progress is not None and missing[want[res.request_id]] == 0:
-                    progress(missing.count(0), len(missing))
+                if missing[want[res.request_id]] == 0:
+                    complete += 1
+                    if progress is not None:
+                        progress(complete, len(missing))
         return out
 
     return generate

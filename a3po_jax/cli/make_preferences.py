@@ -146,12 +146,13 @@ def progress_printer(samples: int, *, parts: int = 10) -> Callable[[int, int], N
     """A `progress` callback that prints a line each time another tenth (``parts``) of the
     prompts is sampled, with the seconds since it was made: 512 prompts take minutes."""
     start = time.perf_counter()
-    printed = [0]  # parts already announced
+    printed = 0  # parts already announced
 
     def progress(done: int, total: int) -> None:
+        nonlocal printed
         part = done * parts // total  # integers: 9 of 30 is three tenths exactly
-        if part > printed[0]:
-            printed[0] = part
+        if part > printed:
+            printed = part
             seconds = time.perf_counter() - start
             print(f"sampled {done}/{total} prompts x {samples} ({seconds:.0f} s)", flush=True)
 

@@ -54,9 +54,9 @@ def reward_model_tokens(tokenizer: Any, prompt: Prompt, completion: str) -> list
     return ids + list(tokenizer.encode(completion, add_special_tokens=False))
 
 
-def length_buckets(max_length: int) -> tuple[int, ...]:
-    """Padded lengths: powers of two from `SMALLEST_BUCKET` below `max_length`, then it."""
-    buckets, size = [], SMALLEST_BUCKET
+def length_buckets(max_length: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
+    """Padded sizes: powers of two from `smallest` below `max_length`, then it."""
+    buckets, size = [], smallest
     while size < max_length:
         buckets.append(size)
         size *= 2
@@ -76,16 +76,6 @@ def pad_rows(
         tokens[i, : len(row)] = row
         lengths[i] = len(row)
     return tokens, lengths
-
-
-def row_bucket(rows: int, batch_size: int) -> int:
-    """Rows a forward pass of ``rows`` is padded to: the next power of two, at most
-    `batch_size`. A group of G = 2 is scored in a pass of 2 rows, not of 16: compute in
-    proportion to the rows, at the price of a program per power of two."""
-    size = 1
-    while size < rows:
-        size *= 2
-    return min(size, batch_size)
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
@@ -131,6 +121,9 @@ class RewardScorer:
                 f"{self.max_length}, {self.batch_size}"
             )
         self.buckets = length_buckets(self.max_length)
+        # A pass of fewer rows is padded to the next power of two, not to batch_size: a
+        # group of G = 2 is scored in 2 rows, not 16, for a program per power of two.
+        self.row_buckets = length_buckets(self.batch_size, smallest=1)
         self._scores = jax.jit(functools.partial(reward_scores, config=self.model.config))
 
     @property
@@ -161,7 +154,7 @@ class RewardScorer:
             tokens, lengths = pad_rows(
                 [rows[i] for i in chunk],
                 length,
-                row_bucket(len(chunk), self.batch_size),
+                bucket_for(len(chunk), self.row_buckets),
                 self.model.pad_token_id,
             )
             scores = np.asarray(self._scores(self.model.params, tokens, lengths))

@@ -16,11 +16,12 @@ import importlib.metadata
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+from helpers.paths import REPO
 
 BASE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-CACHE = Path(__file__).resolve().parents[2] / ".cache"
+CACHE = REPO / ".cache"
 
 
 def accepts(flag: str) -> bool:
@@ -37,7 +38,7 @@ def cheap_codegen() -> str:
     known = CACHE / f"xla-flag-fusion-emitters-{version}"
     if not known.exists():
         CACHE.mkdir(exist_ok=True)
-        partial = known.with_suffix(f".{os.getpid()}")
+        partial = known.with_name(f"{known.name}.{os.getpid()}")
         partial.write_text("yes" if accepts(NO_FUSION_EMITTERS) else "no")
         partial.replace(known)  # atomic: xdist workers may probe at the same time
     return f"{BASE} {NO_FUSION_EMITTERS}" if known.read_text() == "yes" else BASE

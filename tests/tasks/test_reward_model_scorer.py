@@ -22,11 +22,11 @@ from a3po_jax.model.reward_model import (
     save_reward_checkpoint,
 )
 from a3po_jax.tasks.reward_model_scorer import (
+    bucket_for,
     length_buckets,
     load_reward_scorer,
     pad_rows,
     reward_model_tokens,
-    row_bucket,
 )
 from a3po_jax.tasks.task import Prompt, render_prompt
 
@@ -122,8 +122,9 @@ def test_a_short_batch_is_padded_to_the_next_power_of_two_rows_not_to_the_batch_
     reward_dir,
 ):
     scorer = load_reward_scorer(reward_dir, tokenizer=char_tokenizer(), max_length=64)
-    assert [row_bucket(n, 16) for n in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
-    assert row_bucket(9, 12) == 12
+    assert scorer.row_buckets == (1, 2, 4, 8, 16)
+    assert [bucket_for(n, scorer.row_buckets) for n in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
+    assert bucket_for(9, length_buckets(12, smallest=1)) == 12
     shapes, scores_fn = [], scorer._scores
     scorer._scores = lambda params, tokens, lengths: (
         shapes.append(tokens.shape) or scores_fn(params, tokens, lengths)
