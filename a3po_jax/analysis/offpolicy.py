@@ -8,7 +8,10 @@ reward / area / KL per (loss, N) with their spread over seeds (:func:`offpolicy_
 reward by generating version (:func:`plot_reward_by_version`) and the reward-vs-KL
 frontier per N (:func:`plot_reward_kl_frontier`). For the off-policy lab (methods compared
 on stale data, ``experiments/offpolicy_lab_toy.py``): :func:`lab_table`, per method the
-reward, KL and the diagnostics of its corrections, mean ± std over seeds.
+reward, KL and the diagnostics of its corrections, mean ± std over seeds. For runs trained
+against a learned reward model and judged by the gold scorer
+(``experiments/rlhf_miniature_smollm2.py``): :func:`plot_gold_against_kl`, the paper's gold
+reward against KL and the proxy reward against the gold one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from a3po_jax.analysis.runs import (
     final_value,
     last_k_mean,
     mean_over_steps,
+    run_label,
     seed_groups,
     short_key,
 )
@@ -268,3 +272,69 @@ def lab_table(runs: Sequence[Run], *, last_k: int = 5) -> pd.DataFrame:
             cells.append(mean_std(float(values.mean()), std, values.size))
         table[name] = cells
     return table
+
+
+def has_gold(runs: Sequence[Run]) -> bool:
+    """Every run trained against a reward model (logs :data:`GOLD_REWARD`), evaluated on
+    held-out prompts and logging :data:`KL_REF`: what :func:`plot_gold_against_kl` needs."""
+    return bool(runs) and all(
+        not r.series(key).empty for r in runs for key in (GOLD_REWARD, EVAL_ACCURACY, KL_REF)
+    )
+
+
+_MODE_MARKERS = {"sync": "o", "periodic": "s", "one_step_off": "^", "async": "D"}
+
+
+def plot_gold_against_kl(runs: Sequence[Run], *, last_k: int = 5):
+    """Two panels over runs trained against a learned (proxy) reward (:func:`has_gold`):
+    the held-out gold pass@1 at the end against the KL to the initial policy (mean of the
+    last ``last_k`` steps), the paper's picture, with the untrained policy's pass@1 as a
+    dashed line; and the proxy reward the policy maximised (``reward/mean``, with any KL
+    shaping) against the gold scorer's reward on the same samples, both over the last
+    ``last_k`` steps (proxy up while gold stays is over-optimisation). Per configuration
+    (runs that differ only by seed) one faint point per seed and the mean with ± std on
+    both axes; colour by loss, marker by mode."""
+    keys, groups = seed_groups(runs, "seed")
+    fig, axes = new_figure(1, 2, width=4.4, height=3.6)
+    held, proxy = axes[0, 0], axes[0, 1]
+    colors: dict[str, str] = {}
+    panels = (
+        (held, lambda r: last_k_mean(r, KL_REF, last_k), lambda r: final_value(r, EVAL_ACCURACY)),
+        (
+            proxy,
+            lambda r: last_k_mean(r, GOLD_REWARD, last_k),
+            lambda r: last_k_mean(r, REWARD, last_k),
+        ),
+    )
+    for members in groups:
+        loss = loss_label(members[0])
+        color = colors.setdefault(loss, f"C{len(colors)}")
+        marker = _MODE_MARKERS.get(members[0].config.get("system.mode"), "o")
+        label = f"{run_label(members[0], keys)} ({len(members)} seeds)"
+        for ax, x_of, y_of in panels:
+            xs = np.array([x_of(r) for r in members], np.float64)
+            ys = np.array([y_of(r) for r in members], np.float64)
+            ax.scatter(xs, ys, color=color, marker=marker, alpha=0.3, s=14)
+            ddof = 1 if len(members) > 1 else 0
+            ax.errorbar(
+                xs.mean(),
+                ys.mean(),
+                xerr=xs.std(ddof=ddof),
+                yerr=ys.std(ddof=ddof),
+                color=color,
+                marker=marker,
+                capsize=3,
+                label=label,
+            )
+    start = [r.series(EVAL_ACCURACY).iloc[0] for r in runs]
+    held.axhline(float(np.mean(start)), color="grey", linestyle="--", linewidth=1)
+    held.set_xlabel(f"{KL_REF}, last {last_k} steps (KL to the initial policy)")
+    held.set_ylabel(f"held-out gold pass@1 at the end ({EVAL_ACCURACY})")
+    held.set_title("gold on held-out prompts vs KL (dashed: untrained)", fontsize=10)
+    proxy.set_xlabel(f"gold reward on the training samples, last {last_k} steps")
+    proxy.set_ylabel(f"proxy reward maximised ({REWARD}), last {last_k} steps")
+    proxy.set_title("proxy vs gold on the same samples", fontsize=10)
+    for ax in (held, proxy):
+        ax.grid(alpha=0.3)
+    held.legend(fontsize=6)
+    return fig

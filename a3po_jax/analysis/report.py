@@ -12,11 +12,13 @@ from pathlib import Path
 from a3po_jax.analysis import plots
 from a3po_jax.analysis.offpolicy import (
     KL_REF,
+    has_gold,
     is_lab_sweep,
     is_offpolicy_sweep,
     lab_table,
     offpolicy_markdown,
     offpolicy_table,
+    plot_gold_against_kl,
     plot_reward_by_version,
     plot_reward_kl_frontier,
 )
@@ -154,6 +156,12 @@ def _figures(
         figures["sweep.png"] = (
             f"Sweep over {short_key(axes[0])} (each point: mean over its runs)",
             plots.plot_sweep(runs, x_key=axes[0], hue_key=axes[1], last_k=last_k),
+        )
+    if has_gold(runs):
+        figures["gold.png"] = (
+            f"Gold reward on held-out prompts against KL, and proxy against gold (last {last_k} "
+            "steps; per configuration mean ± std over seeds, faint: each seed)",
+            plot_gold_against_kl(runs, last_k=last_k),
         )
     if offpolicy:
         figures["reward_by_version.png"] = (

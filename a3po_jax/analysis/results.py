@@ -13,7 +13,8 @@ Analysis layer (host side, never jitted); needs the ``analysis`` extra (pandas, 
 * :mod:`a3po_jax.analysis.plots`: reward curves, diagnostics, the mismatch dashboard,
   phase times, staleness histograms, the sweep plot;
 * :mod:`a3po_jax.analysis.offpolicy`: the off-policy robustness study (reward by
-  generating version, the reward-vs-KL frontier);
+  generating version, the reward-vs-KL frontier; gold against KL and proxy against gold
+  under a learned reward);
 * :mod:`a3po_jax.analysis.report`: :func:`write_summary`, the ``summary.md`` that
   ``python -m a3po_jax.cli.results`` writes.
 
@@ -26,12 +27,14 @@ from a3po_jax.analysis.offpolicy import (
     KL_REF,
     OFFPOLICY_N,
     generating_versions,
+    has_gold,
     is_lab_sweep,
     is_offpolicy_sweep,
     lab_table,
     loss_label,
     offpolicy_markdown,
     offpolicy_table,
+    plot_gold_against_kl,
     plot_reward_by_version,
     plot_reward_kl_frontier,
     version_area,
@@ -114,6 +117,7 @@ __all__ = [
     "find_run_dirs",
     "flatten_config",
     "generating_versions",
+    "has_gold",
     "has_length",
     "has_mismatch",
     "is_lab_sweep",
@@ -136,6 +140,7 @@ __all__ = [
     "pivot",
     "plot_curves",
     "plot_diagnostics",
+    "plot_gold_against_kl",
     "plot_mismatch",
     "plot_phase_times",
     "plot_reward",

@@ -238,3 +238,67 @@ def test_lab_table_per_method_over_seeds(tmp_path):
     assert results.lab_table(runs, last_k=2).set_index("prox").loc["behav", "ESS"] == "n/a"
     text = Path(results.write_summary(runs, tmp_path / "out")).read_text()
     assert "## Methods on stale data" in text
+
+
+def write_gold_run(root, name, *, loss, mode, seed, proxy, gold, kls, held_out):
+    """A run against a learned reward: per step the proxy reward, the gold scorer's on the
+    same samples and the KL to init; the held-out gold pass@1 at the start (0.3) and end."""
+    run_dir = write_run(root, name, n=1, rewards=proxy, kls=kls, loss=loss, seed=seed)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg["system"]["mode"] = mode
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record, g in zip(records, gold, strict=True):
+        record["reward/gold_score_mean"] = g
+    records[0]["eval/accuracy"], records[-1]["eval/accuracy"] = 0.3, held_out
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_gold_against_kl_and_proxy_against_gold(tmp_path):
+    for seed, shift in ((0, 0.0), (1, 0.2)):
+        write_gold_run(
+            tmp_path,
+            f"dpo_sync_s{seed}",
+            loss="dpo",
+            mode="sync",
+            seed=seed,
+            proxy=[0.0, 1.0, 2.0],
+            gold=[0.1, 0.2, 0.3 + shift],
+            kls=[0.0, 0.5, 1.0 + shift],
+            held_out=0.4 + shift,
+        )
+        write_gold_run(
+            tmp_path,
+            f"ppo_async_s{seed}",
+            loss="ppo",
+            mode="async",
+            seed=seed,
+            proxy=[0.0, 2.0, 4.0],
+            gold=[0.1, 0.1, 0.1],
+            kls=[0.0, 2.0, 4.0],
+            held_out=0.2,
+        )
+    runs = results.load_runs([tmp_path])
+    assert results.has_gold(runs)
+    fig = results.plot_gold_against_kl(runs, last_k=2)
+    held, proxy = fig.axes
+    points = {
+        (ax.get_title()[:4], c.get_label().split()[0]): tuple(c.lines[0].get_xydata()[0])
+        for ax in (held, proxy)
+        for c in ax.containers
+    }
+    # dpo: KL over the last 2 steps (0.5 + 1.0) / 2 and (0.5 + 1.2) / 2 -> 0.8; held-out at
+    # the end 0.4 and 0.6 -> 0.5. Proxy (1 + 2) / 2 = 1.5 against gold 0.25 and 0.35 -> 0.3.
+    np.testing.assert_allclose(points[("gold", "loss=dpo")], (0.8, 0.5))
+    np.testing.assert_allclose(points[("prox", "loss=dpo")], (0.3, 1.5))
+    np.testing.assert_allclose(points[("gold", "loss=ppo")], (3.0, 0.2))
+    np.testing.assert_allclose(points[("prox", "loss=ppo")], (0.1, 3.0))
+    (dashed,) = held.get_lines()[-1:]
+    np.testing.assert_allclose(dashed.get_ydata(), [0.3, 0.3])  # the untrained policy
+    out = tmp_path / "out"
+    results.write_summary(runs, out)
+    assert (out / "gold.png").read_bytes()[:8] == PNG_MAGIC
+    # A run scored by the verifier alone has no gold column: no such figure.
+    (tmp_path / "verifier").mkdir()
+    write_run(tmp_path / "verifier", "v", n=1, rewards=[0.1, 0.2], kls=[0.0, 0.1])
+    assert not results.has_gold(results.load_runs([tmp_path]))
