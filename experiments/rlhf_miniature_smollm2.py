@@ -13,13 +13,12 @@ Command:  the proxy first (pairs from the untrained policy, labelled by the gold
           python -m a3po_jax.cli.results runs/rlhf_miniature/runs \
               --out runs/rlhf_miniature/runs
 Hardware: a 2-core CPU, embedded inference host: the pairs and the reward model about an
-          hour, then about 7 minutes per run (24 steps of 32 samples, each scored by the
+          hour, then 6-8 minutes per run (24 steps of 32 samples, each scored by the
           reward model, and the gold evaluation of 128 test questions at the start and the
-          end; the first took 6:37), so the 27 runs take about three hours. The proxy is
-          made: its pairs and its record (`reward_model.json`: held-out pair accuracy 0.75
-          on 20 pairs) are in results/rlhf_miniature_smollm2/proxy/. The sweep's finished
-          runs are copied to results/rlhf_miniature_smollm2/runs/ as they finish; until
-          all 27 are there, no table or verdict is drawn from them.
+          end), about three hours for the 27. The proxy's pairs and record
+          (`reward_model.json`: held-out pair accuracy 0.75 on 20 pairs) are in
+          results/rlhf_miniature_smollm2/proxy/, the runs in .../runs/; their table, plot
+          and verdicts: docs/results.md, "RLHF in miniature".
 What it shows: the setting of Noukhovitch et al., "Asynchronous RLHF" (arXiv 2410.18252) at
           the scale of one CPU: the policy is trained against a learned reward model (the
           proxy), never the gold scorer, and judged by the gold scorer on test questions

@@ -234,6 +234,14 @@ def last_k_mean(run: Run, key: str = REWARD, k: int = 5) -> float:
     return float(run.series(key).tail(k).mean())
 
 
+def last_k_median(run: Run, key: str = REWARD, k: int = 5) -> float:
+    """Median of ``key`` over the last ``k`` steps that logged it (nan if none): for a metric
+    one step of which can spike (the k3 KL estimate, a reward with the KL in it)."""
+    if k < 1:
+        raise ValueError(f"last_k_median: k must be >= 1, got {k}")
+    return float(run.series(key).tail(k).median())
+
+
 def mean_over_steps(run: Run, key: str, *, skip_first: int = 0) -> float:
     """Mean of a scalar metric over the run's steps (after the first ``skip_first``)."""
     return float(run.series(key).iloc[skip_first:].mean())

@@ -302,3 +302,13 @@ def test_gold_against_kl_and_proxy_against_gold(tmp_path):
     (tmp_path / "verifier").mkdir()
     write_run(tmp_path / "verifier", "v", n=1, rewards=[0.1, 0.2], kls=[0.0, 0.1])
     assert not results.has_gold(results.load_runs([tmp_path]))
+
+
+def test_last_k_median_ignores_one_spiking_step(tmp_path):
+    # One step's k3 estimate at 23 among KLs near 0.3: the median stays, the mean does not.
+    write_run(tmp_path, "a", n=1, rewards=[0.0] * 4, kls=[9.0, 0.2, 23.0, 0.3])
+    (run,) = results.load_runs([tmp_path])
+    assert results.last_k_median(run, "kl/ref_k3", 3) == pytest.approx(0.3)
+    assert results.last_k_mean(run, "kl/ref_k3", 3) == pytest.approx(23.5 / 3)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        results.last_k_median(run, "kl/ref_k3", 0)
