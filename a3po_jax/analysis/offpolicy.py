@@ -297,7 +297,7 @@ def plot_gold_against_kl(runs: Sequence[Run], *, last_k: int = 5):
     (runs that differ only by seed) one faint point per seed and the mean with ± std on
     both axes; colour by loss, marker by mode."""
     keys, groups = seed_groups(runs, "seed")
-    fig, axes = new_figure(1, 2, width=4.4, height=3.6)
+    fig, axes = new_figure(1, 2, width=5.0, height=3.8)
     held, proxy = axes[0, 0], axes[0, 1]
     colors: dict[str, str] = {}
     panels = (
@@ -330,11 +330,11 @@ def plot_gold_against_kl(runs: Sequence[Run], *, last_k: int = 5):
             )
     start = [r.series(EVAL_ACCURACY).iloc[0] for r in runs]
     held.axhline(float(np.mean(start)), color="grey", linestyle="--", linewidth=1)
-    held.set_xlabel(f"{KL_REF}, median of the last {last_k} steps (KL to the initial policy)")
-    held.set_ylabel(f"held-out gold pass@1 at the end ({EVAL_ACCURACY})")
+    held.set_xlabel(f"KL to the initial policy ({KL_REF}, median of last {last_k})")
+    held.set_ylabel(f"held-out gold pass@1, end ({EVAL_ACCURACY})")
     held.set_title("gold on held-out prompts vs KL (dashed: untrained)", fontsize=10)
-    proxy.set_xlabel(f"gold reward on the training samples, last {last_k} steps")
-    proxy.set_ylabel(f"proxy reward maximised ({REWARD}), median of the last {last_k}")
+    proxy.set_xlabel(f"gold reward, same samples ({GOLD_REWARD}, last {last_k})")
+    proxy.set_ylabel(f"proxy reward maximised ({REWARD}, median)")
     proxy.set_title("proxy vs gold on the same samples", fontsize=10)
     for ax in (held, proxy):
         ax.grid(alpha=0.3)
