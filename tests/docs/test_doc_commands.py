@@ -225,6 +225,17 @@ COMMANDS: dict[str, object] = {
     "--steps 40 --lr 1e-3": PARSE_ONLY,
     "python -m a3po_jax.cli.train_reward --pairs pairs.jsonl --model tiny --out runs/rm_tiny "
     "--steps 80 --lr 1e-3 --resume": PARSE_ONLY,
+    # docs/results.md: the RLHF miniature (hours on SmolLM2; its sweep as a dry run).
+    "python -m a3po_jax.cli.make_preferences --task basic_arithmetic --task-options "
+    "\"$(python -c 'import experiments.quickstart_a3po as q; print(q.ADDITIONS)')\" "
+    "--model smollm2 --prompts 512 --samples 4 --max-new-tokens 128 "
+    "--out runs/rlhf_miniature/pairs.jsonl": PARSE_ONLY,
+    "python -m a3po_jax.cli.train_reward --pairs runs/rlhf_miniature/pairs.jsonl "
+    "--model smollm2 --out runs/rlhf_miniature/reward_model --steps 200": PARSE_ONLY,
+    "python scripts/run_sweep.py experiments/rlhf_miniature_smollm2.py --subprocess --prune "
+    "--out runs/rlhf_miniature/runs": DRY_RUN,
+    "python -m a3po_jax.cli.results results/rlhf_miniature_smollm2 --out "
+    "results/rlhf_miniature_smollm2": PARSE_ONLY,
     "python -m a3po_jax.cli.results runs/completion runs/admission --out runs/length_bias": (
         PARSE_ONLY
     ),
