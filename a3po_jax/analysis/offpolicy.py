@@ -38,6 +38,7 @@ from a3po_jax.analysis.tables import mean_std
 EVAL_ACCURACY = "eval/accuracy"  # held-out greedy pass@1 (logged at step 0 and the end)
 KL_REF = "kl/ref_k3"  # k3 KL(π_θ ‖ π_init) on the trained tokens (algo.track_ref_kl)
 GOLD_REWARD = "reward/gold_score_mean"  # the verifier's score under a reward model
+PROXY_SCORE = "reward/proxy_score_mean"  # the reward model's own score, before any shaping
 OFFPOLICY_N = "algo.num_minibatches"
 
 
@@ -216,6 +217,7 @@ _LAB_COLUMNS = (
     # Under a reward model (task.reward=model:PATH) the reward is the proxy's; the gold
     # scorer's on the same samples beside it shows over-optimisation (the gap).
     (GOLD_REWARD, "last", "gold final"),
+    (PROXY_SCORE, "last", "proxy score final"),
     (EVAL_ACCURACY, "end", "held-out end"),
     (KL_REF, "last", "KL to init"),
     ("loss/clipfrac", "area", "clip frac"),
@@ -290,13 +292,18 @@ def plot_gold_against_kl(runs: Sequence[Run], *, last_k: int = 5):
     """Two panels over runs trained against a learned (proxy) reward (:func:`has_gold`):
     the held-out gold pass@1 at the end against the KL to the initial policy (median of the
     last ``last_k`` steps: one step's k3 estimate can spike), the paper's picture, with the
-    untrained policy's pass@1 as a dashed line; and the proxy reward the policy maximised
-    (``reward/mean``, with any KL shaping; median of the last ``last_k`` steps) against the
-    gold scorer's reward on the same samples (mean of the last ``last_k`` steps): proxy up
-    while gold stays is over-optimisation. Per configuration
+    untrained policy's pass@1 as a dashed line; and the proxy reward model's own score
+    (:data:`PROXY_SCORE`, mean of the last ``last_k`` steps; in runs that did not log it,
+    the reward the policy maximised, ``reward/mean`` with any KL shaping, median of the last
+    ``last_k`` steps) against the gold scorer's reward on the same samples (mean of the last
+    ``last_k`` steps): proxy up while gold stays is over-optimisation. Per configuration
     (runs that differ only by seed) one faint point per seed and the mean with ± std on
     both axes; colour by loss, marker by mode."""
     keys, groups = seed_groups(runs, "seed")
+    if all(not r.series(PROXY_SCORE).empty for r in runs):
+        proxy_key, proxy_of = PROXY_SCORE, lambda r: last_k_mean(r, PROXY_SCORE, last_k)
+    else:
+        proxy_key, proxy_of = REWARD, lambda r: last_k_median(r, REWARD, last_k)
     fig, axes = new_figure(1, 2, width=5.0, height=3.8)
     held, proxy = axes[0, 0], axes[0, 1]
     colors: dict[str, str] = {}
@@ -305,7 +312,7 @@ def plot_gold_against_kl(runs: Sequence[Run], *, last_k: int = 5):
         (
             proxy,
             lambda r: last_k_mean(r, GOLD_REWARD, last_k),
-            lambda r: last_k_median(r, REWARD, last_k),
+            proxy_of,
         ),
     )
     for members in groups:
@@ -334,7 +341,8 @@ def plot_gold_against_kl(runs: Sequence[Run], *, last_k: int = 5):
     held.set_ylabel(f"held-out gold pass@1, end ({EVAL_ACCURACY})")
     held.set_title("gold on held-out prompts vs KL (dashed: untrained)", fontsize=10)
     proxy.set_xlabel(f"gold reward, same samples ({GOLD_REWARD}, last {last_k})")
-    proxy.set_ylabel(f"proxy reward maximised ({REWARD}, median)")
+    what = "proxy score" if proxy_key == PROXY_SCORE else "proxy reward maximised, median"
+    proxy.set_ylabel(f"{what} ({proxy_key})")
     proxy.set_title("proxy vs gold on the same samples", fontsize=10)
     for ax in (held, proxy):
         ax.grid(alpha=0.3)

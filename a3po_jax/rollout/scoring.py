@@ -151,8 +151,10 @@ def scorer_metrics(rollouts: Sequence[Any]) -> dict[str, Any]:
     :mod:`a3po_jax.rollout.scoring`): ``reward/scorer``, the ``name@version`` of each
     scorer, comma-separated; and, where a scorer other than the verifier scored,
     ``reward/gold_score_mean``, the mean of the verifier's scores of the same samples (the
-    gold reward beside the learned one). Nothing for samples that do not say (recordings
-    from before the stage)."""
+    gold reward beside the learned one), and ``reward/proxy_score_mean``, the mean of that
+    scorer's own scores before any shaping (format bonus, no-EOS penalty, a KL penalty in
+    the reward): proxy against gold is over-optimisation. Nothing for samples that do not
+    say (recordings from before the stage)."""
     labels = sorted(
         {
             f"{r.info['scorer']}@{r.info.get('scorer_version', '')}"
@@ -163,7 +165,8 @@ def scorer_metrics(rollouts: Sequence[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if labels:
         out["reward/scorer"] = ", ".join(labels)
-    gold = [float(r.info["gold_score"]) for r in rollouts if "gold_score" in r.info]
-    if gold:
-        out["reward/gold_score_mean"] = float(np.mean(gold))
+    judged = [r for r in rollouts if "gold_score" in r.info]
+    if judged:
+        out["reward/gold_score_mean"] = float(np.mean([r.info["gold_score"] for r in judged]))
+        out["reward/proxy_score_mean"] = float(np.mean([r.info["score"] for r in judged]))
     return out

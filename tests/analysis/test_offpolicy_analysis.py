@@ -298,6 +298,22 @@ def test_gold_against_kl_and_proxy_against_gold(tmp_path):
     out = tmp_path / "out"
     results.write_summary(runs, out)
     assert (out / "gold.png").read_bytes()[:8] == PNG_MAGIC
+    # Runs that log the reward model's own, unshaped, score: that against the gold.
+    for run_dir in tmp_path.iterdir():
+        path = run_dir / "metrics.jsonl"
+        if not path.exists():
+            continue
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        for record in records:
+            record["reward/proxy_score_mean"] = record["reward/mean"] / 10
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = results.load_runs([tmp_path])
+    proxy = results.plot_gold_against_kl(runs, last_k=2).axes[1]
+    assert "reward/proxy_score_mean" in proxy.get_ylabel()
+    means = {c.get_label().split()[0]: c.lines[0].get_xydata()[0] for c in proxy.containers}
+    np.testing.assert_allclose(means["loss=dpo"], (0.3, 0.15))
+    table = results.lab_table(runs, last_k=2).set_index("loss")
+    assert table.loc["dpo", "proxy score final"] == "0.150 ± 0.000"
     # A run scored by the verifier alone has no gold column: no such figure.
     (tmp_path / "verifier").mkdir()
     write_run(tmp_path / "verifier", "v", n=1, rewards=[0.1, 0.2], kls=[0.0, 0.1])

@@ -38,3 +38,4 @@ def test_gold_pairs_train_a_proxy_that_a_run_trains_against(tmp_path, capsys):
         # The proxy scored the run (its weights' version recorded); the gold score beside it.
         assert r["reward/scorer"] == f"model:{rm}@{info['version']}"
         assert np.isfinite(r["reward/mean"]) and 0 <= r["reward/gold_score_mean"] <= 1
+        assert np.isfinite(r["reward/proxy_score_mean"])  # the proxy's own, unshaped

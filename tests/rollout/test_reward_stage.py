@@ -6,7 +6,7 @@ import pytest
 from helpers.scorers import VowelScorer
 
 from a3po_jax.inference.types import SampleResult
-from a3po_jax.rollout.scoring import RewardStage
+from a3po_jax.rollout.scoring import RewardStage, scorer_metrics
 from a3po_jax.tasks import RewardConfig, make_task, shaped_reward
 
 G = 3
@@ -67,6 +67,13 @@ def test_a_model_scores_the_whole_group_in_one_call_with_shaping_on_top():
     assert {r.info["scorer"] for r in out[2]} == {"model:/rm"}
     assert {r.info["scorer_version"] for r in out[2]} == {"test-1"}
     assert all(isinstance(r.reward, float) for r in out[2])
+    # The step record: the scorer, and over the same samples the gold scorer's mean beside
+    # the reward model's own, unshaped, scores ("aaxa" 0.75, "eo" 1, "b" 0 vowels).
+    assert scorer_metrics(out[2]) == {
+        "reward/scorer": "model:/rm@test-1",
+        "reward/gold_score_mean": pytest.approx((0.75 + 0.0 + 0.0) / 3),
+        "reward/proxy_score_mean": pytest.approx((0.75 + 1.0 + 0.0) / 3),
+    }
 
 
 def test_a_dropped_group_leaves_nothing_held():
