@@ -13,6 +13,10 @@ prompts are the experiment's task's training prompts in the run's order (the tas
 `--experiment`, default the quickstart's additions), written with the tokenizer's chat
 template; the reward is the project's own verifier with the experiment's shaping
 (`a3po_jax.tasks.shaped_reward`), wrapped as each peer's reward function.
+a3po_jax decodes `--slots` samples at once (`rollout.num_slots`; default the whole step's
+prompts x samples, as each peer's generate takes its batch; `--slots experiment` keeps the
+experiment's own, the quickstart's 16, which decodes a step of 8 x 4 in two waves); the
+row's `slots` says which it ran.
 
 Each project runs in a child process (the peers under `--trl-python` / `--tunix-python`,
 default this interpreter); one that its interpreter cannot import gets a row "not installed".
@@ -78,6 +82,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--new-tokens", type=int, default=32, help="most new tokens per answer")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument(
+        "--slots",
+        default="batch",
+        help="a3po_jax's decode slots (rollout.num_slots): 'batch' = prompts x samples, the\n"
+        "whole step's samples decoded at once as the peers' generate does; 'experiment' =\n"
+        "the experiment's own (the quickstart's 16: two waves of 16 at 8 x 4); or a number",
+    )
     p.add_argument("--only", default=",".join(PEERS), help="comma-separated subset of rows")
     p.add_argument("--trl-python", default=sys.executable, help="interpreter with trl")
     p.add_argument("--tunix-python", default=sys.executable, help="interpreter with tunix")
@@ -85,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the JSON object to this path")
     p.add_argument("overrides", nargs="*", help="section.field=value for a3po_jax's run")
     args = p.parse_args(argv)
+    if args.slots not in ("batch", "experiment") and not (args.slots.isdigit() and int(args.slots)):
+        p.error(f"--slots takes 'batch', 'experiment' or a positive number, got {args.slots!r}")
     unknown = set(args.only.split(",")) - set(PEERS)
     if unknown:
         p.error(f"--only takes names from {PEERS}, got {sorted(unknown)}")
@@ -100,6 +113,8 @@ def workload(args: argparse.Namespace) -> dict:
     if (cfg.model.name, cfg.model.param_dtype) != ("smollm2", "float32"):
         # The peers always load the SmolLM2 cache: the rows would not compare like with like.
         log(f"a3po_jax runs {cfg.model.name} in {cfg.model.param_dtype}; the peers SmolLM2 float32")
+    named = {"batch": args.prompts * args.samples, "experiment": cfg.rollout.num_slots}
+    slots = named.get(args.slots) or int(args.slots)
     return {
         "experiment": str(args.experiment),
         "model_dir": str(assets.prepare_smollm2()),
@@ -116,6 +131,7 @@ def workload(args: argparse.Namespace) -> dict:
         "temperature": args.temperature,
         "warmup": args.warmup,
         "steps": args.steps,
+        "a3po_slots": slots,
     }
 
 
@@ -163,7 +179,7 @@ def run_a3po(args: argparse.Namespace, work: dict, tmp: Path) -> dict:
         f"rollout.group_size={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
         f"rollout.temperature={args.temperature}", f"steps={args.warmup + args.steps}",
         "checkpoint_every=0", "evaluate=false", "eval_every=0", f"run_dir={run_dir}",
-        *args.overrides,
+        f"rollout.num_slots={work['a3po_slots']}", *args.overrides,
     ]  # fmt: skip
     code, rss, tail = run_child(cmd, args.timeout)
     if code:
@@ -180,6 +196,7 @@ def run_a3po(args: argparse.Namespace, work: dict, tmp: Path) -> dict:
         "tokens_per_answer": statistics.mean(float(r["response/length_mean"]) for r in records),
         "steps": len(records),
         "peak_rss_gb": rss,
+        "slots": json.loads((run_dir / "config.json").read_text())["rollout"]["num_slots"],
     }
 
 
@@ -289,6 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"machine: {machine['cpu']} ({machine['cores']} cores, {' '.join(machine['isa'])}), "
         f"{machine['device']}"
     )
+    if rows.get("a3po_jax", {}).get("status") == "ran":
+        slots = rows["a3po_jax"]["slots"]
+        print(f"a3po_jax decodes up to {slots} samples at once (rollout.num_slots)")
     print(table(rows, work))
     loads = ", ".join(
         f"{LABELS[n]} {r['load_avg'][0]:.1f} -> {r['load_avg'][1]:.1f}" for n, r in rows.items()
