@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import logging
 import queue
 import threading
@@ -312,26 +311,6 @@ class ServingLoop:
                 self._fail_running(ErrorKind.SAMPLE_FAILED, "decode state was lost after an error")
             return None
 
-    def _prefill_ahead(self, to_prefill: dict[int, dict[str, GenerateRequest]], rows: int) -> None:
-        """Adds to each bucket's prefill the prompts of the requests due next (among the next
-        `num_slots` waiting samples), up to the batch's `rows`: one batched prefill now
-        instead of one call per request as slots free up, faster per prompt on a CPU
-        (docs/performance.md). Not before a staged weight swap, which drops the prefixes."""
-        with self._lock:
-            staged = self._staged is not None
-        if rows <= 1 or staged:
-            return
-        for request, _, _, _ in itertools.islice(self._waiting, self.num_slots):
-            if request.request_id in self._prefixes:
-                continue
-            try:
-                bucket = self._core.bucket_for(len(request.prompt_tokens))
-            except ValueError:
-                continue  # fails when it is admitted, not in this batch
-            batch = to_prefill.get(bucket)
-            if batch is not None and len(batch) % rows and request.request_id not in batch:
-                batch[request.request_id] = request
-
     def _start_samples(self, chosen: list[tuple[int, GenerateRequest, int, float]]) -> Pending:
         now = time.monotonic()
         # One prefill per bucket for the requests not prefilled yet, in submit order.
@@ -341,7 +320,6 @@ class ServingLoop:
                 bucket = self._core.bucket_for(len(request.prompt_tokens))
                 to_prefill.setdefault(bucket, {})[request.request_id] = request
         rows = self._core.prefill_rows[-1]  # 1 when batch-invariant: each prompt alone
-        self._prefill_ahead(to_prefill, rows)
         for requests in to_prefill.values():
             waiting = list(requests.values())
             for group in (waiting[i : i + rows] for i in range(0, len(waiting), rows)):

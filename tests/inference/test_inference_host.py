@@ -466,23 +466,18 @@ def test_warmup_compiles_every_program_the_loop_runs(params):
     assert [f._cache_size() for f in jits] == before
 
 
-def _count_calls(h, monkeypatch) -> collections.Counter:
-    calls = collections.Counter()
-    for name in ("prefill", "prefill_batch", "insert", "insert_batch"):
-        real = getattr(h._core, name)
-        monkeypatch.setattr(
-            h._core, name, lambda *a, _n=name, _r=real, **k: calls.update([_n]) or _r(*a, **k)
-        )
-    return calls
-
-
 def test_waiting_prompts_share_one_prefill_and_one_insert(params, monkeypatch):
     # Three requests of one bucket (two prompts of the RL case, G = 2 samples each, and one
     # single sample) admitted together: one prefill call of 3 rows (padded to 4), one
     # insert call for the 5 samples, one read of their first tokens. The old host ran one
     # prefill per request and one insert (and one blocking read) per sample.
     h = _host(params, num_slots=8)
-    calls = _count_calls(h, monkeypatch)
+    calls = collections.Counter()
+    for name in ("prefill", "prefill_batch", "insert", "insert_batch"):
+        real = getattr(h._core, name)
+        monkeypatch.setattr(
+            h._core, name, lambda *a, _n=name, _r=real, **k: calls.update([_n]) or _r(*a, **k)
+        )
     reads = []
     real_unpack = engine_steps.unpack_outputs
     monkeypatch.setattr(
@@ -505,57 +500,6 @@ def test_waiting_prompts_share_one_prefill_and_one_insert(params, monkeypatch):
             np.testing.assert_allclose(
                 results[(rid, i)].logprobs, recompute_logprobs(params, prompt, ref, 0.0), atol=1e-4
             )
-
-
-def test_prompts_due_next_ride_along_in_the_prefill_that_runs(params, monkeypatch):
-    # Four slots, three requests of one bucket with G = 2 samples each and one of the other
-    # bucket: the first admission starts four samples (a, b) and prefills c's prompt with
-    # theirs (it is due within the next four samples), not the other bucket's (no prefill
-    # is started for it alone). c's samples then start from that prefix: still one prefill
-    # of the first bucket, and the same tokens as a prefill of their own.
-    h = _host(params, num_slots=4)
-    calls = _count_calls(h, monkeypatch)
-    prefilled = []
-    real = h._core.prefill_batch
-    monkeypatch.setattr(
-        h._core,
-        "prefill_batch",
-        lambda p, prompts: prefilled.append([len(x) for x in prompts]) or real(p, prompts),
-    )
-    prompts = {"a": PROMPTS["short"], "b": (9, 4, 7, 7, 2), "c": (3, 3, 8), "d": PROMPTS["long"]}
-    for rid, prompt in prompts.items():
-        h.submit(GenerateRequest(rid, prompt, 1 if rid == "d" else 2, greedy(6)))
-    assert h.serve_once()
-    assert prefilled == [[3, 5, 3]], prefilled  # a, b and c; not d
-    assert set(h._prefixes) == {"c"}  # a's and b's went with their last samples' start
-    results = drive(h, 7)
-    h.close()
-    assert prefilled == [[3, 5, 3], [11]], prefilled  # d's own, when a slot took it
-    assert calls["insert_batch"] >= 2
-    for rid, prompt in prompts.items():
-        ref = recompute_greedy(params, prompt, 6)
-        for i in range(1 if rid == "d" else 2):
-            np.testing.assert_array_equal(results[(rid, i)].tokens, ref)
-
-
-def test_batch_invariant_host_prefills_each_prompt_alone_when_it_starts(params, monkeypatch):
-    # One row per prefill: nothing rides along, each prompt is prefilled when its first
-    # sample takes a slot.
-    h = _host(params, num_slots=2, batch_invariant=True)
-    prefilled = []
-    real = h._core.prefill_batch
-    monkeypatch.setattr(
-        h._core,
-        "prefill_batch",
-        lambda p, prompts: prefilled.append(len(prompts)) or real(p, prompts),
-    )
-    for rid in ("a", "b", "c"):
-        h.submit(GenerateRequest(rid, PROMPTS["short"], 1, greedy(3)))
-    assert h.serve_once()
-    assert prefilled == [1, 1]
-    drive(h, 3)
-    h.close()
-    assert prefilled == [1, 1, 1]
 
 
 def test_pipelined_loop_dispatches_the_next_step_before_reading_one(params, monkeypatch):
