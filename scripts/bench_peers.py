@@ -73,6 +73,17 @@ def log(message: str) -> None:
 # ----------------------------------------------------------------------------- the parent
 
 
+def slots_rule(text: str) -> str | int:
+    """`--slots`: "batch", "experiment" or a positive number of slots."""
+    if text in ("batch", "experiment"):
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(
+        f"--slots takes 'batch', 'experiment' or a positive number, got {text!r}"
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--experiment", default=str(ROOT / "experiments" / "quickstart_a3po.py"))
@@ -84,6 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument(
         "--slots",
+        type=slots_rule,
         default="batch",
         help="a3po_jax's decode slots (rollout.num_slots): 'batch' = prompts x samples, the\n"
         "whole step's samples decoded at once as the peers' generate does; 'experiment' =\n"
@@ -96,8 +108,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the JSON object to this path")
     p.add_argument("overrides", nargs="*", help="section.field=value for a3po_jax's run")
     args = p.parse_args(argv)
-    if args.slots not in ("batch", "experiment") and not (args.slots.isdigit() and int(args.slots)):
-        p.error(f"--slots takes 'batch', 'experiment' or a positive number, got {args.slots!r}")
     unknown = set(args.only.split(",")) - set(PEERS)
     if unknown:
         p.error(f"--only takes names from {PEERS}, got {sorted(unknown)}")
@@ -114,7 +124,7 @@ def workload(args: argparse.Namespace) -> dict:
         # The peers always load the SmolLM2 cache: the rows would not compare like with like.
         log(f"a3po_jax runs {cfg.model.name} in {cfg.model.param_dtype}; the peers SmolLM2 float32")
     named = {"batch": args.prompts * args.samples, "experiment": cfg.rollout.num_slots}
-    slots = named.get(args.slots) or int(args.slots)
+    slots = named.get(args.slots, args.slots)
     return {
         "experiment": str(args.experiment),
         "model_dir": str(assets.prepare_smollm2()),
