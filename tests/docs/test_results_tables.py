@@ -1098,10 +1098,14 @@ RLHF_HELD, RLHF_KL, RLHF_SPEED = (
 )
 
 
+def rlhf_separated(score: str, a: str, b: str) -> bool:
+    seeds = rlhf_seeds(score)
+    return separated(seeds[a], seeds[b])
+
+
 def rlhf_no_loss_pair_separates_in_any_mode() -> bool:
-    seeds = rlhf_seeds(RLHF_HELD)
     return not any(
-        separated(seeds[f"{a} {mode}"], seeds[f"{b} {mode}"])
+        rlhf_separated(RLHF_HELD, f"{a} {mode}", f"{b} {mode}")
         for mode in RLHF_MODES.values()
         for a, b in itertools.combinations(RLHF_LOSSES.values(), 2)
     )
@@ -1155,10 +1159,7 @@ RLHF_CLAIMS += [
         "for Online DPO and PPO the seeds do not separate the two",
         lambda: (
             not any(
-                separated(
-                    rlhf_seeds(RLHF_HELD)[f"{loss} one_step_off"],
-                    rlhf_seeds(RLHF_HELD)[f"{loss} sync"],
-                )
+                rlhf_separated(RLHF_HELD, f"{loss} one_step_off", f"{loss} sync")
                 for loss in ("dpo", "ppo")
             )
         ),
