@@ -267,7 +267,10 @@ def build_run(
         ),
         recorder=recorder(cfg, leader=leader, replay_dir=replay_dir),
         checkpoints=checkpoint_manager(cfg, train.mesh),
-        trimmer=heap.Trimmer(cfg.system.run.trim_heap_every_s)
+        trimmer=heap.Trimmer(
+            cfg.system.run.trim_heap_every_s,
+            mmap_threshold_mib=cfg.system.run.mmap_threshold_mib,
+        )
         if cfg.system.run.trim_heap_every_s > 0
         else None,
         leader=leader,

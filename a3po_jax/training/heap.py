@@ -83,16 +83,24 @@ def trim() -> bool:
 
 
 class Trimmer:
-    """A daemon thread calling `trim()` every `period_s` seconds until `close()`."""
+    """A daemon thread calling `trim()` every `period_s` seconds until `close()`.
 
-    def __init__(self, period_s: float):
+    From its start, blocks of `mmap_threshold_mib` MiB and up are mmapped
+    (`mmap_large_blocks`; ``system.run.mmap_threshold_mib``): what the trimmer cannot hand
+    back is pages a live block pins. 0 leaves glibc's own threshold: more resident memory,
+    fewer page faults (docs/performance.md). The environment's A3PO_MMAP_LARGE_BLOCKS=0
+    leaves it too, whatever the run asks: a process compiling thousands of programs, as a
+    test worker does, compiles about a tenth slower with it fixed.
+    """
+
+    def __init__(self, period_s: float, *, mmap_threshold_mib: int = 1):
         if not period_s > 0:
             raise ValueError(f"period_s must be > 0, got {period_s!r}")
-        # What the trimmer cannot hand back: pages a live block pins. A3PO_MMAP_LARGE_BLOCKS=0
-        # leaves glibc's threshold (a process compiling thousands of programs, as a test
-        # worker does, compiles about a tenth slower with it fixed: docs/performance.md).
-        if os.environ.get("A3PO_MMAP_LARGE_BLOCKS", "1") != "0":
-            mmap_large_blocks()
+        if mmap_threshold_mib < 0:
+            raise ValueError(f"mmap_threshold_mib must be >= 0, got {mmap_threshold_mib!r}")
+        self.mmap_threshold_mib = int(mmap_threshold_mib)  # as asked (0 = glibc's own)
+        if mmap_threshold_mib and os.environ.get("A3PO_MMAP_LARGE_BLOCKS", "1") != "0":
+            mmap_large_blocks(self.mmap_threshold_mib << 20)
         self.period_s = float(period_s)
         self.trims = 0  # calls made so far
         self._stop = threading.Event()

@@ -172,11 +172,16 @@ class RunSection:
     # Freed heap memory back to the OS every this many seconds (glibc malloc_trim, a thread;
     # training/heap.py): a CPU run's RSS stays near its live memory instead of creeping up
     trim_heap_every_s: float = 1.0  # 0 = never
+    # With the trimmer on, blocks from this many MiB up are mmapped and go back at free (a
+    # lower, steadier peak); 0 keeps glibc's own threshold (fewer page faults, faster steps:
+    # docs/performance.md, "Memory of the main job").
+    mmap_threshold_mib: int = 1
 
     def __post_init__(self):
         _check_types("system.run", self)
         _positive("system.run", "max_nonfinite_steps", self.max_nonfinite_steps)
         _positive("system.run", "trim_heap_every_s", self.trim_heap_every_s, allow_zero=True)
+        _positive("system.run", "mmap_threshold_mib", self.mmap_threshold_mib, allow_zero=True)
 
 
 # The sub-sections by their name in the system section.

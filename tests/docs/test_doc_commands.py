@@ -110,6 +110,9 @@ COMMANDS: dict[str, object] = {
         PRINT_CONFIG
     ),
     "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py system.run.mmap_threshold_mib=0": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py model.remat=false "
+    "system.run.mmap_threshold_mib=0": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.mode=sync rollout.temperature=1.0 "
     "rollout.max_new_tokens=32 steps=6 evaluate=false eval_every=0 checkpoint_every=0 "
     "run_dir=runs/where_time_goes": PRINT_CONFIG,
@@ -327,6 +330,8 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_packing.py": PARSE_ONLY,
     "python scripts/bench_elastic.py": PARSE_ONLY,
     "python scripts/bench_peers.py --tunix-python .venv-tunix/bin/python": PARSE_ONLY,
+    "python scripts/bench_peers.py --tunix-python .venv-tunix/bin/python "
+    "model.remat=false system.run.mmap_threshold_mib=0": PARSE_ONLY,
     "bash scripts/setup.sh --tunix": Replace(
         "bash -n scripts/setup.sh", "it installs Tunix from PyPI: the script's syntax is checked"
     ),

@@ -96,13 +96,28 @@ def test_blocks_from_the_threshold_up_go_back_at_free():
     assert released_at_free_mib(False) < 32
 
 
-@pytest.mark.parametrize("setting, calls", [("1", 1), ("0", 0)])
-def test_the_trimmer_fixes_the_threshold_unless_told_not_to(monkeypatch, setting, calls):
+@pytest.mark.parametrize(
+    "setting, mib, calls",
+    [("1", None, [1 << 20]), ("1", 4, [4 << 20]), ("1", 0, []), ("0", None, []), ("0", 4, [])],
+)
+def test_the_trimmer_fixes_the_threshold_unless_told_not_to(monkeypatch, setting, mib, calls):
+    # The run's system.run.mmap_threshold_mib (default 1 MiB; 0 = glibc's own), unless the
+    # environment's A3PO_MMAP_LARGE_BLOCKS=0 says to leave glibc's threshold.
     called = []
-    monkeypatch.setattr(heap, "mmap_large_blocks", lambda: called.append(True))
+    monkeypatch.setattr(heap, "mmap_large_blocks", called.append)
     monkeypatch.setenv("A3PO_MMAP_LARGE_BLOCKS", setting)
-    heap.Trimmer(1.0).close()
-    assert len(called) == calls
+    kwargs = {} if mib is None else {"mmap_threshold_mib": mib}
+    heap.Trimmer(1.0, **kwargs).close()
+    assert called == calls
+
+
+def test_a_negative_mmap_threshold_is_refused_naming_the_field():
+    from a3po_jax.training.config import ConfigError, RunSection
+
+    with pytest.raises(ConfigError, match="system.run.mmap_threshold_mib"):
+        RunSection(mmap_threshold_mib=-1)
+    with pytest.raises(ValueError, match="mmap_threshold_mib"):
+        heap.Trimmer(1.0, mmap_threshold_mib=-1)
 
 
 def test_mmap_threshold_without_mallopt_does_nothing(monkeypatch):

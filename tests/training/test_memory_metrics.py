@@ -104,20 +104,21 @@ def test_the_trainer_keeps_no_reference_to_the_loaded_weights(tmp_path):
 @pytest.mark.parametrize("every", [0.05, 0.0])
 def test_the_trainer_trims_the_heap_while_it_runs(tmp_path, every):
     """`system.run.trim_heap_every_s` > 0 runs a heap trimmer (training/heap.py) from the trainer's
-    start to its close; 0 runs none; a negative period is refused, naming the field."""
+    start to its close, with the run's mmap threshold; 0 runs none; a negative period is
+    refused, naming the field."""
     from a3po_jax.tasks.toy import LetterTask
     from a3po_jax.training.config import ConfigError, RunSection, SystemSection
     from a3po_jax.training.trainer import Trainer, load_policy
 
-    cfg = tiny_run_config(
-        tmp_path, steps=2, system=SystemSection(run=RunSection(trim_heap_every_s=every))
-    )
+    run = RunSection(trim_heap_every_s=every, mmap_threshold_mib=4)
+    cfg = tiny_run_config(tmp_path, steps=2, system=SystemSection(run=run))
     trainer = Trainer(cfg, load_policy(cfg.model), task=LetterTask(), console=False)
     trimmer = trainer._trimmer
     try:
         trainer.run()
         if every:
             assert trimmer is not None and trimmer.period_s == every
+            assert trimmer.mmap_threshold_mib == 4  # the run's system.run.mmap_threshold_mib
             assert trimmer.trims >= 1  # the run lasts well over 50 ms
         else:
             assert trimmer is None

@@ -53,6 +53,7 @@ VALUES = {
     "record_rollouts": ("true", ()),
     "max_nonfinite_steps": ("5", ()),
     "trim_heap_every_s": ("0.0", ()),
+    "mmap_threshold_mib": ("0", ()),
 }
 
 
