@@ -93,7 +93,7 @@ class Trimmer:
     test worker does, compiles about a tenth slower with it fixed.
     """
 
-    def __init__(self, period_s: float, *, mmap_threshold_mib: int = 1):
+    def __init__(self, period_s: float, *, mmap_threshold_mib: int = MMAP_THRESHOLD_BYTES >> 20):
         if not period_s > 0:
             raise ValueError(f"period_s must be > 0, got {period_s!r}")
         if mmap_threshold_mib < 0:
