@@ -19,9 +19,9 @@ it ends (use it for real models: SmolLM2 runs in one process grew it ~2.5 GB per
 
 ``--prune`` keeps only ``config.json`` and ``metrics.jsonl`` of each finished run (what the
 repository commits under ``results/``). JAX's persistent compilation cache
-(``--compile-cache``) lets every run after the first reuse the compiled train step and
-inference kernels: on a 2-core CPU that cuts a tiny-model run's start-up from about a
-minute to about 20 s.
+(``--compile-cache``, or each run's own ``system.run.compile_cache_dir``) lets every run
+after the first reuse the compiled train step and inference kernels: on a 2-core CPU that
+cuts a tiny-model run's start-up from about a minute to about 20 s.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 
 from a3po_jax.analysis.sweeps import completed_steps, is_complete, load_sweep, resolve
 from a3po_jax.cli.train import LOG_LEVELS
+from a3po_jax.training import compilation
 from a3po_jax.training.config import ConfigError
 
-DEFAULT_CACHE = "~/.cache/a3po_jax/jax_compilation_cache"
 KEEP_WHEN_PRUNED = ("config.json", "metrics.jsonl")
 
 
@@ -56,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compile-cache",
-        default=DEFAULT_CACHE,
-        help="JAX persistent compilation cache dir ('' = off); default %(default)s",
+        default=compilation.DEFAULT_DIR,
+        help="JAX persistent compilation cache dir of every run ('' = each run's own "
+        "system.run.compile_cache_dir); default %(default)s",
     )
     parser.add_argument(
         "--log-level",
@@ -75,29 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def _enable_compile_cache(directory: str) -> None:
-    import jax
-
-    path = Path(os.path.expanduser(directory))
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    # Cache everything: a tiny model's kernels compile in well under the 1 s default floor,
-    # but there are hundreds of them per run.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def _run_in_subprocess(argv_run: list[str], compile_cache: str) -> int:
+def _run_in_subprocess(argv_run: list[str], cache_dir: str) -> int:
     """`a3po-train argv_run` in a child process sharing the persistent compile cache."""
     import subprocess
 
     env = dict(os.environ)
-    if compile_cache:
-        env.update(
-            JAX_COMPILATION_CACHE_DIR=str(Path(os.path.expanduser(compile_cache))),
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-        )
+    if cache_dir:
+        env.update(compilation.environment(Path(os.path.expanduser(cache_dir))))
     child = subprocess.Popen([sys.executable, "-m", "a3po_jax.cli.train", *argv_run], env=env)
 
     def forward(signum, frame):  # the run checkpoints and stops; the sweep stops after it
@@ -157,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     # In this process only when the runs are: with --subprocess the children get the cache
     # through their environment, and this process (a test's, say) keeps its own settings.
     if not args.dry_run and args.compile_cache and not args.subprocess:
-        _enable_compile_cache(args.compile_cache)
+        compilation.enable(args.compile_cache)
 
     from a3po_jax.cli import train
 

@@ -40,6 +40,8 @@ if os.environ.get("A3PO_TEST_COMPILE_CACHE", "") != "off":
     )
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+else:  # off for the runs too: their system.run.compile_cache_dir would land in the home dir
+    os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 
 @pytest.fixture(autouse=True, scope="module")

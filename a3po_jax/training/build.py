@@ -30,7 +30,7 @@ from a3po_jax.rollout.source import RolloutSource
 from a3po_jax.rollout.workers import RolloutWorkers
 from a3po_jax.tasks import PromptIterator, RewardConfig, make_task
 from a3po_jax.tasks.scorers import Scorer, resolve_scorer
-from a3po_jax.training import heap, host_placement, recording, step_builder
+from a3po_jax.training import compilation, heap, host_placement, recording, step_builder
 from a3po_jax.training.checkpointing import CheckpointManager, async_save_pays
 from a3po_jax.training.config import TrainConfig
 
@@ -245,6 +245,8 @@ def build_run(
     # The scorer before anything starts: a bad reward model is refused by its field.
     scorer = None if replay_dir is not None or not leader else reward_scorer(cfg, task, policy)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    # Before the first step compiles, and before the split host's process starts (it inherits it).
+    compilation.enable(cfg.system.run.compile_cache_dir)
     sampling = sampling_params(cfg.rollout, policy.tokenizer)
     train = build_train(cfg, policy, leader=leader)  # before a host starts: fails sooner
     own_host = host is None and leader and replay_dir is None

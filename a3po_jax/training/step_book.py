@@ -18,7 +18,7 @@ import numpy as np
 from a3po_jax.core.batching import TrainBatch
 from a3po_jax.core.types import RolloutGroup
 from a3po_jax.inference.host_metrics import loop_time
-from a3po_jax.training import recording
+from a3po_jax.training import compilation, recording
 from a3po_jax.training.metrics import step_record
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class StepBook:
         self._host_busy_seen: float | None = None  # host/busy_s at the last record
         # (when, the host's loop_s) at the last record's read of the host's stats
         self._host_loop_seen: tuple[float, dict[str, float]] | None = None
+        self._compile_seen = compilation.compile_seconds()  # from the run's start
 
     def reward_time(self) -> dict[str, float]:
         """``time/reward_s``: seconds the reward stage spent scoring since the last record
@@ -60,6 +61,14 @@ class StepBook:
         if "param_bytes" in stats:
             out["mem/reward_model_gb"] = stats["param_bytes"] / 2**30
         return out
+
+    def compile_time(self) -> dict[str, float]:
+        """``time/compile_s``: seconds this process spent making JAX executables since the
+        last record (a new shape's train step, a prefill bucket, in any thread; loads from
+        the persistent cache included): the part of a step that a longer run amortises."""
+        total = compilation.compile_seconds()
+        seconds, self._compile_seen = total - self._compile_seen, total
+        return {"time/compile_s": seconds}
 
     def demand(self, record: dict[str, Any]) -> dict[str, float]:
         """Which side of the run waited during this step, from its own record:
@@ -214,6 +223,7 @@ class StepBook:
             record = {k: v for k, v in record.items() if not k.startswith(recording.NOT_IN_REPLAY)}
         record.update(self.filter_metrics(groups, queue_counters))
         record.update(self.reward_time())
+        record.update(self.compile_time())
         record.update(self.demand(record))
         record.update(self.host_time(host_stats, read_at))
         real = batch.group_ids >= 0  # a short batch's filler rows are not data

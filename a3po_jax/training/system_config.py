@@ -10,7 +10,8 @@ holds the rest in frozen, self-validating sub-sections, read as ``cfg.system.mes
 * ``system.placement`` (:class:`PlacementSection`): where the inference host runs;
 * ``system.hosts`` (:class:`HostsSection`): deadlines and health checks of the hosts;
 * ``system.mesh`` (:class:`MeshSection`): the trainer's mesh;
-* ``system.run`` (:class:`RunSection`): recording, non-finite steps, heap trimming.
+* ``system.run`` (:class:`RunSection`): recording, non-finite steps, heap trimming, the
+  compilation cache.
 
 Each sub-section checks its fields and the rules among them; the rules across sections
 stay on ``SystemSection``. The flat names the fields had before (``system.inference_hosts``,
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from a3po_jax.core.batch_plan import AUTO
+from a3po_jax.training import compilation
 from a3po_jax.training.config_values import (
     ConfigError,
     _check_address,
@@ -176,6 +178,10 @@ class RunSection:
     # lower, steadier peak); 0 keeps glibc's own threshold (fewer page faults, faster steps:
     # docs/performance.md, "Memory of the main job").
     mmap_threshold_mib: int = 1
+    # JAX's persistent compilation cache (training/compilation.py): a re-run, a resumed run
+    # or the split host loads what an earlier process compiled; "" = none. A cache the
+    # process already has (JAX_COMPILATION_CACHE_DIR) is kept.
+    compile_cache_dir: str = compilation.DEFAULT_DIR
 
     def __post_init__(self):
         _check_types("system.run", self)

@@ -60,3 +60,14 @@ def test_a_host_without_loop_times_or_a_replay_has_no_host_time():
     assert b.host_time({}, 1.0) == {} and b.host_time({"busy_s": 3.0}, 2.0) == {}
     # The first record with the times still has nothing to subtract them from.
     assert b.host_time(loop_stats(admit=1.0), 3.0) == {}
+
+
+def test_compile_time_is_the_compiling_since_the_last_record(monkeypatch):
+    from a3po_jax.training import compilation
+
+    totals = iter([10.0, 12.5, 12.5, 13.0])
+    monkeypatch.setattr(compilation, "compile_seconds", lambda: next(totals))
+    b = book()  # reads 10.0: the run's start
+    assert b.compile_time() == {"time/compile_s": 2.5}
+    assert b.compile_time() == {"time/compile_s": 0.0}
+    assert b.compile_time() == {"time/compile_s": 0.5}

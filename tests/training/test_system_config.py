@@ -54,6 +54,7 @@ VALUES = {
     "max_nonfinite_steps": ("5", ()),
     "trim_heap_every_s": ("0.0", ()),
     "mmap_threshold_mib": ("0", ()),
+    "compile_cache_dir": ("/tmp/jax-cache", ()),
 }
 
 
