@@ -30,10 +30,18 @@ Per project, over the counted steps:
   end). Tunix: the seconds in `RLCluster.generate` and in `RLCluster.update_actor`, the step
   being the learner's `_run_global_step` plus its weight sync (its reward and advantage work
   falls in neither part);
+* a3po_jax's compiling: the seconds its counted steps spent making executables for new
+  shapes (`time/compile_s`, summed), printed under the table;
 * tokens per answer: the mean completion length of the counted steps' samples (a3po_jax
   `response/length_mean`, TRL's logged `completions/mean_length`, Tunix the lengths
   `RLCluster.generate` returns);
 * peak memory: the child process's peak resident set (`os.wait4`'s rusage, GiB).
+
+`--compile-cache` says what the JAX projects (a3po_jax, Tunix) find in their persistent
+compilation caches, each its own under the temporary directory: `cold` (the default), an
+empty one, so every new shape compiles inside the run as on a first run; `warm`, one that
+the same run of that project filled just before, unmeasured, as on a re-run
+(a3po_jax's `system.run.compile_cache_dir` is on by default). TRL compiles nothing.
 
 Then the ratio of a3po_jax's step to each peer's against the target of at most 0.5, the
 machine (`bench_common.describe_machine`), the 1-minute load average at each row's start and
@@ -51,6 +59,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ("a3po_jax", "tunix", "trl")  # the issue table's order
 # What a peer's interpreter must import to get a row (its trainer's package).
 PEER_MODULES = {"trl": "trl", "tunix": "tunix"}
+JAX_ROWS = ("a3po_jax", "tunix")  # the rows that compile, and so have a compilation cache
 TARGET = 0.5  # the issue's target: a3po_jax's sync step at most half of each peer's
 
 
@@ -100,6 +110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a3po_jax's decode slots (rollout.num_slots): 'batch' = prompts x samples, the\n"
         "whole step's samples decoded at once as the peers' generate does; 'experiment' =\n"
         "the experiment's own (the quickstart's 16: two waves of 16 at 8 x 4); or a number",
+    )
+    p.add_argument(
+        "--compile-cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="the JAX rows' persistent compilation caches: 'cold' = empty (a first run),\n"
+        "'warm' = filled by the same run just before, unmeasured (a re-run)",
     )
     p.add_argument("--only", default=",".join(PEERS), help="comma-separated subset of rows")
     p.add_argument("--trl-python", default=sys.executable, help="interpreter with trl")
@@ -178,20 +195,29 @@ def run_child(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[
     return proc.returncode, usage.ru_maxrss / 2**20, "".join(tail)[-3000:]
 
 
+def cache_dir(tmp: Path, name: str) -> Path:
+    """The persistent compilation cache of the JAX row `name`, fresh in each run of this script."""
+    return tmp / "jax-cache" / name
+
+
 def run_a3po(args: argparse.Namespace, work: dict, tmp: Path) -> dict:
     """This project's row: `a3po-train EXPERIMENT` in sync mode, read from its metrics.jsonl."""
     from a3po_jax.training.metrics import read_metrics
 
     run_dir = tmp / "a3po_jax"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (after the one filling the cache)
     cmd = [
         sys.executable, "-m", "a3po_jax.cli.train", args.experiment,
         "system.mode=sync", f"rollout.groups_per_step={args.prompts}",
         f"rollout.group_size={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
         f"rollout.temperature={args.temperature}", f"steps={args.warmup + args.steps}",
         "checkpoint_every=0", "evaluate=false", "eval_every=0", f"run_dir={run_dir}",
-        f"rollout.num_slots={work['a3po_slots']}", *args.overrides,
+        f"rollout.num_slots={work['a3po_slots']}",
+        f"system.run.compile_cache_dir={cache_dir(tmp, 'a3po_jax')}", *args.overrides,
     ]  # fmt: skip
-    code, rss, tail = run_child(cmd, args.timeout)
+    # The run's own setting, not a cache this process may have (JAX_COMPILATION_CACHE_DIR).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    code, rss, tail = run_child(cmd, args.timeout, env)
     if code:
         last = tail.strip().splitlines()[-1:] or ["no output"]
         return {"status": f"failed (exit {code}): {last[0][:300]}"}
@@ -203,6 +229,8 @@ def run_a3po(args: argparse.Namespace, work: dict, tmp: Path) -> dict:
         "step_s": median("time/step_s"),
         "generation_s": median("time/wait_rollouts_s"),
         "train_s": median("time/train_s"),
+        # Seconds the counted steps spent making executables (new shapes), in all.
+        "compile_s": sum(float(r.get("time/compile_s", 0.0)) for r in records),
         "tokens_per_answer": statistics.mean(float(r["response/length_mean"]) for r in records),
         "steps": len(records),
         "peak_rss_gb": rss,
@@ -236,10 +264,13 @@ def run_peer(name: str, python: str, args: argparse.Namespace, work: dict, tmp: 
     spec, out = tmp / f"{name}.spec.json", tmp / f"{name}.json"
     spec.write_text(json.dumps(work))
     cmd = [python, str(Path(__file__).resolve()), "--worker", name, str(spec), str(out)]
+    from a3po_jax.training import compilation  # the parent's: a worker needs none of it
+
     # The checkout first on the path: a peer's environment need not have the project installed.
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **(compilation.environment(cache_dir(tmp, name)) if name in JAX_ROWS else {}),
     }
     code, rss, tail = run_child(cmd, args.timeout, env)
     if code or not out.exists():
@@ -248,7 +279,19 @@ def run_peer(name: str, python: str, args: argparse.Namespace, work: dict, tmp: 
     return {**json.loads(out.read_text()), "status": "ran", "peak_rss_gb": rss}
 
 
+def run_row(name: str, args: argparse.Namespace, work: dict, tmp: Path) -> dict:
+    """One project's row (`run_a3po` or `run_peer` under the peer's interpreter)."""
+    if name == "a3po_jax":
+        return run_a3po(args, work, tmp)
+    python = {"trl": args.trl_python, "tunix": args.tunix_python}[name]
+    return run_peer(name, python, args, work, tmp)
+
+
 LABELS = {"a3po_jax": "a3po_jax", "trl": "TRL", "tunix": "Tunix"}
+CACHE_STATES = {
+    "cold": "cold (empty: every new shape compiles inside the run, as on a first run)",
+    "warm": "warm (filled by the same run just before: as on a re-run)",
+}
 
 
 def table(rows: dict[str, dict], work: dict) -> str:
@@ -287,22 +330,22 @@ def main(argv: list[str] | None = None) -> dict:
     machine = describe_machine()
     log(f"machine: {machine}")
     work = workload(args)
-    pythons = {"trl": args.trl_python, "tunix": args.tunix_python}
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_peers.") as tmp:
         for name in args.only.split(","):
+            if args.compile_cache == "warm" and name in JAX_ROWS:
+                log(f"{name}: filling its compilation cache (the same run, unmeasured)")
+                run_row(name, args, work, Path(tmp))
             log(f"{name}: running ({args.warmup} + {args.steps} steps)")
             t0, load = time.perf_counter(), os.getloadavg()[0]
-            if name == "a3po_jax":
-                rows[name] = run_a3po(args, work, Path(tmp))
-            else:
-                rows[name] = run_peer(name, pythons[name], args, work, Path(tmp))
+            rows[name] = run_row(name, args, work, Path(tmp))
             # Other processes on the machine slow a row: the 1-minute load at its start and end.
             rows[name]["load_avg"] = [load, os.getloadavg()[0]]
             log(f"{name}: {rows[name]['status']} in {time.perf_counter() - t0:.0f} s")
     result = {
         "machine": machine,
         "workload": {k: v for k, v in work.items() if k != "model_dir"},
+        "compile_cache": args.compile_cache,
         "rows": rows,
         "ratio_step_a3po_over_peer": ratios(rows),
         "target": TARGET,
@@ -316,9 +359,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"machine: {machine['cpu']} ({machine['cores']} cores, {' '.join(machine['isa'])}), "
         f"{machine['device']}"
     )
+    print(f"JAX rows' compilation caches: {CACHE_STATES[args.compile_cache]}")
     if rows.get("a3po_jax", {}).get("status") == "ran":
         slots = rows["a3po_jax"]["slots"]
         print(f"a3po_jax decodes up to {slots} samples at once (rollout.num_slots)")
+        compiled = rows["a3po_jax"]["compile_s"]
+        print(f"a3po_jax compiled for {compiled:.1f} s in its counted steps (time/compile_s)")
     print(table(rows, work))
     loads = ", ".join(
         f"{LABELS[n]} {r['load_avg'][0]:.1f} -> {r['load_avg'][1]:.1f}" for n, r in rows.items()

@@ -38,6 +38,9 @@ def test_each_row_is_measured_or_says_why_not(capsys):
     assert out[1].startswith(f"machine: {result['machine']['cpu']}")
     assert "| | step s | generation s | train s | tokens per answer | peak memory |" in out
     assert "a3po_jax decodes up to 4 samples at once (rollout.num_slots)" in out
+    assert rows["a3po_jax"]["compile_s"] >= 0
+    assert "JAX rows' compilation caches: cold (empty: " in out[2]
+    assert any(line.startswith("a3po_jax compiled for ") for line in out)
     assert any(line.startswith("| TRL 1.16") for line in out)
     if rows["tunix"]["status"] != "ran":
         assert any(line.startswith("| Tunix | not installed") for line in out)
