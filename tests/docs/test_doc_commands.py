@@ -331,6 +331,8 @@ COMMANDS: dict[str, object] = {
     "python scripts/bench_packing.py": PARSE_ONLY,
     "python scripts/bench_elastic.py": PARSE_ONLY,
     "python scripts/bench_peers.py --tunix-python .venv-tunix/bin/python": PARSE_ONLY,
+    "python scripts/bench_peers.py --only a3po_jax,trl --compile-cache cold": PARSE_ONLY,
+    "python scripts/bench_peers.py --only a3po_jax,trl --compile-cache warm": PARSE_ONLY,
     "python scripts/bench_peers.py --tunix-python .venv-tunix/bin/python "
     "model.remat=false system.run.mmap_threshold_mib=0": PARSE_ONLY,
     "bash scripts/setup.sh --tunix": Replace(
