@@ -38,6 +38,7 @@ from a3po_jax.inference.host import InferenceHost
 from a3po_jax.inference.remote import grpc_server, membership_file
 from a3po_jax.inference.remote.grpc_messages import TOKEN_ENV
 from a3po_jax.inference.update_policy import UPDATE_POLICIES
+from a3po_jax.training import compilation
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-seed", type=int, default=0, help="params seed for --model tiny")
     parser.add_argument("--max-streams", type=int, default=512)
     parser.add_argument("--warmup", action="store_true", help="compile every bucket first")
+    parser.add_argument(
+        "--compile-cache-dir",
+        default=compilation.DEFAULT_DIR,
+        help="JAX's persistent compilation cache: a restarted or joining host loads what an "
+        "earlier one compiled ('' = none; JAX_COMPILATION_CACHE_DIR wins); default %(default)s",
+    )
     parser.add_argument(
         "--weight-port", type=int, default=0, help="TCP port for weight pushes (0: any free)"
     )
@@ -120,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent(args.exit_with_parent)
         _watch_parent(args.exit_with_parent, stop)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    try:
+        # Before the first program compiles.
+        compilation.enable(args.compile_cache_dir, setting="--compile-cache-dir")
+    except ValueError as err:
+        sys.exit(f"a3po-serve: {err}")
 
     token, token_path = grpc_server.resolve_token(args.token_file)
     config, params = grpc_server.load_model(

@@ -249,6 +249,9 @@ def validate(experiment: str, overrides: list[str], *, resume: bool = False) -> 
     preflight(cfg)
     check_placement(cfg)
     remove_empty_dirs(make_run_dir(cfg.run_dir))
+    if cfg.system.run.compile_cache_dir:  # the run makes it at its start
+        cache = os.path.expanduser(cfg.system.run.compile_cache_dir)
+        remove_empty_dirs(make_run_dir(cache, "system.run.compile_cache_dir"))
     return cfg
 
 
@@ -265,6 +268,9 @@ def preflight(cfg: TrainConfig, *, replay: bool = False):
         raise Refused(f"config error: {err}") from err
     if cfg.system.placement.inference_hosts:
         _read_token(cfg.system.placement.host_token_file)
+    if cfg.system.run.compile_cache_dir:
+        cache = os.path.expanduser(cfg.system.run.compile_cache_dir)
+        check_run_dir_creatable(cache, "system.run.compile_cache_dir")
     from a3po_jax.tasks import make_task
 
     what = f"task.name={cfg.task.name!r} with task.options={cfg.task.options}"
@@ -426,7 +432,7 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool) -> int:
     return step if resume and cfg.checkpoint_every else 0
 
 
-def _missing_dirs(run_dir: str) -> list[Path]:
+def _missing_dirs(run_dir: str, field: str = "run_dir") -> list[Path]:
     """The directories that creating ``run_dir`` would make, outermost first.
 
     Raises:
@@ -439,30 +445,31 @@ def _missing_dirs(run_dir: str) -> list[Path]:
             missing.append(path)
             path = path.parent
         if not path.is_dir():
-            raise Refused(f"config error: run_dir={run_dir!r}: {path} is not a directory")
+            raise Refused(f"config error: {field}={run_dir!r}: {path} is not a directory")
     except (OSError, ValueError) as err:
-        raise Refused(f"config error: run_dir={run_dir!r} cannot be used: {err}") from err
+        raise Refused(f"config error: {field}={run_dir!r} cannot be used: {err}") from err
     return missing[::-1]
 
 
-def check_run_dir_creatable(run_dir: str) -> None:
+def check_run_dir_creatable(run_dir: str, field: str = "run_dir") -> None:
     """Refuses a run dir that cannot be made, or written in, without making it: its
     nearest existing directory must let this process create entries (``os.access``, which
     sees read-only filesystems even for root). :func:`make_run_dir` is the real test."""
-    missing = _missing_dirs(run_dir)
+    missing = _missing_dirs(run_dir, field)
     existing = missing[0].parent if missing else Path(run_dir).absolute()
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise Refused(f"config error: run_dir={run_dir!r}: {existing} is not writable")
+        raise Refused(f"config error: {field}={run_dir!r}: {existing} is not writable")
 
 
-def make_run_dir(run_dir: str) -> list[Path]:
+def make_run_dir(run_dir: str, field: str = "run_dir") -> list[Path]:
     """Creates ``run_dir`` and checks that a file can be made in it (an unnamed one, gone
     at once); returns the directories it created. Undoes its own directories and refuses
-    when it cannot: nothing is left of a run dir that cannot hold the run."""
-    check_run_dir_creatable(run_dir)
+    when it cannot: nothing is left of a run dir that cannot hold the run. ``field`` is the
+    setting the refusal names (another directory a run writes, as the compilation cache)."""
+    check_run_dir_creatable(run_dir, field)
     created: list[Path] = []
     try:
-        for directory in _missing_dirs(run_dir):
+        for directory in _missing_dirs(run_dir, field):
             try:
                 directory.mkdir()
             except FileExistsError:  # another process of the job made it meanwhile
@@ -474,7 +481,7 @@ def make_run_dir(run_dir: str) -> list[Path]:
         remove_empty_dirs(created)
         reason = err.strerror or str(err)
         raise Refused(
-            f"config error: run_dir={run_dir!r} cannot be created or written: {reason}"
+            f"config error: {field}={run_dir!r} cannot be created or written: {reason}"
             + (f" ({err.filename})" if err.filename else "")
         ) from err
     return created

@@ -40,12 +40,12 @@ def environment(directory: str | Path) -> dict[str, str]:
     }
 
 
-def enable(directory: str) -> str | None:
+def enable(directory: str, *, setting: str = "system.run.compile_cache_dir") -> str | None:
     """Turns JAX's persistent compilation cache on in ``directory`` (``~`` expanded, made
     if missing), unless the process already chose: returns the directory programs are
     cached in, or None when there is none (``directory`` empty, or the cache turned off).
     The environment gets the same settings, so the processes a run starts (the split host)
-    share the cache."""
+    share the cache. A directory that cannot be made is a ValueError naming ``setting``."""
     import jax  # here: the config imports DEFAULT_DIR without starting JAX
 
     if not jax.config.jax_enable_compilation_cache:
@@ -61,9 +61,7 @@ def enable(directory: str) -> str | None:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as err:
-        raise ValueError(
-            f"system.run.compile_cache_dir={directory!r} cannot be made: {err}"
-        ) from err
+        raise ValueError(f"{setting}={directory!r} cannot be made: {err}") from err
     env = environment(path)
     os.environ.update(env)
     jax.config.update("jax_compilation_cache_dir", env["JAX_COMPILATION_CACHE_DIR"])

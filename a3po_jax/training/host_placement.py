@@ -78,6 +78,7 @@ def start_local_host(cfg, *, num_slots: int, prefill_buckets: Sequence[int], max
         prefill_buckets=prefill_buckets,
         max_cache_len=max_cache_len,
         batch_invariant=cfg.rollout.batch_invariant,
+        compile_cache_dir=cfg.system.run.compile_cache_dir,
     ).start()
 
 

@@ -298,8 +298,11 @@ def test_paths_that_cannot_be_used_are_refused_naming_the_field(workdir, key):
     a_file = workdir / "a_file"
     a_file.write_text("")
     bad = [str(a_file / "below"), "/proc/forbidden/x"]
-    # A run dir must be a directory it can make; a file must exist and be a file.
-    bad += [str(a_file)] if key == "run_dir" else [str(workdir / "missing" / "file"), str(workdir)]
+    # A directory (the run's, the compilation cache) must be one it can make; a file must
+    # exist and be a file.
+    bad += (
+        [str(a_file)] if key.endswith("_dir") else [str(workdir / "missing" / "file"), str(workdir)]
+    )
     for text in bad:
         extra = (
             ["system.placement.inference_hosts=localhost:1"]

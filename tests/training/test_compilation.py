@@ -124,3 +124,25 @@ def test_compile_seconds_count_a_new_program_once():
     assert compilation.compile_seconds() == made
     f(jnp.arange(12.0)).block_until_ready()  # a new shape: a new program
     assert compilation.compile_seconds() > made
+
+
+@pytest.mark.e2e  # starts a gRPC server process
+def test_a_served_host_compiles_into_its_compile_cache_dir(tmp_path, monkeypatch):
+    """``a3po-serve --compile-cache-dir``: a restarted or joining host loads its programs."""
+    from helpers.inference_reference import start_grpc_server, stop_grpc_server
+
+    for name in [k for k in os.environ if k.startswith("JAX_COMPILATION_CACHE")]:
+        monkeypatch.delenv(name)  # the suite's own cache would win
+    cache = tmp_path / "cache"
+    args = ["--prefill-buckets", "8", "--warmup", "--compile-cache-dir", str(cache)]
+    proc, _ = start_grpc_server(tmp_path / "token", *args)
+    try:
+        assert len(list(cache.iterdir())) >= 2  # the warm-up's prefill and decode programs
+    finally:
+        stop_grpc_server(proc)
+    blocked = tmp_path / "token" / "cache"  # under a file: cannot be made
+    done = subprocess.run(
+        [sys.executable, "-m", "a3po_jax.cli.serve", "--compile-cache-dir", str(blocked)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode != 0 and "--compile-cache-dir=" in done.stderr

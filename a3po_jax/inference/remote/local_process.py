@@ -91,6 +91,9 @@ class LocalHostProcess:
       num_slots, prefill_buckets, max_cache_len, batch_invariant: the host's engine
         (`InferenceHost`).
       start_timeout_s: seconds allowed until the child serves (it loads and compiles).
+      compile_cache_dir: the child's JAX persistent compilation cache (the run's
+        ``system.run.compile_cache_dir``; "" = none, unless this process's environment
+        names one, which the child inherits).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class LocalHostProcess:
         max_cache_len: int | None = None,
         batch_invariant: bool = False,
         start_timeout_s: float = 600.0,
+        compile_cache_dir: str = "",
     ):
         if not cores:
             raise ValueError("cores must name at least one CPU")
@@ -119,6 +123,7 @@ class LocalHostProcess:
             "--init-seed", str(init_seed),
             "--num-slots", str(num_slots),
             "--prefill-buckets", ",".join(str(int(b)) for b in prefill_buckets),
+            "--compile-cache-dir", compile_cache_dir,
         ]  # fmt: skip
         if max_cache_len is not None:
             self._args += ["--max-cache-len", str(max_cache_len)]
