@@ -19,7 +19,7 @@ Rows of the report (:func:`report_rows`):
   (``time/reward_s``) and, under a reward model, the verifier's gold score at both ends;
 * steps trained (and skipped), wall time (from the start of the first evaluation or step
   logged to the last record; a resumed run's downtime is in it) and the share of it spent
-  evaluating, peak memory;
+  evaluating and compiling (``time/compile_s``), peak memory;
 * staleness seen (exact, from the per-step histograms ``staleness/counts``) against the
   bound η;
 * which side waited: the trainer's share of its step time spent waiting for rollouts and
@@ -286,9 +286,11 @@ def report_rows(
         own = first.get("time/eval_s" if first["step"] == 0 else "time/step_s", 0.0)
         wall = records[-1]["wall_time"] - (first["wall_time"] - own)
         _, evals = series(records, "time/eval_s")
-        rows.append(
-            ("wall time", f"{_duration(wall)} (held-out evaluation {_duration(evals.sum())})")
-        )
+        _, compiling = series(records, "time/compile_s")
+        parts = f"held-out evaluation {_duration(evals.sum())}"
+        if len(compiling):  # what a re-run with the compilation cache saves most of
+            parts += f", compiling {_duration(compiling.sum())}"
+        rows.append(("wall time", f"{_duration(wall)} ({parts})"))
     _, rss = series(records, "mem/peak_rss_gb")
     _, device = series(records, "mem/device_peak_gb")
     _, reward_model = series(records, "mem/reward_model_gb")

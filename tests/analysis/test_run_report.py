@@ -138,6 +138,13 @@ def test_report_rows_by_hand():
     # From the start of the step-0 evaluation (1000 - 4) to the last record (1060): 64 s.
     assert rows["wall time"] == "1:04 (held-out evaluation 0:10)"
     assert rows["peak memory"] == "1.60 GiB resident (process)"
+    # A run that recorded its compiling: every step's time/compile_s, added (20 + 5 x 2 s).
+    compiled = [
+        {**r, "time/compile_s": 20.0 if r["step"] == 1 else 2.0} if "time/step_s" in r else r
+        for r in records_of_a_run()
+    ]
+    wall = dict(report_rows(compiled, CONFIG, ledger=None))["wall time"]
+    assert wall == "1:04 (held-out evaluation 0:10, compiling 0:30)"
     # Six steps of [30, 10] tokens at d = 0, 1: mean 10/40.
     assert rows["staleness of trained tokens"] == (
         "max 1 (bound η = 1), mean 0.25; at d = 0..1: 75% 25%"
