@@ -215,8 +215,9 @@ def run_a3po(args: argparse.Namespace, work: dict, tmp: Path) -> dict:
         f"rollout.num_slots={work['a3po_slots']}",
         f"system.run.compile_cache_dir={cache_dir(tmp, 'a3po_jax')}", *args.overrides,
     ]  # fmt: skip
-    # The run's own setting, not a cache this process may have (JAX_COMPILATION_CACHE_DIR).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    # The run's own setting, not a cache this process may have, or have turned off.
+    own = ("JAX_COMPILATION_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(own)}
     code, rss, tail = run_child(cmd, args.timeout, env)
     if code:
         last = tail.strip().splitlines()[-1:] or ["no output"]

@@ -32,8 +32,10 @@ DEFAULT_DIR = "~/.cache/a3po_jax/jax_compilation_cache"
 
 def environment(directory: str | Path) -> dict[str, str]:
     """The environment variables that put a process's cache in ``directory``, every program
-    cached: a run's many small ones load as fast as they compile, its big ones faster."""
+    cached: a run's many small ones load as fast as they compile, its big ones faster. The
+    cache is turned on too, whatever the environment they are added to says."""
     return {
+        "JAX_ENABLE_COMPILATION_CACHE": "true",
         "JAX_COMPILATION_CACHE_DIR": str(directory),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",

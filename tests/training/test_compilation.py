@@ -18,6 +18,9 @@ import pytest
 from a3po_jax.training import compilation
 
 REPO = Path(__file__).resolve().parents[2]
+# What tests/conftest.py sets for the suite's own cache, or to turn it off
+# (A3PO_TEST_COMPILE_CACHE=off): a case's process starts without it.
+SUITE_CACHE = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
 
 # Cases in the order a process can meet them: nothing chosen yet, then chosen, then off.
 SCRIPT = r"""
@@ -48,11 +51,7 @@ print(json.dumps(out))
 
 
 def run_cases(tmp_path: Path, cache: Path, **env_extra: str) -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMP"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SUITE_CACHE)}
     env.update(JAX_PLATFORMS="cpu", **env_extra)
     other = tmp_path / "other" / "cache"
     other.parent.mkdir(exist_ok=True)
@@ -94,7 +93,7 @@ def test_a_cache_the_process_chose_or_turned_off_is_kept(tmp_path):
 def test_a_run_compiles_into_its_compile_cache_dir(tmp_path):
     """``system.run.compile_cache_dir`` reaches the run: its programs land there."""
     cache = tmp_path / "cache"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SUITE_CACHE)}
     cmd = [
         sys.executable, "-m", "a3po_jax.cli.train", "experiments/smoke_tiny.py", "steps=1",
         f"run_dir={tmp_path / 'run'}", "checkpoint_every=0", "evaluate=false",
@@ -131,8 +130,8 @@ def test_a_served_host_compiles_into_its_compile_cache_dir(tmp_path, monkeypatch
     """``a3po-serve --compile-cache-dir``: a restarted or joining host loads its programs."""
     from helpers.inference_reference import start_grpc_server, stop_grpc_server
 
-    for name in [k for k in os.environ if k.startswith("JAX_COMPILATION_CACHE")]:
-        monkeypatch.delenv(name)  # the suite's own cache would win
+    for name in [k for k in os.environ if k.startswith(SUITE_CACHE)]:
+        monkeypatch.delenv(name)  # the suite's own cache (or its turning it off) would win
     cache = tmp_path / "cache"
     args = ["--prefill-buckets", "8", "--warmup", "--compile-cache-dir", str(cache)]
     proc, _ = start_grpc_server(tmp_path / "token", *args)
