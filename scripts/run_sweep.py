@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     # In this process only when the runs are: with --subprocess the children get the cache
     # through their environment, and this process (a test's, say) keeps its own settings.
     if not args.dry_run and args.compile_cache and not args.subprocess:
-        compilation.enable(args.compile_cache)
+        compilation.enable(args.compile_cache, setting="--compile-cache")
 
     from a3po_jax.cli import train
 
