@@ -255,6 +255,9 @@ def _host_argv(
         cfg.model.compute_dtype,
         "--weight-port",
         str(weight_port),
+        # A restarted or joining host loads the programs the run's cache already holds.
+        "--compile-cache-dir",
+        cfg.system.run.compile_cache_dir,
     )
 
 

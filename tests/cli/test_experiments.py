@@ -20,6 +20,7 @@ from a3po_jax.analysis.sweeps import (
     resolve,
     run_name,
 )
+from a3po_jax.training import compilation
 from a3po_jax.training.config import (
     ConfigError,
     TaskSection,
@@ -522,6 +523,11 @@ def test_launch_join_host_dry_run_serves_the_runs_settings_and_joins_its_file(ca
     assert words[words.index("--advertise") + 1] == "10.0.0.3"
     assert words[words.index("--port") + 1] == "50061"
     assert words[words.index("--model") + 1] == "tiny"  # the run's model, not a flag's
+    # The run's compilation cache, "~" kept: a3po-serve expands it to the host's own home.
+    assert words[words.index("--compile-cache-dir") + 1] == compilation.DEFAULT_DIR
+    uncached = launch_dry(capsys, "join-host", *run, "system.run.compile_cache_dir=")
+    words = shlex.split(uncached["inference host"])
+    assert words[words.index("--compile-cache-dir") + 1] == ""
     launch = load_script("launch")
     with pytest.raises(SystemExit, match="sets no system.placement.hosts_file"):
         launch.main(["join-host", "experiments/smoke_tiny.py", "--dry-run"])
