@@ -23,7 +23,7 @@ pytestmark = [
 
 
 def test_bench_modes_compares_the_modes_in_both_placements(capsys):
-    bench_modes(["--steps", "4", "--warmup", "1", "--modes", "sync,async a3po"])
+    bench_modes(["--steps", "3", "--warmup", "1", "--modes", "sync,async a3po"])
     out = capsys.readouterr().out
     report = json.loads(out.splitlines()[-1])
     assert set(report["results"]) == {"shared", "split"}

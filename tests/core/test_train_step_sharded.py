@@ -2,13 +2,13 @@
 the same parameters as on one device. Runs in a subprocess: the device count is fixed when
 JAX starts, and the main test process has one device."""
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 from helpers.paths import REPO
+from helpers.processes import cpu_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -58,15 +58,12 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.multidevice
 def test_sharded_train_step_equals_unsharded():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT],
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=env,
+        env=cpu_env(8),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

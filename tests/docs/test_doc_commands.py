@@ -144,11 +144,13 @@ COMMANDS: dict[str, object] = {
     "--zone us-east5-a --workers 4 --inference-tpu my-v5e-8 --inference-address 10.0.0.7 "
     "--dry-run": AS_WRITTEN,
     # docs/scale-out.md: a run resumed on another number of devices (a tiny run on 4
-    # virtual devices resumed on 2, as written but shorter; the pod's settings resolve).
+    # virtual devices resumed on 2: two steps, then one after the resume, where the page's
+    # runs longer: tests/e2e/test_resume_on_another_mesh.py checks what the resume trains;
+    # the pod's settings resolve).
     "XLA_FLAGS=--xla_force_host_platform_device_count=4 a3po-train experiments/smoke_tiny.py "
-    "steps=4 checkpoint_every=2 run_dir=runs/mesh": AS_WRITTEN,
+    "steps=4 checkpoint_every=2 run_dir=runs/mesh": TINY_RUN,
     "XLA_FLAGS=--xla_force_host_platform_device_count=2 a3po-train experiments/smoke_tiny.py "
-    "checkpoint_every=2 run_dir=runs/mesh --resume": Append("steps=6"),
+    "checkpoint_every=2 run_dir=runs/mesh --resume": Append("steps=3"),
     "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.mesh.data=2 system.mesh.fsdp=2 "
     "--resume": PRINT_CONFIG,
     # docs/scale-out.md: a run's hosts growing and shrinking through its hosts file (the

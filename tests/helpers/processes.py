@@ -38,11 +38,11 @@ def cpu_env(devices: int, **extra: str) -> dict[str, str]:
 
 def run_file_on_devices(test_file: str, devices: int, keyword: str, **env: str) -> None:
     """Runs the tests of `test_file` whose names hold `keyword` in a child pytest with N
-    virtual CPU devices (XLA's default code generation) and fails unless every one of them
-    ran and passed: none skipped for want of devices."""
+    virtual CPU devices (the suite's cheaper code generation) and fails unless every one of
+    them ran and passed: none skipped for want of devices."""
     child_env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {CHEAP_CODEGEN}",
         "JAX_PLATFORMS": "cpu",
         "A3PO_TEST_BUDGET_S": "0",  # the child's tests are the parts of one multidevice test
         **env,

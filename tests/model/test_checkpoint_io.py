@@ -417,20 +417,22 @@ def test_smollm2_gguf_logits_equal_transformers(smollm2):
 def test_smollm2_greedy_equals_transformers_generate(smollm2):
     config, params, tokenizer, hf = smollm2
     n_new = 8
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt)["input_ids"]
-        ours = greedy_generate(
-            params, config, jnp.array([ids], jnp.int32), jnp.array([len(ids)]), n_new
-        )[0].tolist()
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    # One right-padded batch: a single prefill and decode program for the three prompts.
+    tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    for row, seq in enumerate(ids):
+        tokens[row, : len(seq)] = seq
+    lengths = jnp.array([len(seq) for seq in ids], jnp.int32)
+    ours = np.asarray(greedy_generate(params, config, jnp.asarray(tokens), lengths, n_new))
+    for prompt, seq, row in zip(PROMPTS, ids, ours, strict=True):
         with torch.no_grad():
             out = hf.generate(
-                torch.tensor([ids]), max_new_tokens=n_new, do_sample=False, eos_token_id=None
+                torch.tensor([seq]), max_new_tokens=n_new, do_sample=False, eos_token_id=None
             )
-        theirs = out[0, len(ids) :].tolist()
-        assert ours == theirs, (prompt, tokenizer.decode(ours), tokenizer.decode(theirs))
-    ids = tokenizer("The capital of France is")["input_ids"]
-    paris = greedy_generate(params, config, jnp.array([ids]), jnp.array([len(ids)]), 3)
-    assert tokenizer.decode(paris[0]).startswith(" Paris.")
+        theirs = out[0, len(seq) :].tolist()
+        assert row.tolist() == theirs, (prompt, tokenizer.decode(row), tokenizer.decode(theirs))
+    assert PROMPTS[0] == "The capital of France is"
+    assert tokenizer.decode(ours[0][:3]).startswith(" Paris.")
 
 
 # ---------------------------------------------------------------------------------------------
