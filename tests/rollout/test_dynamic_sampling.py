@@ -563,7 +563,9 @@ def test_kill_9_then_resume_with_dynamic_sampling(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+        JAX_COMPILATION_CACHE_DIR=os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache")
+        ),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     cmd = [
