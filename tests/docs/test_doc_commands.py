@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.codegen import CHEAP_CODEGEN
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -145,12 +146,21 @@ COMMANDS: dict[str, object] = {
     "--dry-run": AS_WRITTEN,
     # docs/scale-out.md: a run resumed on another number of devices (a tiny run on 4
     # virtual devices resumed on 2: two steps, then one after the resume, where the page's
-    # runs longer: tests/e2e/test_resume_on_another_mesh.py checks what the resume trains;
-    # the pod's settings resolve).
+    # runs longer, compiled with the suite's cheaper code generation beside the device
+    # count; tests/e2e/test_resume_on_another_mesh.py checks what the resume trains; the
+    # pod's settings resolve).
     "XLA_FLAGS=--xla_force_host_platform_device_count=4 a3po-train experiments/smoke_tiny.py "
-    "steps=4 checkpoint_every=2 run_dir=runs/mesh": TINY_RUN,
+    "steps=4 checkpoint_every=2 run_dir=runs/mesh": Replace(
+        f"XLA_FLAGS='--xla_force_host_platform_device_count=4 {CHEAP_CODEGEN}' a3po-train "
+        "experiments/smoke_tiny.py steps=4 checkpoint_every=2 run_dir=runs/mesh steps=2",
+        "two steps on 4 devices, the suite's code generation",
+    ),
     "XLA_FLAGS=--xla_force_host_platform_device_count=2 a3po-train experiments/smoke_tiny.py "
-    "checkpoint_every=2 run_dir=runs/mesh --resume": Append("steps=3"),
+    "checkpoint_every=2 run_dir=runs/mesh --resume": Replace(
+        f"XLA_FLAGS='--xla_force_host_platform_device_count=2 {CHEAP_CODEGEN}' a3po-train "
+        "experiments/smoke_tiny.py checkpoint_every=2 run_dir=runs/mesh --resume steps=3",
+        "one step after the resume on 2 devices, the suite's code generation",
+    ),
     "a3po-train experiments/a3po_qwen25_1p5b_gsm8k.py system.mesh.data=2 system.mesh.fsdp=2 "
     "--resume": PRINT_CONFIG,
     # docs/scale-out.md: a run's hosts growing and shrinking through its hosts file (the
