@@ -23,7 +23,14 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["COMPILE_EVENTS", "DEFAULT_DIR", "compile_seconds", "enable", "environment"]
+__all__ = [
+    "COMPILE_EVENTS",
+    "DEFAULT_DIR",
+    "ProgramBound",
+    "compile_seconds",
+    "enable",
+    "environment",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,3 +110,39 @@ def compile_seconds() -> float:
             jax.monitoring.register_event_duration_secs_listener(_count)
             _clock["listening"] = True
         return _clock["seconds"]
+
+
+class ProgramBound:
+    """At most ``limit`` input shapes' compiled programs of a jitted function kept in memory
+    (``system.run.max_train_programs``; 0 = every one).
+
+    Each new packed shape of the train step compiles a program that stays resident in the
+    process (tens of MiB on SmolLM2; docs/performance.md, "The main job"). Called with a
+    step's input arrays before the step runs: when they have a shape not seen since the
+    last clearing and ``limit`` shapes are already kept, the function's in-memory programs
+    are dropped (``clear_cache``), and the shapes met after that compile again, or load from
+    the persistent compilation cache. A program compiled again is the same program: the
+    step computes the same numbers.
+    """
+
+    def __init__(self, fn, limit: int):
+        if limit < 0:
+            raise ValueError(f"ProgramBound: limit={limit} must be >= 0 (0 = no bound)")
+        self.fn, self.limit = fn, limit
+        self.shapes: set[tuple] = set()
+        self.clears = 0
+
+    def __call__(self, arrays) -> bool:
+        """Notes the shapes of ``arrays`` (a mapping of arrays); True if this call dropped
+        the function's programs."""
+        key = tuple(sorted((name, tuple(a.shape), str(a.dtype)) for name, a in arrays.items()))
+        if key in self.shapes:
+            return False
+        cleared = bool(self.limit) and len(self.shapes) >= self.limit
+        if cleared:
+            self.fn.clear_cache()
+            self.shapes.clear()
+            self.clears += 1
+            log.info("dropped %s's compiled programs (%d shapes kept at most)", self.fn, self.limit)
+        self.shapes.add(key)
+        return cleared

@@ -182,12 +182,17 @@ class RunSection:
     # or the split host loads what an earlier process compiled; "" = none. A cache the
     # process already has (JAX_COMPILATION_CACHE_DIR) is kept.
     compile_cache_dir: str = compilation.DEFAULT_DIR
+    # Compiled train-step programs kept in memory, one per packed shape met: a new shape past
+    # this many drops them, and the shapes after compile again or load from the cache above
+    # (compilation.ProgramBound: a lower peak on a CPU; docs/performance.md). 0 = keep all.
+    max_train_programs: int = 3
 
     def __post_init__(self):
         _check_types("system.run", self)
         _positive("system.run", "max_nonfinite_steps", self.max_nonfinite_steps)
         _positive("system.run", "trim_heap_every_s", self.trim_heap_every_s, allow_zero=True)
         _positive("system.run", "mmap_threshold_mib", self.mmap_threshold_mib, allow_zero=True)
+        _positive("system.run", "max_train_programs", self.max_train_programs, allow_zero=True)
 
 
 # The sub-sections by their name in the system section.

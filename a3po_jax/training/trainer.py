@@ -51,7 +51,7 @@ from a3po_jax.parallel import distributed
 from a3po_jax.rollout.evaluation import HeldOutEvaluation, evaluation_line
 from a3po_jax.rollout.ledger import Ledger, ledger_path
 from a3po_jax.rollout.queue import RolloutQueue, WaitInterrupted
-from a3po_jax.training import heap, host_placement, schedules
+from a3po_jax.training import compilation, heap, host_placement, schedules
 from a3po_jax.training.build import Policy, build_run, load_policy, refuse_unsupported
 from a3po_jax.training.config import TrainConfig
 from a3po_jax.training.follower import follow_leader
@@ -115,6 +115,9 @@ class Trainer:
         self.mesh, self.algo, self.optimizer = train.mesh, train.algo, train.optimizer
         self.state, self.ref_params = train.state, train.ref_params
         self._train_step, self._batch_sharding = train.train_step, train.batch_sharding
+        self._programs = compilation.ProgramBound(
+            self._train_step, cfg.system.run.max_train_programs
+        )
         self._kl_in_reward = None
         if self.algo.kl_in_reward is not None:
             self._kl_in_reward = jax.jit(functools.partial(ts.kl_in_reward, algo=self.algo))
@@ -237,9 +240,9 @@ class Trainer:
     def train_on(self, groups: list[RolloutGroup]) -> tuple[TrainBatch, dict]:
         """Dispatches the jitted step on the batch of ``groups`` (not waited for)."""
         made = self.step_batch(groups, self.plan)
-        self.state, metrics = self._train_step(
-            self.state, self._step_input(made.arrays), self.ref_params
-        )
+        arrays = self._step_input(made.arrays)
+        self._programs(arrays)
+        self.state, metrics = self._train_step(self.state, arrays, self.ref_params)
         return made.batch, metrics
 
     def stop_while_waiting(self) -> Callable[[], bool] | None:
@@ -411,9 +414,9 @@ class Trainer:
         """Every process but 0: :func:`a3po_jax.training.follower.follow_leader`."""
 
         def train_step() -> bool:
-            self.state, metrics = self._train_step(
-                self.state, self._step_input(None), self.ref_params
-            )
+            arrays = self._step_input(None)
+            self._programs(arrays)
+            self.state, metrics = self._train_step(self.state, arrays, self.ref_params)
             return bool(jax.device_get(metrics["step/skipped"]))
 
         try:

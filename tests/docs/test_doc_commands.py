@@ -113,6 +113,7 @@ COMMANDS: dict[str, object] = {
     "a3po-train experiments/quickstart_a3po.py eval_every=8": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.run.mmap_threshold_mib=0": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.run.compile_cache_dir=": PRINT_CONFIG,
+    "a3po-train experiments/quickstart_a3po.py system.run.max_train_programs=0": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py model.remat=false "
     "system.run.mmap_threshold_mib=0": PRINT_CONFIG,
     "a3po-train experiments/quickstart_a3po.py system.mode=sync rollout.temperature=1.0 "

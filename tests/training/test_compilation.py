@@ -13,9 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from a3po_jax.training import compilation
+from a3po_jax.training.config import ConfigError, RunSection
 
 REPO = Path(__file__).resolve().parents[2]
 # What tests/conftest.py sets for the suite's own cache, or to turn it off
@@ -145,3 +149,25 @@ def test_a_served_host_compiles_into_its_compile_cache_dir(tmp_path, monkeypatch
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert done.returncode != 0 and "--compile-cache-dir=" in done.stderr
+
+
+def test_a_program_bound_drops_the_programs_past_its_limit_and_the_numbers_stay():
+    f = jax.jit(lambda x: jnp.tanh(x) * 2.5 - x / 7.0)
+    bound = compilation.ProgramBound(f, 2)
+    shapes = [(3,), (4,), (3,), (5,), (3,)]
+    got, kept = [], []
+    for shape in shapes:
+        x = {"x": jnp.linspace(-1.0, 1.0, shape[0])}
+        cleared = bound(x)
+        got.append((cleared, f._cache_size()))
+        kept.append(np.asarray(f(x["x"])))
+    # (3,) and (4,) compile and stay; (3,) again is kept; (5,) is a third shape: both go.
+    assert got == [(False, 0), (False, 1), (False, 2), (True, 0), (False, 1)]
+    assert bound.clears == 1 and f._cache_size() == 2
+    np.testing.assert_array_equal(kept[4], kept[0])  # compiled again: the same numbers
+    unbounded = compilation.ProgramBound(f, 0)
+    assert not any(unbounded({"x": jnp.zeros(n)}) for n in range(1, 8))
+    with pytest.raises(ValueError, match="limit=-1"):
+        compilation.ProgramBound(f, -1)
+    with pytest.raises(ConfigError, match="system.run.max_train_programs"):
+        RunSection(max_train_programs=-1)

@@ -55,6 +55,7 @@ VALUES = {
     "trim_heap_every_s": ("0.0", ()),
     "mmap_threshold_mib": ("0", ()),
     "compile_cache_dir": ("/tmp/jax-cache", ()),
+    "max_train_programs": ("0", ()),
 }
 
 
