@@ -240,10 +240,15 @@ class Trainer:
     def train_on(self, groups: list[RolloutGroup]) -> tuple[TrainBatch, dict]:
         """Dispatches the jitted step on the batch of ``groups`` (not waited for)."""
         made = self.step_batch(groups, self.plan)
-        arrays = self._step_input(made.arrays)
+        return made.batch, self._dispatch_step(made.arrays)
+
+    def _dispatch_step(self, arrays: dict[str, np.ndarray] | None) -> dict:
+        """The jitted step on ``arrays`` (None on processes other than 0), its compiled
+        programs kept within ``system.run.max_train_programs``; returns its metrics."""
+        arrays = self._step_input(arrays)
         self._programs(arrays)
         self.state, metrics = self._train_step(self.state, arrays, self.ref_params)
-        return made.batch, metrics
+        return metrics
 
     def stop_while_waiting(self) -> Callable[[], bool] | None:
         """What a wait for rollouts asks to end early: this process's SIGTERM flag (one
@@ -414,9 +419,7 @@ class Trainer:
         """Every process but 0: :func:`a3po_jax.training.follower.follow_leader`."""
 
         def train_step() -> bool:
-            arrays = self._step_input(None)
-            self._programs(arrays)
-            self.state, metrics = self._train_step(self.state, arrays, self.ref_params)
+            metrics = self._dispatch_step(None)
             return bool(jax.device_get(metrics["step/skipped"]))
 
         try:
