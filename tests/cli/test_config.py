@@ -244,6 +244,33 @@ def test_importing_the_config_loads_no_optimizer_and_no_train_step():
     assert proc.stdout.strip() == "[]"
 
 
+def test_the_package_and_the_run_readers_start_without_jax():
+    """`import a3po_jax` loads its re-exported losses on first use: the commands that only
+    read a run directory (results, ledger) and every `--help` of theirs start without JAX,
+    and `from a3po_jax import decoupled_ppo_loss` still gives the core's function."""
+    code = (
+        "import sys; import a3po_jax, a3po_jax.cli.results, a3po_jax.cli.ledger; "
+        "print('jax' in sys.modules); from a3po_jax import decoupled_ppo_loss; "
+        "from a3po_jax.core import losses; print(decoupled_ppo_loss is losses.decoupled_ppo_loss); "
+        "print(all(getattr(a3po_jax, n) is getattr(losses, n) for n in a3po_jax.__all__)); "
+        "print(sorted(a3po_jax.__all__) == sorted(set(dir(a3po_jax)) & set(a3po_jax.__all__)))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True", "True", "True"]
+    with pytest.raises(AttributeError, match="no attribute 'not_a_loss'"):
+        import a3po_jax
+
+        a3po_jax.not_a_loss  # noqa: B018
+
+
 # --------------------------------------------------------------------------------------
 # Each objective's settings, and the flat names they had before.
 # --------------------------------------------------------------------------------------
