@@ -12,8 +12,9 @@ import pytest
 from helpers.codegen import CHEAP_CODEGEN
 from helpers.mappings import MAX_MAPPINGS, mappings
 
-# Tiers by folder and marker, and the unit-test time budget.
-pytest_plugins = ["helpers.tiers"]
+# Tiers by folder and marker, the unit-test time budget, and the per-test compile report
+# (A3PO_TEST_COMPILE_REPORT).
+pytest_plugins = ["helpers.tiers", "helpers.compile_report"]
 
 TESTS = Path(__file__).resolve().parent
 

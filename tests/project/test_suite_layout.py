@@ -3,6 +3,7 @@ file imports another, every marker is registered, and the unit-test budget fails
 unmarked test but not a marked one."""
 
 import ast
+import json
 import tomllib
 
 from helpers.paths import REPO, TESTS
@@ -128,3 +129,45 @@ def test_a_matrix_moves_further_cases_and_never_a_whole_test(pytester):
     result = pytester.runpytest_inprocess(*args)
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*every case of test_matrix.py::test_all_moved is marked matrix*"])
+
+
+COMPILES = """
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A shape no earlier run compiled: a persistent-cache hit would compile nothing.
+N = 1000 + time.time_ns() % 100_000
+
+
+def test_eager():
+    x = np.ones((N, 3), np.float32)  # no program: numpy's array is put as it is
+    (jnp.exp(x) * 3.0 + x).block_until_ready()
+
+
+def test_jitted():
+    x = np.ones((N, 5), np.float32)
+    jax.jit(lambda x: jnp.exp(x) * 3.0 + x)(x).block_until_ready()
+"""
+
+
+def test_the_compile_report_counts_each_tests_programs(pytester, monkeypatch, tmp_path):
+    """A3PO_TEST_COMPILE_REPORT writes one line per test: eager JAX compiles a program per
+    primitive (exp, multiply, add), one jit compiles one; the summary totals them by file."""
+    from helpers.compile_report import summary
+
+    pytester.makepyfile(test_compiles=COMPILES)
+    report = tmp_path / "compiles.jsonl"
+    monkeypatch.setenv("A3PO_TEST_COMPILE_REPORT", str(report))
+    result = pytester.runpytest_inprocess("-p", "helpers.compile_report", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    records = {r["test"]: r for r in map(json.loads, report.read_text().splitlines())}
+    assert set(records) == {"test_compiles.py::test_eager", "test_compiles.py::test_jitted"}
+    assert records["test_compiles.py::test_eager"]["programs"] >= 3
+    assert records["test_compiles.py::test_jitted"]["programs"] == 1
+    for r in records.values():
+        assert 0 < r["compile_s"] and 0 < r["lower_s"] and 0 < r["wall_s"]
+    table = summary(report).splitlines()
+    assert table[2].startswith("| test_compiles.py | 2 | ")
