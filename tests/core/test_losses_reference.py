@@ -4,13 +4,26 @@ advantages. The NumPy code loops over tokens on purpose: it shares no vectorised
 so no bug) with the JAX code.
 """
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from a3po_jax.core import losses as L
+
+
+def _jit(fn, **static):
+    """``fn`` with the keyword arguments ``static`` bound, as one compiled program per input
+    shape (kept across tests): eagerly every primitive compiles its own."""
+    return _jitted(fn, tuple(sorted(static.items())))
+
+
+@functools.cache
+def _jitted(fn, static):
+    return jax.jit(functools.partial(fn, **dict(static)))
 
 
 def np_decoupled_ppo(logp, prox, behav, adv, mask, eps_lo, eps_hi, dual, cap, cap_mode, agg):
@@ -85,23 +98,25 @@ def test_decoupled_ppo_matches_numpy(case):
     mask = (rng.uniform(size=(b, t)) > 0.3).astype(np.float64)
     mask[3] = 0.0  # an all-masked row
     prox_np = np_a3po_prox(logp, behav, d)
-    prox = L.a3po_prox_logp(jnp.asarray(logp), jnp.asarray(behav), jnp.asarray(d))
+    prox = _jit(L.a3po_prox_logp)(jnp.asarray(logp), jnp.asarray(behav), jnp.asarray(d))
     np.testing.assert_allclose(prox, prox_np, rtol=1e-5, atol=1e-5)
     expected = np_decoupled_ppo(
         logp, prox_np, behav, adv, mask, eps_lo, eps_hi, dual, cap, cap_mode, agg
     )
-    got, metrics = L.decoupled_ppo_loss(
-        jnp.asarray(logp, jnp.float32),
-        prox,
-        jnp.asarray(behav, jnp.float32),
-        jnp.asarray(adv, jnp.float32),
-        jnp.asarray(mask),
+    got, metrics = _jit(
+        L.decoupled_ppo_loss,
         clip_eps=eps_lo,
         clip_eps_high=eps_hi,
         dual_clip=dual,
         behav_weight_cap=cap,
         cap_mode=cap_mode,
         aggregation=agg,
+    )(
+        jnp.asarray(logp, jnp.float32),
+        prox,
+        jnp.asarray(behav, jnp.float32),
+        jnp.asarray(adv, jnp.float32),
+        jnp.asarray(mask),
     )
     assert np.isfinite(float(got))
     np.testing.assert_allclose(float(got), expected, rtol=1e-4, atol=1e-5)
@@ -111,7 +126,7 @@ def test_decoupled_ppo_matches_numpy(case):
 def test_all_masked_batch_is_finite_zero():
     z = jnp.zeros((2, 3))
     big = jnp.full((2, 3), 50.0)
-    loss, metrics = L.decoupled_ppo_loss(big, z, -big, jnp.ones((2, 3)), z, clip_eps=0.2)
+    loss, metrics = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(big, z, -big, jnp.ones((2, 3)), z)
     assert float(loss) == 0.0
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
@@ -121,7 +136,7 @@ def test_grpo_matches_numpy(normalize_std):
     rng = np.random.default_rng(7)
     r = rng.integers(0, 2, size=24).astype(np.float64)
     np.testing.assert_allclose(
-        L.grpo_advantages(jnp.asarray(r), 6, normalize_std=normalize_std),
+        _jit(L.grpo_advantages, group_size=6, normalize_std=normalize_std)(jnp.asarray(r)),
         np_grpo(r, 6, normalize_std),
         rtol=1e-5,
         atol=1e-5,
@@ -133,13 +148,17 @@ def test_rloo_kl_dpo_match_numpy():
     r = rng.normal(size=12)
     expected = [r[i] - (sum(r[(i // 4) * 4 : (i // 4) * 4 + 4]) - r[i]) / 3 for i in range(12)]
     # float32 vs float64: differences of O(1) numbers carry ~1e-7 absolute error.
-    np.testing.assert_allclose(L.rloo_advantages(jnp.asarray(r), 4), expected, rtol=1e-5, atol=1e-6)
+    rloo = _jit(L.rloo_advantages, group_size=4)
+    np.testing.assert_allclose(rloo(jnp.asarray(r)), expected, rtol=1e-5, atol=1e-6)
 
     logp, ref = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
     x = ref - logp
     for kind, ref_val in (("k1", -x), ("k2", x**2 / 2), ("k3", np.exp(x) - 1 - x)):
         np.testing.assert_allclose(
-            L.kl_penalty(jnp.asarray(logp), jnp.asarray(ref), kind), ref_val, rtol=1e-5, atol=1e-6
+            _jit(L.kl_penalty, kind=kind)(jnp.asarray(logp), jnp.asarray(ref)),
+            ref_val,
+            rtol=1e-5,
+            atol=1e-6,
         )
 
     c, rj, cr, rr = (rng.normal(size=6) * 5 for _ in range(4))
@@ -148,8 +167,9 @@ def test_rloo_kl_dpo_match_numpy():
     sig = np.mean([math.log1p(math.exp(-beta * hh)) for hh in h])
     ipo = np.mean((h - 1 / (2 * beta)) ** 2)
     args = [jnp.asarray(a, jnp.float32) for a in (c, rj, cr, rr)]
-    np.testing.assert_allclose(L.online_dpo_loss(*args, beta=beta)[0], sig, rtol=1e-5)
-    np.testing.assert_allclose(L.online_dpo_loss(*args, beta=beta, kind="ipo")[0], ipo, rtol=1e-5)
+    np.testing.assert_allclose(_jit(L.online_dpo_loss, beta=beta)(*args)[0], sig, rtol=1e-5)
+    ipo_loss = _jit(L.online_dpo_loss, beta=beta, kind="ipo")
+    np.testing.assert_allclose(ipo_loss(*args)[0], ipo, rtol=1e-5)
 
 
 def test_token_logprobs_matches_numpy():
@@ -162,5 +182,5 @@ def test_token_logprobs_matches_numpy():
             row = logits[b, t]
             m = row.max()
             expected[b, t] = row[targets[b, t]] - (m + math.log(np.exp(row - m).sum()))
-    got = L.token_logprobs(jnp.asarray(logits, jnp.float32), jnp.asarray(targets))
+    got = _jit(L.token_logprobs)(jnp.asarray(logits, jnp.float32), jnp.asarray(targets))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

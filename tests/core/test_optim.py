@@ -16,6 +16,18 @@ from a3po_jax.core.stats import Stats
 CFG = model.ModelConfig.tiny()
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _optax_step(opt, grads, state, params):
+    """optax's own update over the whole tree, applied, with the updates' norm: one compiled
+    program, where eagerly every primitive of every leaf compiles its own."""
+    updates, new_state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), new_state, optax.tree.norm(updates)
+
+
+def _random_like(key, leaves):
+    return [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(key, leaves, strict=True)]
+
+
 @pytest.mark.parametrize("grad_clip", [0.0, 1.0, 1e-3])
 def test_apply_grads_is_optax_clip_then_adamw(grad_clip):
     """The update (one scale for 1/count and the clip, a branch for the skip, norms as dot
@@ -24,33 +36,37 @@ def test_apply_grads_is_optax_clip_then_adamw(grad_clip):
     params = model.init_params(CFG, jax.random.key(0))
     opt = optim.make_optimizer(learning_rate=1e-2, weight_decay=0.1)
     state = optim.TrainState(
-        params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32)
+        params=params, opt_state=jax.jit(opt.init)(params), step=jnp.zeros((), jnp.int32)
     )
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    grad_sums = treedef.unflatten(
-        [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-    )
+    grad_sums = treedef.unflatten(jax.jit(_random_like)(keys, leaves))
     count = 7.0
     acc = optim.Accumulated(grad_sums, jnp.float32(3.0), jnp.float32(count), Stats())
     new, stats = jax.jit(functools.partial(optim.apply_grads, optimizer=opt, grad_clip=grad_clip))(
         state, acc
     )
-    grads = jax.tree.map(lambda g: g / count, grad_sums)
     ref_opt = optax.chain(optax.clip_by_global_norm(grad_clip), opt) if grad_clip else opt
-    ref_state = ref_opt.init(params)
-    updates, ref_new_state = ref_opt.update(grads, ref_state, params)
-    chex.assert_trees_all_close(
-        new.params, optax.apply_updates(params, updates), rtol=1e-5, atol=1e-7
-    )
+
+    @jax.jit  # one compiled program: eagerly every primitive of every leaf compiles its own
+    def reference(grad_sums, params):
+        grads = jax.tree.map(lambda g: g / count, grad_sums)
+        ref_new_params, ref_new_state, update_norm = _optax_step(
+            ref_opt, grads, ref_opt.init(params), params
+        )
+        return ref_new_params, ref_new_state, optax.tree.norm(grads), update_norm
+
+    ref_new_params, ref_new_state, grad_norm, update_norm = reference(grad_sums, params)
+    chex.assert_trees_all_close(new.params, ref_new_params, rtol=1e-5, atol=1e-7)
     # The moments and counts too (the clip's own state is empty).
     ref_adam_state = ref_new_state[1] if grad_clip else ref_new_state
     chex.assert_trees_all_close(new.opt_state, ref_adam_state, rtol=1e-5, atol=1e-7)
     assert int(new.step) == 1
     means = {k: float(v[0] / v[1]) for k, v in stats.means.items()}
-    np.testing.assert_allclose(means["optim/grad_norm"], optax.tree.norm(grads), rtol=1e-5)
-    np.testing.assert_allclose(means["optim/update_norm"], optax.tree.norm(updates), rtol=1e-5)
-    np.testing.assert_allclose(means["optim/param_norm"], optax.tree.norm(new.params), rtol=1e-5)
+    np.testing.assert_allclose(means["optim/grad_norm"], grad_norm, rtol=1e-5)
+    np.testing.assert_allclose(means["optim/update_norm"], update_norm, rtol=1e-5)
+    param_norm = jax.jit(optax.tree.norm)(new.params)
+    np.testing.assert_allclose(means["optim/param_norm"], param_norm, rtol=1e-5)
     np.testing.assert_allclose(means["loss/total"], 3.0 / count, rtol=1e-6)
     assert float(stats.maxima["step/skipped"]) == 0.0
 
@@ -69,19 +85,18 @@ def test_update_leaf_by_leaf_equals_one_update_of_the_whole_tree(make):
     opt = make()
     params = model.init_params(CFG, jax.random.key(0))
     leaves, treedef = jax.tree.flatten(params)
-    state, ref_state, ref_params = opt.init(params), opt.init(params), params
+    init = jax.jit(opt.init)
+    state, ref_state, ref_params = init(params), init(params), params
     fn = jax.jit(functools.partial(optim.update_leaf_by_leaf, opt))
+    random_like = jax.jit(_random_like)
     for step in range(3):
         keys = jax.random.split(jax.random.key(step + 1), len(leaves))
-        grads = treedef.unflatten(
-            [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-        )
+        grads = treedef.unflatten(random_like(keys, leaves))
         params, state, norm = fn(grads, state, params)
-        updates, ref_state = opt.update(grads, ref_state, ref_params)
-        ref_params = optax.apply_updates(ref_params, updates)
+        ref_params, ref_state, ref_norm = _optax_step(opt, grads, ref_state, ref_params)
         chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_close(state, ref_state, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(norm, optax.tree.norm(updates), rtol=1e-5)
+        np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
 
 
 def test_apply_grads_updates_an_optimizer_not_known_to_be_leafwise_over_the_whole_tree():
@@ -105,16 +120,14 @@ def test_apply_grads_updates_an_optimizer_not_known_to_be_leafwise_over_the_whol
         state, stats = step(
             state, optim.Accumulated(grads, jnp.float32(0.0), jnp.float32(1.0), Stats())
         )
-        updates, ref_state = opt.update(grads, ref_state, ref_params)
-        ref_params = optax.apply_updates(ref_params, updates)
-        np.testing.assert_allclose(
-            float(stats.means["optim/update_norm"][0]), optax.tree.norm(updates), rtol=1e-5
-        )
+        ref_params, ref_state, ref_norm = _optax_step(opt, grads, ref_state, ref_params)
+        np.testing.assert_allclose(float(stats.means["optim/update_norm"][0]), ref_norm, rtol=1e-5)
     chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-7)
     # Leaf by leaf, the same chain gives other params: the comparison above can fail.
     leafwise = params, opt.init(params)
+    leaf_by_leaf = jax.jit(functools.partial(optim.update_leaf_by_leaf, opt))
     for grads in grad_steps:
-        p, s, _ = optim.update_leaf_by_leaf(opt, grads, leafwise[1], leafwise[0])
+        p, s, _ = leaf_by_leaf(grads, leafwise[1], leafwise[0])
         leafwise = p, s
     assert not np.allclose(leafwise[0]["b"], ref_params["b"], rtol=1e-3)
 
@@ -165,9 +178,9 @@ def test_apply_grads_skips_a_non_finite_gradient_untouched():
     params = model.init_params(CFG, jax.random.key(0))
     opt = optim.make_optimizer(learning_rate=1e-2)
     state = optim.TrainState(
-        params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32)
+        params=params, opt_state=jax.jit(opt.init)(params), step=jnp.zeros((), jnp.int32)
     )
-    grad_sums = jax.tree.map(jnp.ones_like, params)
+    grad_sums = jax.jit(lambda params: jax.tree.map(jnp.ones_like, params))(params)
     grad_sums["final_norm"]["scale"] = grad_sums["final_norm"]["scale"].at[0].set(jnp.inf)
     acc = optim.Accumulated(grad_sums, jnp.float32(1.0), jnp.float32(2.0), Stats())
     new, stats = jax.jit(functools.partial(optim.apply_grads, optimizer=opt, grad_clip=1.0))(
