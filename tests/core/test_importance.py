@@ -70,14 +70,19 @@ def test_sequence_weights_in_the_loss_hand_checked():
     behav = -jnp.asarray(HAND_LOG_W)
     adv = jnp.ones((3, 3))
     correction = importance.make_sequence_correction(3.0, mode="truncate")
-    per_token, diag = losses.decoupled_ppo_per_token(
+    # Jitted: one compiled program each, where eagerly every primitive compiles its own.
+    per_token_loss = jax.jit(
+        losses.decoupled_ppo_per_token,
+        static_argnames=("clip_eps", "behav_weight_cap", "seq_correction"),
+    )
+    per_token, diag = per_token_loss(
         prox, prox, behav, adv, jnp.asarray(HAND_MASK), clip_eps=0.2, seq_correction=correction
     )
     expected = -np.array([[3, 3, 3], [0.25, 0.25, 0], [2.25, 2.25, 0]]) * HAND_MASK
     np.testing.assert_allclose(per_token, expected, rtol=1e-6)
     np.testing.assert_allclose(diag.truncated, [[1, 1, 1], [0, 0, 0], [0, 0, 0]])
     np.testing.assert_allclose(diag.seq_log_weight, np.log([4.0, 0.25, 2.25]), rtol=1e-6)
-    token, _ = losses.decoupled_ppo_per_token(
+    token, _ = per_token_loss(
         prox, prox, behav, adv, jnp.asarray(HAND_MASK), clip_eps=0.2, behav_weight_cap=3.0
     )
     np.testing.assert_allclose(token, -np.exp(HAND_LOG_W) * HAND_MASK, rtol=1e-6)
@@ -131,11 +136,15 @@ def _advantages(shape):
 def _loss(log_w, mask, *, logp_shift, **kw):
     """The decoupled loss with prox fixed, behav = prox - log w and logp = prox + shift."""
     prox = jnp.asarray(np.random.default_rng(7).normal(-2.0, 0.5, size=log_w.shape), jnp.float32)
-    behav = prox - jnp.asarray(log_w)
     adv = jnp.asarray(_advantages(log_w.shape))
-    return losses.decoupled_ppo_loss(
-        prox + logp_shift, prox, behav, adv, jnp.asarray(mask), clip_eps=0.2, **kw
-    )
+    return _jitted_loss(prox, jnp.asarray(log_w), adv, jnp.asarray(mask), logp_shift, **kw)
+
+
+# One compiled program per setting: eagerly every primitive compiles its own.
+@functools.partial(jax.jit, static_argnames=("behav_weight_cap", "cap_mode", "seq_correction"))
+def _jitted_loss(prox, log_w, adv, mask, logp_shift, **kw):
+    behav = prox - log_w
+    return losses.decoupled_ppo_loss(prox + logp_shift, prox, behav, adv, mask, clip_eps=0.2, **kw)
 
 
 @pytest.mark.parametrize("mode", importance.SEQ_CAP_MODES)
@@ -191,19 +200,19 @@ def test_histogram_quantiles_match_numpy_within_one_bin():
     mask = (rng.random((40, 50)) < 0.7).astype(np.float32)
     qs = (0.01, 0.5, 0.99)
     # Two halves, histograms added: the same as one histogram of everything.
-    counts = importance.log_weight_histogram(jnp.asarray(log_w[:20]), jnp.asarray(mask[:20]))
-    counts = counts + importance.log_weight_histogram(
-        jnp.asarray(log_w[20:]), jnp.asarray(mask[20:])
-    )
+    histogram = jax.jit(importance.log_weight_histogram)  # one program for both halves
+    quantiles = jax.jit(importance.histogram_quantiles, static_argnums=1)
+    counts = histogram(jnp.asarray(log_w[:20]), jnp.asarray(mask[:20]))
+    counts = counts + histogram(jnp.asarray(log_w[20:]), jnp.asarray(mask[20:]))
     assert float(counts.sum()) == mask.sum()
-    got = np.log(np.asarray(jax.jit(importance.histogram_quantiles, static_argnums=1)(counts, qs)))
+    got = np.log(np.asarray(quantiles(counts, qs)))
     valid = log_w[mask > 0].astype(np.float64)
     for q, g in zip(qs, got, strict=True):
         exact = np.quantile(valid, q, method="inverted_cdf")
         # One bin in log w is du · sqrt(s² + x²) wide at x (the asinh spacing).
         width = importance.HIST_DU * math.hypot(importance.HIST_SCALE, exact)
         assert abs(g - exact) <= width, (q, g, exact, width)
-    empty = importance.histogram_quantiles(jnp.zeros(importance.HIST_BINS), qs)
+    empty = quantiles(jnp.zeros(importance.HIST_BINS), qs)
     np.testing.assert_array_equal(empty, 0.0)
 
 
@@ -236,7 +245,7 @@ def _step_case(seed, **algo):
     params = model.init_params(CFG, jax.random.key(seed))
     algo = step_builder.algorithm(cfg, CFG)
     # Behaviour = the trainer's own log-probs plus noise: a train-inference mismatch.
-    logp, _ = algo.forward(params, batch)
+    logp, _ = jax.jit(algo.forward)(params, batch)  # one program, not one per op
     mask = np.asarray(batch["loss_mask"])
     noise = np.random.default_rng(seed).normal(0.0, 0.05, size=mask.shape) * mask
     batch["behav_logp"] = jnp.asarray((np.asarray(logp) + noise) * mask, jnp.float32)

@@ -4,6 +4,7 @@ under jit) and never hold a [B, T, V] array."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -66,12 +67,33 @@ def _chunked(chunk_size):
     )
 
 
+# Jitted forms of the computations the tests check against: one compiled program each (per
+# shape), shared across tests, where eagerly every primitive compiles its own.
+_chunked_jit = jax.jit(
+    chunked_token_logprobs,
+    static_argnames=("temperature", "chunk_size", "vocab_chunk_size", "head_is_table"),
+)
+_plain_jit = jax.jit(_plain)
+
+
+@jax.jit
+def _plain_grad(hidden, head, targets, mask, temperature):
+    objective = _masked_objective(_plain, targets, mask, temperature)
+    return jax.grad(objective, argnums=(0, 1))(hidden, head)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "chunk_size"))
+def _chunked_grad(hidden, head, targets, mask, *, temperature, chunk_size):
+    objective = _masked_objective(_chunked(chunk_size), targets, mask, temperature)
+    return jax.grad(objective, argnums=(0, 1))(hidden, head)
+
+
 def test_golden_value_two_token_vocab():
     # h = 1, W = [0, 2 ln 3], temperature 2: z = [0, ln 3], p = [1/4, 3/4].
     # Forgetting the temperature would give p = [1/10, 9/10] (logp(1) = ln 0.9 = -0.105).
     hidden = jnp.ones((1, 1, 1), jnp.float32)
     head = jnp.array([[0.0, 2 * math.log(3.0)]], jnp.float32)
-    logp, ent = chunked_token_logprobs(hidden, head, jnp.array([[1]]), temperature=2.0)
+    logp, ent = _chunked_jit(hidden, head, jnp.array([[1]]), temperature=2.0)
     np.testing.assert_allclose(logp, [[math.log(0.75)]], **TOL)
     np.testing.assert_allclose(ent, [[-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]], **TOL)
 
@@ -85,7 +107,7 @@ def test_values_equal_plain_path(jit, temperature, chunk_size):
     if jit:
         fn = jax.jit(fn, static_argnums=3)
     got = fn(hidden, head, targets, temperature)
-    want = _plain(hidden, head, targets, temperature)
+    want = _plain_jit(hidden, head, targets, temperature)
     for g, w in zip(got, want, strict=True):
         assert g.shape == (B, T) and g.dtype == jnp.float32
         np.testing.assert_allclose(g, w, **TOL)
@@ -103,13 +125,14 @@ def test_vocabulary_blocks_equal_plain_path(temperature, vocab_chunk_size):
     fn = lambda h, w, tgt, temp: chunked_token_logprobs(  # noqa: E731
         h, w, tgt, temperature=temp, chunk_size=4, vocab_chunk_size=vocab_chunk_size
     )
-    want = _plain(hidden, head, targets, temperature)
+    want = _plain_jit(hidden, head, targets, temperature)
     got = jax.jit(fn, static_argnums=3)(hidden, head, targets, temperature)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, **TOL)
     mask = _mask()
     grad = lambda f: jax.grad(_masked_objective(f, targets, mask, temperature), argnums=(0, 1))
-    for g, w in zip(jax.jit(grad(fn))(hidden, head), grad(_plain)(hidden, head), strict=True):
+    want = _plain_grad(hidden, head, targets, mask, temperature)
+    for g, w in zip(jax.jit(grad(fn))(hidden, head), want, strict=True):
         np.testing.assert_allclose(g, w, **TOL)
 
 
@@ -123,9 +146,7 @@ def test_vocabulary_blocks_rescale_to_a_later_maximum(vocab_chunk_size):
     hidden = hidden.at[..., 0].set(1.0)
     head = head.at[0, V - 3].set(40.0)  # z[:, V-3] = 40 + (other logits' O(1) spread)
     targets = targets.at[0, 0].set(1).at[1, 0].set(V - 3)
-    logp, ent = chunked_token_logprobs(
-        hidden, head, targets, chunk_size=4, vocab_chunk_size=vocab_chunk_size
-    )
+    logp, ent = _chunked_jit(hidden, head, targets, chunk_size=4, vocab_chunk_size=vocab_chunk_size)
     z = np.einsum("btd,dv->btv", np.asarray(hidden, np.float64), np.asarray(head, np.float64))
     lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
     logp_all = z - lse[..., None]
@@ -156,7 +177,7 @@ def test_entropy_of_a_peaked_softmax_keeps_its_small_value(scale):
     ~1e-30) and must come out small and accurate, not as the difference of two numbers of
     the logits' size (float32 rounding of 300 is 3e-5). Checked against float64."""
     hidden, head, targets = _inputs(seed=3)
-    logp, ent = chunked_token_logprobs(scale * hidden, head, targets, chunk_size=4)
+    logp, ent = _chunked_jit(scale * hidden, head, targets, chunk_size=4)
     z = np.einsum("btd,dv->btv", scale * np.asarray(hidden, np.float64), np.asarray(head))
     lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
     logp_all = z - lse[..., None]
@@ -182,11 +203,11 @@ def test_gradients_equal_plain_path_with_padding(jit, chunk_size):
     if jit:
         grad_chunked = jax.jit(grad_chunked)
     dh, dw = grad_chunked(hidden, head)
-    dh_ref, dw_ref = grad(_plain)(hidden, head)
+    dh_ref, dw_ref = _plain_grad(hidden, head, targets, mask, 0.7)
     np.testing.assert_allclose(dh, dh_ref, **TOL)
     np.testing.assert_allclose(dw, dw_ref, **TOL)
     # Masked tokens: finite outputs, and exactly no gradient into their hidden states.
-    logp, ent = chunked_token_logprobs(hidden, head, targets, temperature=0.7, chunk_size=4)
+    logp, ent = _chunked_jit(hidden, head, targets, temperature=0.7, chunk_size=4)
     assert np.isfinite(np.asarray(logp)).all() and np.isfinite(np.asarray(ent)).all()
     np.testing.assert_array_equal(dh[padding], 0.0)
     assert float(jnp.min(jnp.max(jnp.abs(dh[~padding]), axis=-1))) > 0  # every real token
@@ -225,10 +246,9 @@ def test_model_head_tied_and_untied_gradients_equal_plain_path(tie_embeddings):
             logp, ent = _plain_from_logits(logits, targets, temperature)
         return jnp.sum(mask * (logp + 0.1 * ent)), (logp, ent)
 
-    (val, outs), grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
-        params, True
-    )
-    (val_ref, outs_ref), grads_ref = jax.value_and_grad(loss, has_aux=True)(params, False)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (val, outs), grads = value_and_grad(params, True)
+    (val_ref, outs_ref), grads_ref = value_and_grad(params, False)
     np.testing.assert_allclose(val, val_ref, **TOL)
     for o, o_ref in zip(outs, outs_ref, strict=True):
         np.testing.assert_allclose(o, o_ref, **TOL)
@@ -244,16 +264,14 @@ def test_bfloat16_hidden_states():
     the hidden-state gradient comes back in bf16 (one bf16 rounding of the float32 one)."""
     hidden, head, targets = _inputs(4)
     hidden16 = hidden.astype(jnp.bfloat16)
-    got = chunked_token_logprobs(hidden16, head, targets, temperature=0.7, chunk_size=4)
-    want = _plain(hidden16.astype(jnp.float32), head, targets, 0.7)
+    got = _chunked_jit(hidden16, head, targets, temperature=0.7, chunk_size=4)
+    want = _plain_jit(hidden16.astype(jnp.float32), head, targets, 0.7)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == jnp.float32
         np.testing.assert_allclose(g, w, **TOL)
     mask = _mask()
-    dh, dw = jax.grad(_masked_objective(_chunked(4), targets, mask, 0.7), (0, 1))(hidden16, head)
-    dh_ref, dw_ref = jax.grad(_masked_objective(_plain, targets, mask, 0.7), (0, 1))(
-        hidden16.astype(jnp.float32), head
-    )
+    dh, dw = _chunked_grad(hidden16, head, targets, mask, temperature=0.7, chunk_size=4)
+    dh_ref, dw_ref = _plain_grad(hidden16.astype(jnp.float32), head, targets, mask, 0.7)
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     np.testing.assert_allclose(dw, dw_ref, **TOL)
     np.testing.assert_allclose(dh.astype(jnp.float32), dh_ref, rtol=2.0**-8, atol=1e-6)
@@ -269,14 +287,16 @@ def test_bfloat16_states_and_head():
         logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
         return _plain_from_logits(logits, tgt, temperature)
 
-    got = chunked_token_logprobs(hidden16, head16, targets, temperature=0.7, chunk_size=4)
-    want = plain16(hidden16, head16, targets, 0.7)
+    got = _chunked_jit(hidden16, head16, targets, temperature=0.7, chunk_size=4)
+    want = jax.jit(plain16, static_argnums=3)(hidden16, head16, targets, 0.7)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == jnp.float32
         np.testing.assert_allclose(g, w, **TOL)
     mask = _mask()
-    grads = jax.grad(_masked_objective(_chunked(4), targets, mask, 0.7), (0, 1))(hidden16, head16)
-    grads_ref = jax.grad(_masked_objective(plain16, targets, mask, 0.7), (0, 1))(hidden16, head16)
+    grads = _chunked_grad(hidden16, head16, targets, mask, temperature=0.7, chunk_size=4)
+    grads_ref = jax.jit(jax.grad(_masked_objective(plain16, targets, mask, 0.7), (0, 1)))(
+        hidden16, head16
+    )
     for g, r in zip(grads, grads_ref, strict=True):
         assert g.dtype == jnp.bfloat16
         # Both are float32 sums rounded once to bf16: at most one bf16 step apart.
@@ -294,7 +314,7 @@ def test_micro_batched_under_vmap_and_scan_equals_full_batch():
     grad = jax.grad(objective, argnums=(0, 1))
     split = lambda x: x.reshape(2, 2, *x.shape[1:])  # [M=2, b=2, ...]
 
-    dh_full, dw_full = grad(hidden, head, targets, mask)
+    dh_full, dw_full = jax.jit(grad)(hidden, head, targets, mask)
     dh_v, dw_v = jax.jit(jax.vmap(grad, in_axes=(0, None, 0, 0)))(
         split(hidden), head, split(targets), split(mask)
     )
@@ -307,10 +327,9 @@ def test_micro_batched_under_vmap_and_scan_equals_full_batch():
     xs = (split(hidden), split(targets), split(mask))
     dw_s, _ = jax.jit(lambda xs: jax.lax.scan(accumulate, jnp.zeros_like(head), xs))(xs)
     np.testing.assert_allclose(dw_s, dw_full, **TOL)
-    logp_v, _ = jax.vmap(_chunked(4), in_axes=(0, None, 0, None))(
-        split(hidden), head, split(targets), 0.7
-    )
-    logp_full, _ = _chunked(4)(hidden, head, targets, 0.7)
+    vmapped = jax.vmap(_chunked(4), in_axes=(0, None, 0, None))
+    logp_v, _ = jax.jit(vmapped, static_argnums=3)(split(hidden), head, split(targets), 0.7)
+    logp_full, _ = _chunked_jit(hidden, head, targets, temperature=0.7, chunk_size=4)
     np.testing.assert_allclose(logp_v.reshape(logp_full.shape), logp_full, **TOL)
 
 
@@ -318,8 +337,8 @@ def test_out_of_range_target_picks_nothing():
     # A target id outside [0, V) matches no logit: logp = 0 - logsumexp, finite.
     hidden, head, targets = _inputs(5)
     targets = targets.at[0, 0].set(V)
-    logp, _ = chunked_token_logprobs(hidden, head, targets, temperature=1.0, chunk_size=4)
-    lse = jax.nn.logsumexp(hidden[0, 0] @ head)
+    logp, _ = _chunked_jit(hidden, head, targets, temperature=1.0, chunk_size=4)
+    lse = jax.jit(lambda h, w: jax.nn.logsumexp(h[0, 0] @ w))(hidden, head)
     np.testing.assert_allclose(logp[0, 0], -lse, **TOL)
 
 
@@ -443,11 +462,12 @@ def test_table_layout_equals_plain_path(temperature, chunk_size, vocab_chunk_siz
     hidden, head, targets = _inputs(11)
     fn = _table_fn(chunk_size, vocab_chunk_size)
     got = jax.jit(fn, static_argnums=3)(hidden, head, targets, temperature)
-    for g, w in zip(got, _plain(hidden, head, targets, temperature), strict=True):
+    for g, w in zip(got, _plain_jit(hidden, head, targets, temperature), strict=True):
         np.testing.assert_allclose(g, w, **TOL)
     mask = _mask()
     grad = lambda f: jax.grad(_masked_objective(f, targets, mask, temperature), argnums=(0, 1))
-    for g, w in zip(jax.jit(grad(fn))(hidden, head), grad(_plain)(hidden, head), strict=True):
+    want = _plain_grad(hidden, head, targets, mask, temperature)
+    for g, w in zip(jax.jit(grad(fn))(hidden, head), want, strict=True):
         np.testing.assert_allclose(g, w, **TOL)
 
 
@@ -456,8 +476,8 @@ def test_table_layout_with_bfloat16_states():
     kernel layout, and both layouts agree."""
     hidden, head, targets = _inputs(12)
     hidden16 = hidden.astype(jnp.bfloat16)
-    want = chunked_token_logprobs(hidden16, head, targets, temperature=0.7, chunk_size=4)
-    got = _table_fn(4)(hidden16, head, targets, 0.7)
+    want = _chunked_jit(hidden16, head, targets, temperature=0.7, chunk_size=4)
+    got = jax.jit(_table_fn(4), static_argnums=3)(hidden16, head, targets, 0.7)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, **TOL)
 
@@ -490,8 +510,9 @@ def test_tied_model_gradient_through_the_table_equals_the_transposed_kernel():
         )
         return jnp.sum(logp) - 0.1 * jnp.sum(ent)
 
-    got = jax.grad(objective)(params, True)
-    want = jax.grad(objective)(params, False)
+    grad = jax.jit(jax.grad(objective), static_argnums=1)  # one program per layout
+    got = grad(params, True)
+    want = grad(params, False)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 

@@ -46,6 +46,13 @@ def _loss(reading, logp=LOGP, behav=BEHAV, adv=ADV, mask=ONES, tau=0.04):
     return m2po.m2po_loss(logp, behav, adv, mask, tau=tau, reading=reading)
 
 
+# Jitted: one compiled program per shape, where eagerly every primitive compiles its own.
+_clip_side = jax.jit(m2po.m2po_clip_side)
+_clip_side_keep = jax.jit(m2po.m2po_clip_side_keep, static_argnames="tau")
+_bound = jax.jit(m2po.m2po_bound, static_argnames="tau")
+_m2po_keep = jax.jit(losses.m2po_keep, static_argnames="tau")
+
+
 # --------------------------------------------------------------------------------------
 # The clip side and the clip-side mask.
 # --------------------------------------------------------------------------------------
@@ -54,20 +61,20 @@ def _loss(reading, logp=LOGP, behav=BEHAV, adv=ADV, mask=ONES, tau=0.04):
 def test_clip_side_is_where_ppos_clip_can_bind():
     lr = jnp.asarray([[0.1, -0.1, 0.2, -0.2, 0.0, 0.3]])
     adv = jnp.asarray([[1.0, 1.0, -1.0, -1.0, 1.0, 0.0]])
-    side = m2po.m2po_clip_side(lr, adv, jnp.ones((1, 6)))
+    side = _clip_side(lr, adv, jnp.ones((1, 6)))
     # A > 0: only ρ > 1; A < 0: only ρ < 1; ρ = 1 and A = 0 never.
     assert side.tolist() == [[True, False, False, True, False, False]]
     # A padded position is never on it.
-    assert not m2po.m2po_clip_side(lr, adv, jnp.zeros((1, 6))).any()
+    assert not _clip_side(lr, adv, jnp.zeros((1, 6))).any()
 
 
 def test_clip_side_mask_golden_values():
     def keep(sq, side, m=(1, 1, 1, 1), tau=0.04):
         args = (jnp.asarray([sq]), jnp.asarray([m]), jnp.asarray([side]))
-        return np.asarray(m2po.m2po_clip_side_keep(*args, tau=tau))[0].tolist()
+        return np.asarray(_clip_side_keep(*args, tau=tau))[0].tolist()
 
     def keep_all_tokens(sq, tau=0.04):
-        return np.asarray(losses.m2po_keep(jnp.asarray([sq]), jnp.ones((1, len(sq))), tau=tau))[0]
+        return np.asarray(_m2po_keep(jnp.asarray([sq]), jnp.ones((1, len(sq))), tau=tau))[0]
 
     every = [True] * 4
     # Mean 0.07 > τ; without the 0.25 the mean is 0.01 ≤ τ: exactly that token goes.
@@ -107,11 +114,10 @@ def test_clip_side_mask_matches_the_literal_algorithm(seed):
     lr = rng.normal(0.0, 0.3, (5, 9))
     adv = np.repeat(rng.normal(0, 1, (5, 1)), 9, axis=1)
     mask = (rng.random((5, 9)) < 0.8) * 1.0
-    side = np.asarray(m2po.m2po_clip_side(jnp.asarray(lr), jnp.asarray(adv), jnp.asarray(mask)))
+    side = np.asarray(_clip_side(jnp.asarray(lr), jnp.asarray(adv), jnp.asarray(mask)))
     sq = jnp.asarray(lr**2, jnp.float32)
     want = _algorithm1_reference(np.asarray(sq), mask, side, 0.04)
-    fn = jax.jit(m2po.m2po_clip_side_keep, static_argnames="tau")
-    got = fn(sq, jnp.asarray(mask), jnp.asarray(side), tau=0.04)
+    got = _clip_side_keep(sq, jnp.asarray(mask), jnp.asarray(side), tau=0.04)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert 0 < (side & ~want).sum() < side.sum()  # the rule is exercised
 
@@ -124,7 +130,7 @@ def test_clip_side_mask_matches_the_literal_algorithm(seed):
 def test_bound_golden_values():
     def bound(sq, side=None, tau=0.04):
         side = [True] * len(sq) if side is None else side
-        return float(m2po.m2po_bound(jnp.asarray([sq]), jnp.asarray([side]), tau=tau))
+        return float(_bound(jnp.asarray([sq]), jnp.asarray([side]), tau=tau))
 
     # u = [0.01, 0.01, 0.09, 0.25], n = 4, mean 0.09 > τ, τ·n = 0.16. Capped sums
     # C(j) = Σ_{i<j} u_i + (n - j)·u_j: 0.04, 0.04, 0.20: the first ≥ 0.16 is j = 2, so
@@ -159,11 +165,11 @@ def test_bound_matches_the_authors_loop(seed):
     rng = np.random.default_rng(seed)
     lr = rng.normal(0.0, 0.1 + 0.1 * seed, (4, 8))
     adv = np.repeat(rng.normal(0, 1, (4, 1)), 8, axis=1)
-    side = np.asarray(m2po.m2po_clip_side(jnp.asarray(lr), jnp.asarray(adv), jnp.ones((4, 8))))
+    side = np.asarray(_clip_side(jnp.asarray(lr), jnp.asarray(adv), jnp.ones((4, 8))))
     sq = np.asarray(jnp.square(jnp.asarray(lr, jnp.float32)))
     want = _authors_bound_reference(sq, side, 0.04)
     assert np.isfinite(want) == (seed >= 2)  # seeds 0-1: S's mean ≤ τ, 2-3: a bound
-    got = jax.jit(m2po.m2po_bound, static_argnames="tau")(sq, jnp.asarray(side), tau=0.04)
+    got = _bound(sq, jnp.asarray(side), tau=0.04)
     np.testing.assert_allclose(float(got), want, rtol=1e-6)
 
 
@@ -227,8 +233,8 @@ def test_derived_clip_is_ppos_clip_at_the_derived_bound():
     logp = behav + jnp.asarray(rng.normal(0.0, 0.3, (4, 8)), jnp.float32)
     adv = jnp.asarray(np.repeat(rng.normal(0, 1, (4, 1)), 8, axis=1), jnp.float32)
     mask = jnp.asarray((np.arange(8)[None, :] < np.array([[8], [5], [7], [3]])) * 1.0)
-    side = m2po.m2po_clip_side(logp - behav, adv, mask)
-    b = float(m2po.m2po_bound(jnp.square(logp - behav), side, tau=0.04))
+    side = _clip_side(logp - behav, adv, mask)
+    b = float(_bound(jnp.square(logp - behav), side, tau=0.04))
     assert 0 < b < np.inf  # the clip is on and not total
     # The one token at the bound (v = b) keeps its gradient here; PPO's float32 compare of
     # ρ with 1 + ε there can go either way, so its band is widened by 1e-6.
@@ -237,10 +243,12 @@ def test_derived_clip_is_ppos_clip_at_the_derived_bound():
     def ppo(lp):
         return losses.ppo_clip_loss(lp, behav, adv, mask, clip_eps=eps_low, clip_eps_high=eps_high)
 
-    (got, metrics), got_grad = jax.value_and_grad(
-        lambda lp: m2po.m2po_loss(lp, behav, adv, mask, reading="derived_clip"), has_aux=True
+    (got, metrics), got_grad = jax.jit(
+        jax.value_and_grad(
+            lambda lp: m2po.m2po_loss(lp, behav, adv, mask, reading="derived_clip"), has_aux=True
+        )
     )(logp)
-    (want, _), want_grad = jax.value_and_grad(ppo, has_aux=True)(logp)
+    (want, _), want_grad = jax.jit(jax.value_and_grad(ppo, has_aux=True))(logp)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-7)
     assert 0 < float(metrics["m2po/masked_frac"]) < 1
@@ -269,7 +277,7 @@ def _sums(reading, tau):
     def sums(lp, b, a, m):
         return m2po.m2po_sums(lp, b, a, m, aggregate=losses.aggregate_sum, tau=tau, reading=reading)
 
-    return sums
+    return jax.jit(sums)  # one program per micro-batch shape
 
 
 def _in_parts(sums, arrays, parts):
@@ -307,8 +315,8 @@ def test_the_derived_bound_is_each_micro_batchs_own():
     bounds = []
     for rows in ([0, 1, 2], [3, 4, 5]):
         lp, b, a, m = (x[np.array(rows)] for x in arrays)
-        side = m2po.m2po_clip_side(lp - b, a, m)
-        bounds.append(float(m2po.m2po_bound(jnp.square(lp - b), side, tau=0.04)))
+        side = _clip_side(lp - b, a, m)
+        bounds.append(float(_bound(jnp.square(lp - b), side, tau=0.04)))
     assert bounds[0] != bounds[1]
     assert float(abs(full[0] - parts[0])) > 1e-4
 

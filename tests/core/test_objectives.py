@@ -150,24 +150,30 @@ def test_decoupled_ppo_loss_is_the_steps_term_finalized():
     )
     algo = step_builder.algorithm(cfg, CFG)
     batch = staleness_batch(4, 4)
-    logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
     mask = batch["loss_mask"]
-    staleness = jnp.where(mask > 0, 2 - batch["versions"], 0).astype(jnp.int32)
-    loss_sum, count, stats = algo.loss_term(
-        logp, batch, staleness=staleness, old_logp=None, ref_logp=None
-    )
-    want = finalize(stats)
-    loss, metrics = losses.decoupled_ppo_loss(
-        logp,
-        prox.a3po_prox_logp(logp, batch["behav_logp"], staleness),
-        batch["behav_logp"],
-        batch["advantages"],
-        mask,
-        clip_eps=0.2,
-        dual_clip=3.0,
-        behav_weight_cap=1.2,
-        cap_mode="truncate",
-        staleness=staleness,
+
+    @jax.jit  # one compiled program: eagerly every primitive compiles its own
+    def term_and_public_loss(params, batch):
+        logp, _ = algo.forward(params, batch)
+        mask = batch["loss_mask"]
+        staleness = jnp.where(mask > 0, 2 - batch["versions"], 0).astype(jnp.int32)
+        term = algo.loss_term(logp, batch, staleness=staleness, old_logp=None, ref_logp=None)
+        public = losses.decoupled_ppo_loss(
+            logp,
+            prox.a3po_prox_logp(logp, batch["behav_logp"], staleness),
+            batch["behav_logp"],
+            batch["advantages"],
+            mask,
+            clip_eps=0.2,
+            dual_clip=3.0,
+            behav_weight_cap=1.2,
+            cap_mode="truncate",
+            staleness=staleness,
+        )
+        return term, public, finalize(term[2])
+
+    (loss_sum, count, _), (loss, metrics), want = term_and_public_loss(
+        model.init_params(CFG, jax.random.key(0)), batch
     )
     np.testing.assert_allclose(loss, loss_sum / count, rtol=1e-6)
     assert float(want["is/capped_frac"]) > 0  # the cap is exercised
@@ -185,26 +191,34 @@ def test_online_dpo_loss_is_the_steps_term_finalized():
     )
     algo = step_builder.algorithm(cfg, CFG)
     batch = staleness_batch(8, 2, dpo=True, seed=1)
-    logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
-    ref, _ = algo.forward(model.init_params(CFG, jax.random.key(1)), batch)
-    mask = batch["loss_mask"]
-    loss_sum, count, stats = algo.loss_term(
-        logp, batch, staleness=jnp.zeros_like(mask, jnp.int32), old_logp=None, ref_logp=ref
-    )
-    seq, ref_seq = losses.sequence_logprobs(logp, mask), losses.sequence_logprobs(ref, mask)
-    loss, metrics = losses.online_dpo_loss(
-        seq[0::2],
-        seq[1::2],
-        ref_seq[0::2],
-        ref_seq[1::2],
-        beta=0.1,
-        kind="ipo",
-        mask=batch["pair_mask"][0::2],
+
+    @jax.jit  # one compiled program: eagerly every primitive compiles its own
+    def term_and_public_loss(params, ref_params, batch):
+        logp, _ = algo.forward(params, batch)
+        ref, _ = algo.forward(ref_params, batch)
+        mask = batch["loss_mask"]
+        term = algo.loss_term(
+            logp, batch, staleness=jnp.zeros_like(mask, jnp.int32), old_logp=None, ref_logp=ref
+        )
+        seq, ref_seq = losses.sequence_logprobs(logp, mask), losses.sequence_logprobs(ref, mask)
+        public = losses.online_dpo_loss(
+            seq[0::2],
+            seq[1::2],
+            ref_seq[0::2],
+            ref_seq[1::2],
+            beta=0.1,
+            kind="ipo",
+            mask=batch["pair_mask"][0::2],
+        )
+        return term, public, finalize(term[2])
+
+    (loss_sum, count, _), (loss, metrics), want = term_and_public_loss(
+        model.init_params(CFG, jax.random.key(0)), model.init_params(CFG, jax.random.key(1)), batch
     )
     assert 0 < float(count) < 8  # some pairs tie and do not count
     np.testing.assert_allclose(loss, loss_sum / count, rtol=1e-6)
-    assert metrics.keys() == finalize(stats).keys()
-    for key, value in finalize(stats).items():
+    assert metrics.keys() == want.keys()
+    for key, value in want.items():
         np.testing.assert_allclose(metrics[key], value, rtol=1e-6, err_msg=key)
 
 

@@ -92,8 +92,12 @@ def _assert_same_sums(a, b):
 
 
 def test_ess_golden_values_and_padding():
+    @jax.jit  # one program per length: eagerly every primitive compiles its own
+    def ess_of(w, m):
+        return finalize(Stats(ess={"e": masked_ess(w, m)}))["e"]
+
     def ess(w, m):
-        return float(finalize(Stats(ess={"e": masked_ess(jnp.asarray(w), jnp.asarray(m))}))["e"])
+        return float(ess_of(jnp.asarray(w), jnp.asarray(m)))
 
     assert ess([2.0, 2.0, 2.0], [1, 1, 1]) == pytest.approx(1.0)  # equal weights: all count
     # One weight carries everything: (4)² / (4 · 16) = 1/4 = 1/n.
@@ -104,24 +108,32 @@ def test_ess_golden_values_and_padding():
 
 
 def test_ess_adds_across_micro_batches_exactly():
+    @jax.jit  # one compiled program: eagerly every primitive compiles its own
+    def ess_of_halves(w):
+        halves = combine(
+            Stats(ess={"e": masked_ess(w[:3], jnp.ones(3))}),
+            Stats(ess={"e": masked_ess(w[3:], jnp.ones(3))}),
+        )
+        return finalize(halves)["e"]
+
     w = np.array([0.5, 1.0, 4.0, 1.5, 0.1, 2.0])
     # Σw = 9.1, Σw² = 23.51: 82.81 / (6 · 23.51) = 0.5871. The halves have ESS 0.5845 and
     # 0.6901; their mean, 0.6373, is what averaging per micro-batch would report.
-    halves = combine(
-        Stats(ess={"e": masked_ess(jnp.asarray(w[:3]), jnp.ones(3))}),
-        Stats(ess={"e": masked_ess(jnp.asarray(w[3:]), jnp.ones(3))}),
-    )
-    np.testing.assert_allclose(finalize(halves)["e"], _ess(w, np.ones(6)), rtol=1e-6)
+    np.testing.assert_allclose(ess_of_halves(jnp.asarray(w)), _ess(w, np.ones(6)), rtol=1e-6)
     assert _ess(w, np.ones(6)) == pytest.approx(0.5871, abs=1e-4)
 
 
 def test_ppo_reports_the_ess_of_the_weights_it_applies():
     logp, prox_, behav, adv, mask = _random((4, 6), seed=1)
-    _, metrics = losses.decoupled_ppo_loss(logp, prox_, behav, adv, mask, clip_eps=0.2)
+    # One compiled program per setting: eagerly every primitive compiles its own.
+    loss = jax.jit(
+        losses.decoupled_ppo_loss, static_argnames=("clip_eps", "behav_weight_cap", "cap_mode")
+    )
+    _, metrics = loss(logp, prox_, behav, adv, mask, clip_eps=0.2)
     w = np.exp(np.asarray(prox_) - np.asarray(behav))
     np.testing.assert_allclose(metrics["mismatch/ess"], _ess(w, mask), rtol=1e-5)
     # With the token cap in mask mode a dropped token weighs 0 and lowers the ESS.
-    _, capped = losses.decoupled_ppo_loss(
+    _, capped = loss(
         logp, prox_, behav, adv, mask, clip_eps=0.2, behav_weight_cap=1.1, cap_mode="mask"
     )
     np.testing.assert_allclose(capped["mismatch/ess"], _ess(np.where(w > 1.1, 0, w), mask), 1e-5)
@@ -151,8 +163,10 @@ def _m2po_keep_reference(sq, mask, tau):
 
 
 def test_m2po_mask_golden_values():
+    m2po_keep = jax.jit(losses.m2po_keep, static_argnames="tau")  # one program, not one per op
+
     def keep(sq, m, tau=0.04):
-        return np.asarray(losses.m2po_keep(jnp.asarray([sq]), jnp.asarray([m]), tau=tau))[0]
+        return np.asarray(m2po_keep(jnp.asarray([sq]), jnp.asarray([m]), tau=tau))[0]
 
     # Mean 0.07 ≥ τ; without the 0.25 the mean is 0.01 < τ: exactly that token goes.
     assert keep([0.01, 0.25, 0.01, 0.01], [1, 1, 1, 1]).tolist() == [True, False, True, True]
@@ -202,6 +216,7 @@ def test_m2po_loss_golden_value_and_gradient(jit):
 def test_m2po_sums_add_across_micro_batches_given_their_masks():
     logp, _, behav, adv, mask = _random((6, 7), seed=3, scale=0.05)
 
+    @jax.jit  # one program per micro-batch shape: eagerly every primitive compiles its own
     def sums(lp, b, a, m):
         return m2po.m2po_sums(lp, b, a, m, aggregate=losses.aggregate_sum, tau=1.0)
 
@@ -243,7 +258,7 @@ def test_gspo_golden_value_and_sequence_clip():
     def f(lp):
         return losses.gspo_loss(lp, prox_, prox_, adv, mask)
 
-    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logp)
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(logp)
     # (-1.0004 + 2) / 2 sequences (a token mean would weigh equal lengths the same here,
     # but the clip is per sequence: a token-level PPO clip would keep the 0.1 and -0.1
     # tokens unclipped).
@@ -258,7 +273,9 @@ def test_gspo_golden_value_and_sequence_clip():
 def test_gspo_matches_the_numpy_reference_and_gspo_sequence_gradients():
     logp, prox_, behav, adv, mask = _random((5, 8), seed=5, scale=0.02)
     lo, hi = 1e-3, 1e-3  # narrow enough that 3 of the 5 sequences clip
-    loss, metrics = losses.gspo_loss(logp, prox_, behav, adv, mask, clip_low=lo, clip_high=hi)
+    loss, metrics = jax.jit(losses.gspo_loss, static_argnames=("clip_low", "clip_high"))(
+        logp, prox_, behav, adv, mask, clip_low=lo, clip_high=hi
+    )
     args = [np.asarray(x, np.float64) for x in (logp, prox_, behav, adv, mask)]
     np.testing.assert_allclose(loss, _gspo_reference(*args, lo, hi), rtol=1e-5)
     assert 0 < float(metrics["gspo/seq_clipfrac"]) < 1
@@ -277,12 +294,15 @@ def test_gspo_matches_the_numpy_reference_and_gspo_sequence_gradients():
     def gspo_token(lp):
         return losses.gspo_loss(lp, prox_, behav, adv, mask, clip_low=lo, clip_high=hi)[0]
 
-    np.testing.assert_allclose(jax.grad(gspo_token)(logp), jax.grad(gspo_sequence)(logp), 1e-5)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(gspo_token))(logp), jax.jit(jax.grad(gspo_sequence))(logp), 1e-5
+    )
 
 
 def test_gspo_sums_add_across_micro_batches():
     arrays = tuple(_random((6, 7), seed=5))
 
+    @jax.jit  # one program per micro-batch shape: eagerly every primitive compiles its own
     def sums(lp, px, b, a, m):
         return gspo.gspo_sums(lp, px, b, a, m, clip_low=3e-4, clip_high=4e-4)
 
@@ -324,8 +344,8 @@ def test_icepop_with_a_band_that_drops_nothing_is_decoupled_ppo():
     def ppo(lp):
         return losses.decoupled_ppo_loss(lp, prox_, behav, adv, mask, clip_eps=0.2)
 
-    (l1, m1), g1 = jax.value_and_grad(ice, has_aux=True)(logp)
-    (l2, m2), g2 = jax.value_and_grad(ppo, has_aux=True)(logp)
+    (l1, m1), g1 = jax.jit(jax.value_and_grad(ice, has_aux=True))(logp)
+    (l2, m2), g2 = jax.jit(jax.value_and_grad(ppo, has_aux=True))(logp)
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     np.testing.assert_allclose(g1, g2, rtol=1e-6)
     assert float(m1["icepop/masked_frac"]) == 0.0
@@ -336,6 +356,7 @@ def test_icepop_with_a_band_that_drops_nothing_is_decoupled_ppo():
 def test_icepop_sums_add_across_micro_batches():
     arrays = tuple(_random((6, 7), seed=7, scale=0.6))
 
+    @jax.jit  # one program per micro-batch shape: eagerly every primitive compiles its own
     def sums(lp, px, b, a, m):
         return icepop.icepop_sums(
             lp, px, b, a, m, aggregate=losses.aggregate_sum, low=0.5, high=1.5, clip_eps=0.2
@@ -360,21 +381,26 @@ def test_each_objective_is_its_public_loss_through_the_step(loss_name):
     algo = step_builder.algorithm(cfg, CFG)
     assert not algo.needs_old_pass and not algo.needs_reference
     batch = staleness_batch()
-    logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
-    mask, behav, adv = batch["loss_mask"], batch["behav_logp"], batch["advantages"]
-    staleness = jnp.where(mask > 0, 2 - batch["versions"], 0).astype(jnp.int32)
-    loss_sum, count, stats = algo.loss_term(
-        logp, batch, staleness=staleness, old_logp=None, ref_logp=None
+
+    @jax.jit  # one compiled program: eagerly every primitive compiles its own
+    def term_and_public_loss(params, batch):
+        logp, _ = algo.forward(params, batch)
+        mask, behav, adv = batch["loss_mask"], batch["behav_logp"], batch["advantages"]
+        staleness = jnp.where(mask > 0, 2 - batch["versions"], 0).astype(jnp.int32)
+        term = algo.loss_term(logp, batch, staleness=staleness, old_logp=None, ref_logp=None)
+        px = prox.a3po_prox_logp(logp, behav, staleness)
+        public = {
+            "m2po": lambda: losses.m2po_loss(logp, behav, adv, mask, staleness=staleness),
+            "gspo": lambda: losses.gspo_loss(logp, px, behav, adv, mask, staleness=staleness),
+            "icepop": lambda: losses.icepop_loss(
+                logp, px, behav, adv, mask, low=0.8, staleness=staleness
+            ),
+        }
+        return term, public[loss_name]()
+
+    (loss_sum, count, stats), (loss, metrics) = term_and_public_loss(
+        model.init_params(CFG, jax.random.key(0)), batch
     )
-    px = prox.a3po_prox_logp(logp, behav, staleness)
-    public = {
-        "m2po": lambda: losses.m2po_loss(logp, behav, adv, mask, staleness=staleness),
-        "gspo": lambda: losses.gspo_loss(logp, px, behav, adv, mask, staleness=staleness),
-        "icepop": lambda: losses.icepop_loss(
-            logp, px, behav, adv, mask, low=0.8, staleness=staleness
-        ),
-    }
-    loss, metrics = public[loss_name]()
     np.testing.assert_allclose(loss, loss_sum / count, rtol=1e-6)
     want = finalize(stats)
     assert set(metrics) == set(want) | {"loss/num_tokens"}
@@ -394,19 +420,29 @@ def test_a3po_reads_the_staleness_unit_as_for_ppo(loss_name, unit):
     )
     algo = step_builder.algorithm(cfg, CFG)
     batch = staleness_batch()
-    logp, _ = algo.forward(model.init_params(CFG, jax.random.key(0)), batch)
-    mask, behav, adv = batch["loss_mask"], batch["behav_logp"], batch["advantages"]
-    updates = jnp.where(mask > 0, 3, 0).astype(jnp.int32)
-    steps = jnp.where(mask > 0, 1, 0).astype(jnp.int32)
-    loss_sum, count, _ = algo.loss_term(
-        logp, {**batch, "step_staleness": steps}, staleness=updates, old_logp=None, ref_logp=None
-    )
-    px = prox.a3po_prox_logp(logp, behav, steps if unit == "step" else updates)
-    public = {
-        "gspo": lambda: losses.gspo_loss(logp, px, behav, adv, mask),
-        "icepop": lambda: losses.icepop_loss(logp, px, behav, adv, mask),
-    }
-    np.testing.assert_allclose(loss_sum / count, public[loss_name]()[0], rtol=1e-6)
+
+    @jax.jit  # one compiled program: eagerly every primitive compiles its own
+    def term_and_public_loss(params, batch):
+        logp, _ = algo.forward(params, batch)
+        mask, behav, adv = batch["loss_mask"], batch["behav_logp"], batch["advantages"]
+        updates = jnp.where(mask > 0, 3, 0).astype(jnp.int32)
+        steps = jnp.where(mask > 0, 1, 0).astype(jnp.int32)
+        loss_sum, count, _ = algo.loss_term(
+            logp,
+            {**batch, "step_staleness": steps},
+            staleness=updates,
+            old_logp=None,
+            ref_logp=None,
+        )
+        px = prox.a3po_prox_logp(logp, behav, steps if unit == "step" else updates)
+        public = {
+            "gspo": lambda: losses.gspo_loss(logp, px, behav, adv, mask),
+            "icepop": lambda: losses.icepop_loss(logp, px, behav, adv, mask),
+        }
+        return loss_sum, count, public[loss_name]()[0]
+
+    loss_sum, count, loss = term_and_public_loss(model.init_params(CFG, jax.random.key(0)), batch)
+    np.testing.assert_allclose(loss_sum / count, loss, rtol=1e-6)
 
 
 def test_prox_rules_bind_as_for_ppo():
