@@ -68,11 +68,18 @@ def config(unit, k=2, zero="current", prox_rule="a3po"):
     )
 
 
+# One compiled program per (unit, zero): eagerly every primitive of the term compiles its own.
+@functools.partial(jax.jit, static_argnames=("unit", "zero"))
+def _loss_and_metrics(logp, mb, staleness, *, unit, zero):
+    term = step_builder.algorithm(config(unit, zero=zero), CFG).loss_term
+    loss, count, stats = term(logp, mb, staleness=staleness, old_logp=None, ref_logp=None)
+    return loss / count, finalize(stats)
+
+
 def one_token(unit, *, step_staleness, staleness, zero="current"):
     """The loss and metrics of minibatch 1's term on one token with logp - behav = 0.4,
     A = 1, ε = 0.2: `step_staleness` training steps behind the step's start, `staleness`
     optimizer updates behind minibatch 1."""
-    term = step_builder.algorithm(config(unit, zero=zero), CFG).loss_term
     logp, behav = jnp.array([[-1.0]]), jnp.array([[-1.4]])
     mb = {
         "behav_logp": behav,
@@ -80,10 +87,9 @@ def one_token(unit, *, step_staleness, staleness, zero="current"):
         "loss_mask": jnp.array([[1.0]]),
         "step_staleness": jnp.array([[step_staleness]], jnp.int32),
     }
-    loss, count, stats = term(
-        logp, mb, staleness=jnp.array([[staleness]], jnp.int32), old_logp=None, ref_logp=None
-    )
-    return float(loss / count), finalize(stats)
+    staleness = jnp.array([[staleness]], jnp.int32)
+    loss, metrics = _loss_and_metrics(logp, mb, staleness, unit=unit, zero=zero)
+    return float(loss), metrics
 
 
 def one_token_sums(unit):
@@ -147,8 +153,14 @@ def one_step_old(unit, prox_rule="a3po"):
     return state.params
 
 
+# one compiled program: eagerly each leaf shape compiles its own subtract, abs and max
+@jax.jit
+def _largest_differences(a, b):
+    return jax.tree.map(lambda x, y: jnp.max(jnp.abs(x - y)), a, b)
+
+
 def largest_difference(a, b):
-    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b)))
+    return max(float(x) for x in jax.tree.leaves(_largest_differences(a, b)))
 
 
 def test_one_step_old_data_anchors_every_minibatch_at_behav():

@@ -70,6 +70,15 @@ def _arange(b, t):
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
+# Computations under test run jitted, one program per config and shape: outside `jax.jit`
+# every primitive compiles its own program for each new shape.
+_apply = jax.jit(apply, static_argnames="config")
+_stacked_hidden_states = jax.jit(model_lib.hidden_states, static_argnames="config")
+_stacked_lm_head_logits = jax.jit(model_lib.lm_head_logits, static_argnames="config")
+_apply_decode = jax.jit(apply_decode, static_argnames=("config", "window", "vocab_major"))
+_to_bfloat16 = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree))
+
+
 @one_only
 @pytest.mark.multidevice
 def test_two_device_suite_in_a_subprocess():
@@ -122,16 +131,13 @@ def _apply_vs_apply_decode(config, params, cache_capacity=8, out_major=True):
         (jnp.array([[4], [2]]), jnp.array([[6], [4]]), jnp.array([[1], [0]], jnp.int32)),
         (jnp.array([[8], [5]]), jnp.array([[7], [4]]), jnp.ones((b, 1), jnp.int32)),
     ]
+    # the module's jits: `apply`'s programs are shared by a config's two layouts
     run = {
-        "apply": jax.jit(
-            lambda w, tok, pos, seg, cache: apply(
-                w, tok, pos, config=config, segment_ids=seg, kv_cache=cache
-            )
+        "apply": lambda w, tok, pos, seg, cache: _apply(
+            w, tok, pos, config=config, segment_ids=seg, kv_cache=cache
         ),
-        "apply_decode": jax.jit(
-            lambda w, tok, pos, seg, cache: apply_decode(
-                w, tok, pos, config=config, segment_ids=seg, kv_cache=cache
-            )
+        "apply_decode": lambda w, tok, pos, seg, cache: _apply_decode(
+            w, tok, pos, config=config, segment_ids=seg, kv_cache=cache
         ),
     }
     weights = {"apply": params, "apply_decode": dparams}
@@ -181,7 +187,7 @@ def test_apply_decode_equals_apply_in_bfloat16():
     round differently, so the bound is bfloat16's precision (~0.4 %) of the logit scale, far
     below the O(1) error of a wiring bug."""
     config = ModelConfig.tiny(param_dtype="bfloat16", compute_dtype="bfloat16", qkv_bias=True)
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _sharp_params(config))
+    params = _to_bfloat16(_sharp_params(config))
     (ref, _), (got, _) = _apply_vs_apply_decode(config, params)
     for (ref_logits, _, _), (logits, _, _) in zip(ref, got, strict=True):
         assert logits.dtype == np.float32
@@ -201,17 +207,17 @@ def test_apply_decode_window_changes_nothing_but_the_reads(window):
     tokens = jax.random.randint(jax.random.key(3), (b, p), 0, config.vocab_size)
     seg = (jnp.arange(p)[None, :] < jnp.array([[5], [3]])).astype(jnp.int32)
     cache = init_kv_cache(config, b, capacity)
-    _, cache = apply(params, tokens, _arange(b, p), config=config, segment_ids=seg, kv_cache=cache)
+    _, cache = _apply(params, tokens, _arange(b, p), config=config, segment_ids=seg, kv_cache=cache)
     step = dict(config=config, kv_cache=cache, segment_ids=jnp.ones((b, 1), jnp.int32))
     tok, pos = jnp.array([[7], [9]]), jnp.array([[5], [3]])
-    full_logits, full_cache = apply_decode(dparams, tok, pos, **step)
-    logits, new_cache = apply_decode(dparams, tok, pos, window=window, **step)
+    full_logits, full_cache = _apply_decode(dparams, tok, pos, **step)
+    logits, new_cache = _apply_decode(dparams, tok, pos, window=window, **step)
     np.testing.assert_allclose(logits, full_logits, atol=1e-5, rtol=1e-5)
     # Two differently compiled programs agree to rounding, not bit for bit (1.5e-8 apart on
     # an AVX-512 Xeon); a token written to the wrong slot or a stale row is off by O(0.1).
     for a, b_ in zip(new_cache, full_cache, strict=True):
         np.testing.assert_allclose(a, b_, atol=1e-6, rtol=1e-6)
-    for bad in (0, capacity + 1):
+    for bad in (0, capacity + 1):  # eager: the check raises before any computation
         with pytest.raises(ValueError, match="window"):
             apply_decode(dparams, tok, pos, window=bad, **step)
 
@@ -228,9 +234,10 @@ def test_apply_decode_vocab_major_is_the_logits_transposed(tied):
     cache = init_kv_cache(config, b, 8)
     tok = jax.random.randint(jax.random.key(5), (b, t), 0, config.vocab_size)
     step = dict(config=config, kv_cache=cache)
-    logits, cache_rows = apply_decode(dparams, tok, _arange(b, t), **step)
-    logits_t, cache_cols = apply_decode(dparams, tok, _arange(b, t), vocab_major=True, **step)
+    logits, cache_rows = _apply_decode(dparams, tok, _arange(b, t), **step)
+    logits_t, cache_cols = _apply_decode(dparams, tok, _arange(b, t), vocab_major=True, **step)
     assert logits_t.shape == (config.vocab_size, b * t)
+    logits_t = np.asarray(logits_t)  # transposed on the host: no program
     np.testing.assert_allclose(logits_t.T.reshape(b, t, -1), logits, atol=1e-6, rtol=1e-6)
     for a, b_ in zip(cache_cols, cache_rows, strict=True):
         np.testing.assert_allclose(a, b_, atol=1e-6, rtol=1e-6)
@@ -253,8 +260,9 @@ def test_decode_params_layout():
         config.head_dim,
         config.ffn_dim,
     )
-    attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
-    w = dp.layers[1]
+    # host copies to slice: eagerly each slice and transpose compiles its own program
+    attn, mlp = jax.tree.map(np.asarray, (params["layers"]["attn"], params["layers"]["mlp"]))
+    w = jax.tree.map(np.asarray, dp.layers[1])
     qkv = w["attn"]["qkv"]
     assert set(qkv) == {"kernel_t", "bias"}
     assert qkv["kernel_t"].shape == ((h + 2 * n) * k, d)
@@ -358,9 +366,11 @@ def test_hidden_states_over_a_split_equal_the_stacked_path(name, out_major, many
     b, t = 2, 6
     tokens = jax.random.randint(jax.random.key(3), (b, t), 0, config.vocab_size)
     seg = (jnp.arange(t)[None, :] < jnp.array([[6], [4]])).astype(jnp.int32)
-    run_ref = jax.jit(functools.partial(model_lib.hidden_states, config=config))
+    # The stacked reference through the module's jits, compiled once per config for every
+    # layout; the split path traced afresh here, under this test's OUT_MAJOR_GEMM_MAX_ROWS.
+    run_ref = functools.partial(_stacked_hidden_states, config=config)
     run = jax.jit(functools.partial(hidden_states, config=config))
-    head_ref = jax.jit(functools.partial(model_lib.lm_head_logits, config=config))
+    head_ref = functools.partial(_stacked_lm_head_logits, config=config)
     head = jax.jit(lm_head_logits)
     ref_cache = got_cache = init_kv_cache(config, b, 16)
     for step in range(2):  # two prefills: the second attends to the first's cache
@@ -415,19 +425,21 @@ def test_hidden_states_rejects_a_split_of_another_depth():
 
 
 def _plain_layer(params, i, out_major):
-    """Layer i as the layout was before it had shards: q, k, v (and gate, up) side by side."""
-    w = jax.tree.map(lambda x: x[i], params["layers"])
+    """Layer i as the layout was before it had shards: q, k, v (and gate, up) side by side.
+    Built with numpy (exact copies): eagerly every slice and concatenation compiles its own
+    program."""
+    w = jax.tree.map(lambda x: np.asarray(x)[i], params["layers"])
     attn, mlp = w["attn"], w["mlp"]
     d = attn["q_proj"]["kernel"].shape[0]
 
     def matrix(kernels):
         if out_major:
-            return {"kernel_t": jnp.concatenate([k.T for k in kernels], axis=0)}
-        return {"kernel": jnp.concatenate(kernels, axis=-1)}
+            return {"kernel_t": np.concatenate([k.T for k in kernels], axis=0)}
+        return {"kernel": np.concatenate(kernels, axis=-1)}
 
     qkv = matrix([attn[f"{x}_proj"]["kernel"].reshape(d, -1) for x in "qkv"])
     if "bias" in attn["q_proj"]:
-        qkv["bias"] = jnp.concatenate([attn[f"{x}_proj"]["bias"].ravel() for x in "qkv"])
+        qkv["bias"] = np.concatenate([attn[f"{x}_proj"]["bias"].ravel() for x in "qkv"])
     o_proj = matrix([attn["o_proj"]["kernel"].reshape(-1, d)]) if out_major else attn["o_proj"]
     fused_attn = {"qkv": qkv, "o_proj": o_proj}
     fused_attn.update({name: attn[name] for name in ("q_norm", "k_norm") if name in attn})
@@ -473,7 +485,7 @@ def test_shards_order_the_fused_rows_shard_by_shard(out_major):
     plain = decode_params(params, config, out_major=out_major)
     assert dp.shards == 2
     for i, layer in enumerate(dp.layers):
-        w = jax.tree.map(lambda x, i=i: np.asarray(x[i]), params["layers"])
+        w = jax.tree.map(lambda x, i=i: np.asarray(x)[i], params["layers"])
         attn, mlp = w["attn"], w["mlp"]
         q, kk, v = (attn[f"{x}_proj"]["kernel"] for x in "qkv")  # [D, heads, K]
         halves = [
@@ -508,6 +520,13 @@ def test_shards_order_the_fused_rows_shard_by_shard(out_major):
     assert (h + 2 * n) * k == dp.layers[0]["attn"]["qkv"]["bias"].shape[0]
 
 
+@jax.jit
+def _last_token_logits(dparams, hidden, lengths):
+    """`lm_head_logits` at each row's last token, the gather in the same program (eagerly
+    each index op compiles its own)."""
+    return lm_head_logits(dparams, hidden[jnp.arange(hidden.shape[0]), lengths - 1])
+
+
 def _serve(config, dparams, place_cache=lambda cache: cache):
     """What an engine runs over the layout: a prefill of two right-padded prompts (6 and 4
     tokens) through `hidden_states` and `lm_head_logits` at each row's last token, then
@@ -521,7 +540,7 @@ def _serve(config, dparams, place_cache=lambda cache: cache):
     prefill = jax.jit(functools.partial(hidden_states, config=config))
     step = jax.jit(functools.partial(apply_decode, config=config), static_argnames="vocab_major")
     hidden, cache = prefill(dparams, tokens, _arange(b, t), segment_ids=seg, kv_cache=cache)
-    out = [jax.jit(lm_head_logits)(dparams, hidden[jnp.arange(b), lengths - 1])]
+    out = [_last_token_logits(dparams, hidden, lengths)]
     for tok, active, vocab_major in (([7, 9], [1, 1], False), ([4, 2], [1, 0], False)) + (
         ([8, 5], [1, 1], True),
     ):
@@ -534,6 +553,7 @@ def _serve(config, dparams, place_cache=lambda cache: cache):
             segment_ids=seg,
             vocab_major=vocab_major,
         )
+        logits = np.asarray(logits)  # sliced on the host: no program
         out.append(logits.T if vocab_major else logits[:, 0])
     return [np.asarray(x) for x in out], [np.asarray(x) for x in cache]
 

@@ -23,6 +23,25 @@ JIT_VARIANTS = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
 
+# Setup, references and functions not tested eagerly run jitted: outside `jax.jit` every
+# primitive compiles its own program for each new shape.
+_sample_keys = jax.jit(sampling.sample_keys)
+_sample_tokens = jax.jit(sampling.sample_tokens)
+_argmax = jax.jit(functools.partial(jnp.argmax, axis=-1))
+
+
+@jax.jit
+def _log_softmax_at(logits, temperature, tokens):
+    """log_softmax(logits / T)[token] per row, T := 1 for greedy rows."""
+    scale = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    return jax.nn.log_softmax(logits / scale, axis=-1)[jnp.arange(logits.shape[0]), tokens]
+
+
+@jax.jit
+def _categorical_row(keys, logits, temperature, i):
+    """What `jax.random.categorical` draws for row i at its temperature."""
+    return jax.random.categorical(keys[i], logits[i] / temperature[i])
+
 
 def _kept(masked) -> list[list[int]]:
     return [np.flatnonzero(np.isfinite(row)).tolist() for row in np.asarray(masked)]
@@ -48,14 +67,14 @@ def test_truncate_logits_golden(maybe_jit):
 
 def test_truncate_keeps_unmasked_values():
     logits = jnp.array([[3.0, 1.0, 2.0, -1.0]])
-    out = sampling.truncate_logits(logits, jnp.array([2]), jnp.array([1.0]))
+    out = jax.jit(sampling.truncate_logits)(logits, jnp.array([2]), jnp.array([1.0]))
     np.testing.assert_array_equal(out, [[3.0, -np.inf, 2.0, -np.inf]])
 
 
 @JIT_VARIANTS
 def test_sample_tokens_logprob_is_before_truncation(maybe_jit):
     logits = jnp.log(jnp.asarray(np.tile(PROBS, (3, 1)))) * 2.0  # [3, 4]
-    keys = sampling.sample_keys(
+    keys = _sample_keys(
         *(jnp.zeros((3,), d) for d in (jnp.uint32, jnp.uint32)),
         jnp.arange(3, dtype=jnp.int32),
         jnp.zeros((3,), jnp.int32),
@@ -64,6 +83,7 @@ def test_sample_tokens_logprob_is_before_truncation(maybe_jit):
     top_k = jnp.array([0, 1, 0], jnp.int32)
     top_p = jnp.array([1.0, 1.0, 1.0], jnp.float32)
     tokens, logprobs = maybe_jit(sampling.sample_tokens)(logits, keys, temperature, top_k, top_p)
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)  # indexed on the host
     # Row 0 greedy: argmax with log_softmax(logits) (T := 1): log(0.5^2 / sum p^2).
     p2 = PROBS**2 / np.sum(PROBS**2)
     assert int(tokens[0]) == 0
@@ -94,7 +114,7 @@ def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit, layout, mo
 
     n, v = 6, 1000
     logits = jax.random.normal(jax.random.key(0), (n, v)) * 4.0
-    keys = sampling.sample_keys(
+    keys = _sample_keys(
         *(jnp.full((n,), 7, d) for d in (jnp.uint32, jnp.uint32)),
         jnp.arange(n, dtype=jnp.int32),
         jnp.zeros((n,), jnp.int32),
@@ -104,8 +124,7 @@ def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit, layout, mo
         top_k = jnp.asarray([0, 5, 0, 0, 0, 0], jnp.int32)
         top_p = jnp.asarray([1.0, 1.0, 0.8, 1.0, 1.0, 1.0], jnp.float32)
         tokens, logprobs = maybe_jit(entry)(logits, keys, t, top_k, top_p)
-        scale = jnp.where(t > 0, t, 1.0)[:, None]
-        expected = jax.nn.log_softmax(logits / scale, axis=-1)[jnp.arange(n), tokens]
+        expected = _log_softmax_at(logits, t, tokens)
         np.testing.assert_allclose(logprobs, expected, rtol=3e-7, atol=1e-6)
         greedy = np.asarray(t) == 0
         np.testing.assert_array_equal(
@@ -113,8 +132,8 @@ def test_sample_tokens_logprob_is_log_softmax_at_the_token(maybe_jit, layout, mo
         )
         # Sampled rows without truncation draw what jax.random.categorical draws at T.
         for i in np.flatnonzero((np.asarray(t) > 0) & (np.asarray(top_k) == 0)):
-            if float(top_p[i]) == 1.0:
-                ref = jax.random.categorical(keys[i], logits[i] / t[i])
+            if float(np.asarray(top_p)[i]) == 1.0:
+                ref = _categorical_row(keys, logits, t, i)
                 assert int(tokens[i]) == int(ref), i
 
 
@@ -131,17 +150,17 @@ def test_first_argmax_golden_and_equal_to_argmax(maybe_jit):
         ]
     )
     np.testing.assert_array_equal(maybe_jit(sampling.first_argmax)(x), [1, 2, 1, 0])
-    np.testing.assert_array_equal(jnp.argmax(x, axis=-1), [1, 2, 1, 0])
+    np.testing.assert_array_equal(_argmax(x), [1, 2, 1, 0])
     rng = np.random.default_rng(0)
     for dtype in (jnp.float32, jnp.bfloat16):
         y = rng.integers(0, 50, size=(64, 300)).astype(np.float32)  # many ties
         y = jnp.asarray(y, dtype)
         got = maybe_jit(sampling.first_argmax)(y)
         assert got.dtype == jnp.int32
-        np.testing.assert_array_equal(got, jnp.argmax(y, axis=-1))
+        np.testing.assert_array_equal(got, _argmax(y))
         # Down the columns of the vocabulary-major layout (the decode step's), likewise.
         got = maybe_jit(lambda a: sampling.first_argmax(a, axis=0))(y.T)
-        np.testing.assert_array_equal(got, jnp.argmax(y, axis=-1))
+        np.testing.assert_array_equal(got, _argmax(y))
     cols = maybe_jit(lambda a: sampling.first_argmax(a, axis=0))(x.T)
     np.testing.assert_array_equal(cols, [1, 2, 1, 0])
 
@@ -154,7 +173,7 @@ def test_categorical_draws_what_jax_random_categorical_draws():
     rng = np.random.default_rng(1)
     for seed in range(40):
         rows = [jnp.arange(16, dtype=d) + seed for d in (jnp.uint32, jnp.uint32, jnp.int32)]
-        z = sampling.sample_keys(*rows, jnp.full((16,), seed, jnp.int32))
+        z = _sample_keys(*rows, jnp.full((16,), seed, jnp.int32))
         logits = rng.standard_normal((16, 1000)).astype(np.float32) * (3.0 if seed % 2 else 0.3)
         logits[:, rng.integers(0, 1000, 200)] = -np.inf
         logits = jnp.asarray(logits)
@@ -164,18 +183,18 @@ def test_categorical_draws_what_jax_random_categorical_draws():
 def test_sample_tokens_distribution():
     n = 4000
     logits = jnp.log(jnp.asarray(np.tile(PROBS, (n, 1))))
-    keys = sampling.sample_keys(
+    keys = _sample_keys(
         jnp.zeros((n,), jnp.uint32),
         jnp.full((n,), 7, jnp.uint32),
         jnp.arange(n, dtype=jnp.int32),
         jnp.zeros((n,), jnp.int32),
     )
     ones = jnp.ones((n,), jnp.float32)
-    tokens, _ = sampling.sample_tokens(logits, keys, ones, jnp.zeros((n,), jnp.int32), ones)
+    tokens, _ = _sample_tokens(logits, keys, ones, jnp.zeros((n,), jnp.int32), ones)
     freq = np.bincount(np.asarray(tokens), minlength=4) / n
     np.testing.assert_allclose(freq, PROBS, atol=0.03)  # ~4 standard errors
     # top_k=2: only tokens 0 and 1, renormalised to [0.625, 0.375].
-    tokens, _ = sampling.sample_tokens(logits, keys, ones, jnp.full((n,), 2, jnp.int32), ones)
+    tokens, _ = _sample_tokens(logits, keys, ones, jnp.full((n,), 2, jnp.int32), ones)
     freq = np.bincount(np.asarray(tokens), minlength=4) / n
     np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.03)
 
@@ -185,12 +204,12 @@ def test_keys_depend_only_on_seed_index_step():
     lo = jnp.array([5, 5, 5, 5], jnp.uint32)
     idx = jnp.array([0, 0, 1, 0], jnp.int32)
     step = jnp.array([3, 3, 3, 3], jnp.int32)
-    data = np.asarray(jax.random.key_data(sampling.sample_keys(hi, lo, idx, step)))
+    data = np.asarray(jax.random.key_data(_sample_keys(hi, lo, idx, step)))
     np.testing.assert_array_equal(data[0], data[1])  # same coordinates, same key
     assert not np.array_equal(data[0], data[2])  # sample index matters
     assert not np.array_equal(data[0], data[3])  # the seed's high word matters
     # The same coordinates alone in a batch of one give the same key (no batch dependence).
-    alone = sampling.sample_keys(hi[2:3], lo[2:3], idx[2:3], step[2:3])
+    alone = _sample_keys(hi[2:3], lo[2:3], idx[2:3], step[2:3])
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(alone))[0], data[2])
     # key(seed) is PRNGKey(seed) for a seed below 2**32.
     ref = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(5), 1), 3)
@@ -446,6 +465,10 @@ def test_engine_step_equals_apply_with_many_slots(tied):
         np.testing.assert_allclose(lp, ref_logprobs, atol=1e-4)
 
 
+# one compiled program: eagerly every leaf's shape compiles its own copy
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
 def test_engine_decode_windows():
     """The windows double from the smallest prefill bucket up to the capacity; a step's
     window is the smallest one past its longest slot, and a step run with it samples what a
@@ -470,7 +493,7 @@ def test_engine_decode_windows():
     state, _, _ = core.insert(prefix, state, 1, steps.SlotSampling())
     for _ in range(12):  # lengths 5 .. 16: windows 8, then 16, then 32
         longest = int(np.max(state.cache.lengths))
-        ref_state = jax.tree.map(jnp.copy, state)
+        ref_state = _copy(state)
         _, ref_tokens, ref_lp = core.generate(params, ref_state)  # whole cache
         state, tokens, lp = core.generate(params, state, core.window_for(longest))
         np.testing.assert_array_equal(tokens, ref_tokens)

@@ -56,10 +56,15 @@ def llama():
     return config, _sharp_params(config)
 
 
+# One program per config and shape, shared by every test: a fresh jitted lambda per call
+# compiled the whole model again each time.
+@functools.partial(jax.jit, static_argnames="config")
 def _forward(params, tokens, positions, config, **kw):
-    return jax.jit(lambda p, t, s: apply(p, t, s, config=config, **kw)[0])(
-        params, tokens, positions
-    )
+    return apply(params, tokens, positions, config=config, **kw)[0]
+
+
+# one compiled program: eagerly every leaf's cast compiles its own
+_to_bfloat16 = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree))
 
 
 def _arange(b, t):
@@ -91,7 +96,7 @@ def test_logits_shape_dtype_and_bf16_close_to_f32():
     assert logits.shape == (2, 7, config.vocab_size) and logits.dtype == jnp.float32
 
     bf16 = ModelConfig.tiny(param_dtype="bfloat16", compute_dtype="bfloat16")
-    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    params16 = _to_bfloat16(params)
     logits16 = _forward(params16, tokens, _arange(2, 7), bf16)
     # logits stay float32 even with bfloat16 weights and matmuls
     assert logits16.dtype == jnp.float32
@@ -106,7 +111,8 @@ def test_prefill_then_decode_equals_full_forward(model):
     as one full causal forward over the whole sequence."""
     config, params = model
     b, t, prefix = 2, 10, 4
-    tokens = jax.random.randint(jax.random.key(2), (b, t), 0, config.vocab_size)
+    # host copies to slice: eager slicing compiles a program per slice shape
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (b, t), 0, config.vocab_size))
     full = _forward(params, tokens, _arange(b, t), config)
 
     step = jax.jit(lambda p, tok, pos, cache: apply(p, tok, pos, config=config, kv_cache=cache))
@@ -116,9 +122,9 @@ def test_prefill_then_decode_equals_full_forward(model):
     for i in range(prefix, t):
         pos = jnp.full((b, 1), i, jnp.int32)
         logits, cache = step(params, tokens[:, i : i + 1], pos, cache)
-        pieces.append(logits)
+        pieces.append(np.asarray(logits))
     np.testing.assert_array_equal(cache.lengths, [t, t])
-    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=1e-4)
 
 
 def test_right_padded_prefill_uses_per_row_lengths(model):
@@ -141,11 +147,14 @@ def test_right_padded_prefill_uses_per_row_lengths(model):
     step_logits, cache = step(params, nxt, cache.lengths[:, None], jnp.ones((2, 1), int), cache)
     np.testing.assert_array_equal(cache.lengths, [6, 4])
 
+    # host copies to slice and pad: eagerly each slice shape compiles its own program
+    logits, step_logits = np.asarray(logits), np.asarray(step_logits)
+    tokens, nxt = np.asarray(tokens), np.asarray(nxt)
     for row, n in enumerate(lengths):
         # one compile for both rows: pad the reference to the bucket too (causal => harmless)
-        seq = jnp.concatenate([tokens[row : row + 1, :n], nxt[row : row + 1]], axis=1)
-        seq = jnp.pad(seq, ((0, 0), (0, p + 1 - seq.shape[1])))
-        ref = _forward(params, seq, _arange(1, p + 1), config)
+        seq = np.concatenate([tokens[row : row + 1, :n], nxt[row : row + 1]], axis=1)
+        seq = np.pad(seq, ((0, 0), (0, p + 1 - seq.shape[1])))
+        ref = np.asarray(_forward(params, seq, _arange(1, p + 1), config))
         np.testing.assert_allclose(logits[row, :n], ref[0, :n], atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(step_logits[row, 0], ref[0, n], atol=1e-4, rtol=1e-4)
 
@@ -154,15 +163,15 @@ def test_packed_segments_equal_separate_rows(model):
     """Two sequences packed in one row (segment ids 1, 2, restarted positions) plus padding
     give the same logits as each sequence alone: no attention crosses segments."""
     config, params = model
-    a = jax.random.randint(jax.random.key(4), (1, 5), 0, config.vocab_size)
-    c = jax.random.randint(jax.random.key(5), (1, 3), 0, config.vocab_size)
-    packed = jnp.concatenate([a, c, jnp.zeros((1, 2), jnp.int32)], axis=1)  # [1, 10]
+    a = np.asarray(jax.random.randint(jax.random.key(4), (1, 5), 0, config.vocab_size))
+    c = np.asarray(jax.random.randint(jax.random.key(5), (1, 3), 0, config.vocab_size))
+    packed = np.concatenate([a, c, np.zeros((1, 2), np.int32)], axis=1)  # [1, 10]
     segment_ids = jnp.array([[1] * 5 + [2] * 3 + [0] * 2], jnp.int32)
     positions = jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 0, 0]], jnp.int32)
-    logits = _forward(params, packed, positions, config, segment_ids=segment_ids)
+    logits = np.asarray(_forward(params, packed, positions, config, segment_ids=segment_ids))
     assert np.isfinite(np.asarray(logits)).all()  # padding queries attend nothing: no NaN
-    ref_a = _forward(params, a, _arange(1, 5), config)
-    ref_c = _forward(params, c, _arange(1, 3), config)
+    ref_a = np.asarray(_forward(params, a, _arange(1, 5), config))
+    ref_c = np.asarray(_forward(params, c, _arange(1, 3), config))
     np.testing.assert_allclose(logits[0, :5], ref_a[0], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(logits[0, 5:8], ref_c[0], atol=1e-4, rtol=1e-4)
 
@@ -174,11 +183,12 @@ def test_explicit_mask_replaces_causal_and_segments(llama):
     segment_ids = jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
     positions = jnp.array([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]], jnp.int32)
     by_segments = _forward(params, tokens, positions, config, segment_ids=segment_ids)
-    idx = jnp.arange(t)
+    # the mask built on the host: eagerly each comparison compiles its own program
+    idx, seg = np.arange(t), np.asarray(segment_ids)
     mask = (
         (idx[:, None] >= idx[None, :])
-        & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        & (segment_ids[:, None, :] != 0)
+        & (seg[:, :, None] == seg[:, None, :])
+        & (seg[:, None, :] != 0)
     )
     by_mask = _forward(params, tokens, positions, config, attention_mask=mask)
     np.testing.assert_allclose(by_mask, by_segments, atol=1e-6)
@@ -191,9 +201,12 @@ def test_explicit_mask_replaces_causal_and_segments(llama):
             same_resp = (q in (2, 3) and k in (2, 3)) or (q in (4, 5) and k in (4, 5))
             shared[0, q, k] = k < 2 or same_resp
     pos = jnp.array([[0, 1, 2, 3, 2, 3]], jnp.int32)
-    logits = _forward(params, tokens[:1], pos, config, attention_mask=jnp.asarray(shared))
-    alone = jnp.concatenate([tokens[:1, :2], tokens[:1, 4:6]], axis=1)
-    ref = _forward(params, alone, _arange(1, 4), config)
+    tokens = np.asarray(tokens)
+    logits = np.asarray(
+        _forward(params, tokens[:1], pos, config, attention_mask=jnp.asarray(shared))
+    )
+    alone = np.concatenate([tokens[:1, :2], tokens[:1, 4:6]], axis=1)
+    ref = np.asarray(_forward(params, alone, _arange(1, 4), config))
     np.testing.assert_allclose(logits[0, 4:6], ref[0, 2:4], atol=1e-4, rtol=1e-4)
 
 
@@ -244,11 +257,15 @@ def test_hidden_states_reproduce_logits():
         params, tokens, _arange(1, 5)
     )
     assert hidden.shape == (1, 5, config.d_model) and hidden.dtype == jnp.float32
-    np.testing.assert_allclose(hidden @ lm_head_kernel(params, config), logits, atol=1e-5)
+    # one compiled program: eagerly the head's cast, transpose and product compile apart
+    head = jax.jit(lambda h, p: h @ lm_head_kernel(p, config))
+    np.testing.assert_allclose(head(hidden, params), logits, atol=1e-5)
     # Two jitted programs: the same cache up to rounding; a wrong slot is off by O(0.1).
     chex.assert_trees_all_close(hidden_cache, logits_cache, atol=1e-6, rtol=1e-6)
-    assert apply(params, tokens, _arange(1, 5), config=config)[1] is None
-    assert hidden_states(params, tokens, _arange(1, 5), config=config)[1] is None
+    # traced, not run: eagerly the whole model compiles op by op
+    for fn in (apply, hidden_states):
+        out = jax.eval_shape(functools.partial(fn, config=config), params, tokens, _arange(1, 5))
+        assert out[1] is None
 
 
 def test_cache_writes_past_capacity_are_dropped():
@@ -294,11 +311,11 @@ def _greedy_by_recomputation(params, config, prompt, n):
     sequence is right-padded to a fixed length so this compiles once; causal attention makes
     the padding after the last token irrelevant to its logits."""
     width = len(prompt) + n
-    fwd = jax.jit(lambda p, t: apply(p, t, _arange(1, width), config=config)[0])
     seq = list(prompt)
     for _ in range(n):
-        logits = fwd(params, jnp.array([seq + [0] * (width - len(seq))], jnp.int32))
-        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+        tokens = np.array([seq + [0] * (width - len(seq))], np.int32)
+        logits = np.asarray(_forward(params, tokens, _arange(1, width), config))
+        seq.append(int(np.argmax(logits[0, len(seq) - 1])))  # on the host: no program
     return seq[len(prompt) :]
 
 
@@ -351,7 +368,7 @@ def test_init_params_keeps_its_random_streams():
     still draws them, one stream per parameter name and layer). Values recorded from the
     Flax-module decoder; a changed stream gives unrelated numbers, not a 1e-6 shift."""
     params = init_params(ModelConfig.tiny(qkv_bias=True, tie_embeddings=False), jax.random.key(0))
-    p = params
+    p = jax.tree.map(np.asarray, params)  # indexed on the host: no program per slice
     expected = [  # (leaf[index], values)
         (p["embed"]["embedding"][0, :3], [-0.0125226555, 0.0127407629, 0.0072157695]),
         (
