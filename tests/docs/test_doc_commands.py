@@ -82,6 +82,19 @@ COMMANDS: dict[str, object] = {
         )
         for args in ("--quick tests/core", "tests/e2e/test_trainer_e2e.py", "--cov=a3po_jax")
     },
+    "A3PO_TEST_COMPILE_REPORT=/tmp/compiles.jsonl bash scripts/run_tests.sh --quick": Replace(
+        "bash -n scripts/run_tests.sh", "the test suite runs itself; its script parses"
+    ),
+    # The report of one test written by hand (tests/project/test_suite_layout.py makes a
+    # real one), then totalled as the page shows.
+    ".venv/bin/python tests/helpers/compile_report.py /tmp/compiles.jsonl": Replace(
+        "python -c \"import json; open('compiles.jsonl', 'w').write(json.dumps(dict("
+        "test='tests/core/test_x.py::test_y', programs=3, trace_s=0.1, lower_s=0.1, "
+        'compile_s=0.2, wall_s=0.5)) + chr(10))" && '
+        "python tests/helpers/compile_report.py compiles.jsonl | grep -F "
+        "'| tests/core/test_x.py | 1 | 3 | 0.2 | 0.2 | 0.5 |'",
+        "a report written by hand in the block's own directory, not /tmp",
+    ),
     # Training runs: the config resolves (experiment file and every override).
     "a3po-train experiments/quickstart_a3po.py algo.prox=recompute run_dir=runs/recompute": (
         PRINT_CONFIG
