@@ -223,6 +223,18 @@ def test_staleness_bound_counts_minibatches_and_refuses_before_loading():
         )
 
 
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a new interpreter, so that what it imports is what `sys.modules` shows."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_importing_the_config_loads_no_optimizer_and_no_train_step():
     """The config validates every value (objective names come from the objectives'
     registry, the batch plan from core/batch_plan.py) without importing the jitted step or
@@ -232,14 +244,7 @@ def test_importing_the_config_loads_no_optimizer_and_no_train_step():
         "import sys; import a3po_jax.training.config as c; c.TrainConfig(); "
         f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parents[2],
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _fresh_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -255,14 +260,7 @@ def test_the_package_and_the_run_readers_start_without_jax():
         "print(all(getattr(a3po_jax, n) is getattr(losses, n) for n in a3po_jax.__all__)); "
         "print(sorted(a3po_jax.__all__) == sorted(set(dir(a3po_jax)) & set(a3po_jax.__all__)))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parents[2],
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _fresh_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "True", "True", "True"]
     with pytest.raises(AttributeError, match="no attribute 'not_a_loss'"):
