@@ -12,22 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.compiled import jitted
 
 from a3po_jax.core import losses as L
 
 JIT_VARIANTS = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["nojit", "jit"])
-
-
-def _jit(fn, **static):
-    """``fn`` with the keyword arguments ``static`` bound, as one compiled program per input
-    shape (kept across tests): eagerly every primitive compiles its own. The tests that
-    check the eager path say so (``JIT_VARIANTS``, the errors raised on concrete values)."""
-    return _jitted(fn, tuple(sorted(static.items())))
-
-
-@functools.cache
-def _jitted(fn, static):
-    return jax.jit(functools.partial(fn, **dict(static)))
 
 
 def _ln(x):
@@ -56,7 +45,7 @@ def test_token_logprobs_golden(maybe_jit):
 def test_token_logprobs_float32_from_bfloat16():
     logits = jax.random.normal(jax.random.key(0), (2, 3, 50)).astype(jnp.bfloat16)
     targets = jax.random.randint(jax.random.key(1), (2, 3), 0, 50)
-    out = _jit(L.token_logprobs)(logits, targets)
+    out = jitted(L.token_logprobs)(logits, targets)
     assert out.dtype == jnp.float32
 
     @jax.jit
@@ -78,7 +67,7 @@ def test_token_logprobs_has_no_one_hot():
 def test_entropy_golden():
     # Uniform over 4 → log 4; a point mass → 0.
     logits = jnp.array([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
-    np.testing.assert_allclose(_jit(L.entropy)(logits), [[math.log(4), 0.0]], atol=1e-5)
+    np.testing.assert_allclose(jitted(L.entropy)(logits), [[math.log(4), 0.0]], atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------
@@ -92,18 +81,20 @@ MASK = jnp.array([[1, 1, 1], [1, 0, 0]])
 def test_aggregate_golden():
     # token_mean over the whole batch: (1+2+3+4)/4 = 2.5. A per-row average then mean
     # would give (2 + 4)/2 = 3.0; forgetting the mask would count the 99s.
-    assert float(_jit(L.aggregate, mode="token_mean")(VALUES, MASK)) == pytest.approx(2.5)
-    assert float(_jit(L.aggregate, mode="seq_mean_token_mean")(VALUES, MASK)) == pytest.approx(3.0)
+    assert float(jitted(L.aggregate, mode="token_mean")(VALUES, MASK)) == pytest.approx(2.5)
+    assert float(jitted(L.aggregate, mode="seq_mean_token_mean")(VALUES, MASK)) == pytest.approx(
+        3.0
+    )
     # Dr.GRPO: per-sequence sums over a constant length 3: (6/3 + 4/3) / 2 = 5/3.
-    drgrpo = _jit(L.aggregate, mode="seq_mean_token_sum_norm")
+    drgrpo = jitted(L.aggregate, mode="seq_mean_token_sum_norm")
     assert float(drgrpo(VALUES, MASK)) == pytest.approx(5 / 3)
     assert float(
-        _jit(L.aggregate, mode="seq_mean_token_sum_norm", max_len=10)(VALUES, MASK)
+        jitted(L.aggregate, mode="seq_mean_token_sum_norm", max_len=10)(VALUES, MASK)
     ) == pytest.approx((0.6 + 0.4) / 2)
 
 
 def test_aggregate_all_masked_is_zero_not_nan():
-    out = _jit(L.aggregate)(VALUES, jnp.zeros_like(MASK))
+    out = jitted(L.aggregate)(VALUES, jnp.zeros_like(MASK))
     assert float(out) == 0.0
 
 
@@ -165,8 +156,8 @@ def test_clip_higher_asymmetric():
     behav = jnp.zeros((1, 1))
     logp = jnp.log(jnp.array([[1.25]]))
     adv, mask = jnp.ones((1, 1)), jnp.ones((1, 1))
-    sym, _ = _jit(L.ppo_clip_loss, clip_eps=0.2)(logp, behav, adv, mask)
-    high, m = _jit(L.ppo_clip_loss, clip_eps=0.2, clip_eps_high=0.28)(logp, behav, adv, mask)
+    sym, _ = jitted(L.ppo_clip_loss, clip_eps=0.2)(logp, behav, adv, mask)
+    high, m = jitted(L.ppo_clip_loss, clip_eps=0.2, clip_eps_high=0.28)(logp, behav, adv, mask)
     assert float(sym) == pytest.approx(-1.2)
     assert float(high) == pytest.approx(-1.25)
     assert float(m["loss/clipfrac"]) == 0.0
@@ -179,7 +170,7 @@ def test_decoupled_importance_weight_golden():
     prox = jnp.log(jnp.array([[2.0]]))
     behav = jnp.zeros((1, 1))
     logp = prox + _ln(1.5)
-    loss, m = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(
+    loss, m = jitted(L.decoupled_ppo_loss, clip_eps=0.2)(
         logp, prox, behav, jnp.ones((1, 1)), jnp.ones((1, 1))
     )
     assert float(loss) == pytest.approx(-2.4, rel=1e-6)
@@ -195,7 +186,9 @@ def test_dual_clip_golden():
     behav = jnp.zeros((1, 2))
     logp = jnp.log(jnp.array([[5.0, 5.0]]))
     adv = jnp.array([[-1.0, 1.0]])
-    loss, m = _jit(L.ppo_clip_loss, clip_eps=0.2, dual_clip=3.0)(logp, behav, adv, jnp.ones((1, 2)))
+    loss, m = jitted(L.ppo_clip_loss, clip_eps=0.2, dual_clip=3.0)(
+        logp, behav, adv, jnp.ones((1, 2))
+    )
     assert float(loss) == pytest.approx((3.0 - 1.2) / 2)
     assert float(m["loss/dual_clipfrac"]) == pytest.approx(0.5)
 
@@ -208,13 +201,13 @@ def test_behav_weight_cap_mask_keeps_denominator():
     behav = jnp.zeros((1, 2))
     logp = prox
     adv, mask = jnp.ones((1, 2)), jnp.ones((1, 2))
-    loss, m = _jit(L.decoupled_ppo_loss, clip_eps=0.2, behav_weight_cap=1.5, cap_mode="mask")(
+    loss, m = jitted(L.decoupled_ppo_loss, clip_eps=0.2, behav_weight_cap=1.5, cap_mode="mask")(
         logp, prox, behav, adv, mask
     )
     assert float(loss) == pytest.approx(-0.5)
     assert float(m["is/capped_frac"]) == pytest.approx(0.5)
     # "truncate": w := 1.5 → (-1.5 - 1) / 2.
-    truncate = _jit(L.decoupled_ppo_loss, clip_eps=0.2, behav_weight_cap=1.5, cap_mode="truncate")
+    truncate = jitted(L.decoupled_ppo_loss, clip_eps=0.2, behav_weight_cap=1.5, cap_mode="truncate")
     loss, _ = truncate(logp, prox, behav, adv, mask)
     assert float(loss) == pytest.approx(-1.25)
 
@@ -223,7 +216,7 @@ def test_staleness_metrics():
     z = jnp.zeros((2, 2))
     d = jnp.array([[0, 3], [1, 7]])
     mask = jnp.array([[1, 1], [1, 0]])  # the 7 is padding and must not count
-    _, m = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(z, z, z, z, mask, staleness=d)
+    _, m = jitted(L.decoupled_ppo_loss, clip_eps=0.2)(z, z, z, z, mask, staleness=d)
     assert float(m["staleness/mean"]) == pytest.approx(4 / 3)
     assert float(m["staleness/max"]) == 3.0
 
@@ -277,15 +270,15 @@ def _random_batch(key, b=4, t=6, scale=1.0):
 
 def test_staleness_one_makes_a3po_plain_ppo():
     logp, behav, adv, mask = _random_batch(jax.random.key(0))
-    prox = _jit(L.a3po_prox_logp)(logp, behav, jnp.ones(logp.shape, jnp.int32))
-    a3po, _ = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(logp, prox, behav, adv, mask)
-    ppo, _ = _jit(L.ppo_clip_loss, clip_eps=0.2)(logp, behav, adv, mask)
+    prox = jitted(L.a3po_prox_logp)(logp, behav, jnp.ones(logp.shape, jnp.int32))
+    a3po, _ = jitted(L.decoupled_ppo_loss, clip_eps=0.2)(logp, prox, behav, adv, mask)
+    ppo, _ = jitted(L.ppo_clip_loss, clip_eps=0.2)(logp, behav, adv, mask)
     np.testing.assert_allclose(a3po, ppo, rtol=1e-6)
     # And AReaL's option does the same at d = 0.
-    prox0 = _jit(L.a3po_prox_logp, zero_staleness="behav")(
+    prox0 = jitted(L.a3po_prox_logp, zero_staleness="behav")(
         logp, behav, jnp.zeros(logp.shape, jnp.int32)
     )
-    areal, _ = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(logp, prox0, behav, adv, mask)
+    areal, _ = jitted(L.decoupled_ppo_loss, clip_eps=0.2)(logp, prox0, behav, adv, mask)
     np.testing.assert_allclose(areal, ppo, rtol=1e-6)
 
 
@@ -351,11 +344,11 @@ def test_gradient_flows_only_through_the_ratio():
 def test_masked_equals_indexed():
     logp, behav, adv, mask = _random_batch(jax.random.key(4))
     prox = behav + 0.1
-    loss, _ = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(logp, prox, behav, adv, mask)
+    loss, _ = jitted(L.decoupled_ppo_loss, clip_eps=0.2)(logp, prox, behav, adv, mask)
     idx = np.asarray(mask).astype(bool)
     pick = lambda x: jnp.asarray(np.asarray(x)[idx])[None, :]  # noqa: E731
     ones = jnp.ones((1, int(idx.sum())))
-    loss_idx, _ = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(
+    loss_idx, _ = jitted(L.decoupled_ppo_loss, clip_eps=0.2)(
         pick(logp), pick(prox), pick(behav), pick(adv), ones
     )
     np.testing.assert_allclose(loss, loss_idx, rtol=1e-6)
@@ -398,16 +391,16 @@ def test_micro_batched_loss_and_grads_equal_full_batch():
 def test_grpo_advantages_golden():
     # Group 1: [1, 0] mean .5, population std .5 → [+1, -1]. (Sample std, ddof=1, would
     # give ±0.707.) Group 2: equal rewards → 0, not NaN.
-    adv = _jit(L.grpo_advantages, group_size=2)(jnp.array([1.0, 0.0, 1.0, 1.0]))
+    adv = jitted(L.grpo_advantages, group_size=2)(jnp.array([1.0, 0.0, 1.0, 1.0]))
     np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0], atol=1e-5)
-    drgrpo = _jit(L.grpo_advantages, group_size=2, normalize_std=False)
+    drgrpo = jitted(L.grpo_advantages, group_size=2, normalize_std=False)
     adv2 = drgrpo(jnp.array([[1.0, 0.0], [1.0, 1.0]]))
     np.testing.assert_allclose(adv2, [[0.5, -0.5], [0.0, 0.0]])
 
 
 def test_rloo_advantages_golden():
     # [1, 0, 0]: A_0 = 1 - 0 = 1, A_1 = 0 - (1+0)/2 = -0.5. (Mean baseline incl. self: 2/3.)
-    rloo = _jit(L.rloo_advantages, group_size=3)
+    rloo = jitted(L.rloo_advantages, group_size=3)
     np.testing.assert_allclose(rloo(jnp.array([1.0, 0.0, 0.0])), [1, -0.5, -0.5])
 
 
@@ -423,9 +416,9 @@ def test_advantage_shape_errors():
 def test_kl_penalty_golden():
     # x = ref - logp = 1: k1 = -1, k2 = 0.5, k3 = e - 2.
     logp, ref = jnp.zeros((1, 1)), jnp.ones((1, 1))
-    assert float(_jit(L.kl_penalty, kind="k1")(logp, ref)[0, 0]) == pytest.approx(-1.0)
-    assert float(_jit(L.kl_penalty, kind="k2")(logp, ref)[0, 0]) == pytest.approx(0.5)
-    k3 = _jit(L.kl_penalty, kind="k3")
+    assert float(jitted(L.kl_penalty, kind="k1")(logp, ref)[0, 0]) == pytest.approx(-1.0)
+    assert float(jitted(L.kl_penalty, kind="k2")(logp, ref)[0, 0]) == pytest.approx(0.5)
+    k3 = jitted(L.kl_penalty, kind="k3")
     assert float(k3(logp, ref)[0, 0]) == pytest.approx(math.e - 2, rel=1e-6)
     # k3 is zero when the policies agree and non-negative always.
     x = jax.random.normal(jax.random.key(0), (3, 7)) * 3
@@ -436,13 +429,13 @@ def test_kl_penalty_golden():
 def test_online_dpo_golden():
     z = jnp.zeros(2)
     # h = 0 → -log σ(0) = log 2 (a loss without the log would give 0.5).
-    loss, m = _jit(L.online_dpo_loss, beta=0.1)(z, z, z, z)
+    loss, m = jitted(L.online_dpo_loss, beta=0.1)(z, z, z, z)
     assert float(loss) == pytest.approx(math.log(2))
     # IPO with β = 0.5, h = 0 → (0 - 1)² = 1.
-    loss, _ = _jit(L.online_dpo_loss, beta=0.5, kind="ipo")(z, z, z, z)
+    loss, _ = jitted(L.online_dpo_loss, beta=0.5, kind="ipo")(z, z, z, z)
     assert float(loss) == pytest.approx(1.0)
     # chosen up by 2 nats vs ref, rejected unchanged, β = 0.5 → -log σ(1).
-    loss, m = _jit(L.online_dpo_loss, beta=0.5)(jnp.array([2.0]), z[:1], z[:1], z[:1])
+    loss, m = jitted(L.online_dpo_loss, beta=0.5)(jnp.array([2.0]), z[:1], z[:1], z[:1])
     assert float(loss) == pytest.approx(math.log1p(math.exp(-1.0)))
     assert float(m["dpo/accuracy"]) == 1.0
     assert float(m["dpo/chosen_reward"]) == pytest.approx(1.0)
@@ -517,14 +510,14 @@ def test_online_dpo_pair_mask_and_global_denominator():
     # the tie's -log σ(β·4) would be averaged in.
     z = jnp.zeros(2)
     c = jnp.array([0.0, 4.0])
-    loss, m = _jit(L.online_dpo_loss, beta=1.0)(c, z, z, z, mask=jnp.array([1.0, 0.0]))
+    loss, m = jitted(L.online_dpo_loss, beta=1.0)(c, z, z, z, mask=jnp.array([1.0, 0.0]))
     assert float(loss) == pytest.approx(math.log(2))
     assert float(m["dpo/num_pairs"]) == 1.0
     # Two micro-batches with the global count add up to the full-batch loss.
     c4 = jnp.array([0.5, -1.0, 2.0, 0.0])
     z4 = jnp.zeros(4)
-    full, _ = _jit(L.online_dpo_loss, beta=0.5)(c4, z4, z4, z4)
-    half = _jit(L.online_dpo_loss, beta=0.5, denominator=4.0)
+    full, _ = jitted(L.online_dpo_loss, beta=0.5)(c4, z4, z4, z4)
+    half = jitted(L.online_dpo_loss, beta=0.5, denominator=4.0)
     c4_, z4_ = np.asarray(c4), np.asarray(z4)  # NumPy slices: an eager one would compile
     halves = [half(c4_[s], z4_[s], z4_[s], z4_[s])[0] for s in (slice(0, 2), slice(2, 4))]
     np.testing.assert_allclose(sum(halves), full, rtol=1e-6)
@@ -611,8 +604,8 @@ def test_per_pair_dpo_reduces_to_the_reduced_loss():
     chosen, rejected = jnp.array([-3.0, -2.0, -5.0]), jnp.array([-4.0, -2.5, -1.0])
     ref_c, ref_r = jnp.array([-3.5, -2.0, -4.0]), jnp.array([-3.5, -3.0, -1.5])
     pairs = jnp.array([1.0, 1.0, 0.0])
-    per_pair, diag = _jit(L.online_dpo_per_pair, beta=0.5)(chosen, rejected, ref_c, ref_r)
-    loss, metrics = _jit(L.online_dpo_loss, beta=0.5)(chosen, rejected, ref_c, ref_r, mask=pairs)
+    per_pair, diag = jitted(L.online_dpo_per_pair, beta=0.5)(chosen, rejected, ref_c, ref_r)
+    loss, metrics = jitted(L.online_dpo_loss, beta=0.5)(chosen, rejected, ref_c, ref_r, mask=pairs)
     np.testing.assert_allclose(jnp.sum(per_pair * pairs) / 2.0, loss, rtol=1e-6)
     # h = (logp⁺ - ref⁺) - (logp⁻ - ref⁻): pair 0: 0.5 - (-0.5) = 1; pair 1: 0 - 0.5 = -0.5.
     np.testing.assert_allclose(diag.margin[:2], [0.5, -0.25], rtol=1e-6)
@@ -625,9 +618,9 @@ def test_kl_estimators_table_is_kl_penalty():
     want = {"k1": [0.5, 0.0], "k2": [0.125, 0.0], "k3": [math.exp(-0.5) - 0.5, 0.0]}
     for kind, estimate in L.KL_ESTIMATORS.items():
         np.testing.assert_allclose(
-            _jit(L.kl_penalty, kind=kind)(logp, ref)[0], want[kind], rtol=1e-6
+            jitted(L.kl_penalty, kind=kind)(logp, ref)[0], want[kind], rtol=1e-6
         )
-        np.testing.assert_allclose(_jit(estimate)(ref - logp)[0], want[kind], rtol=1e-6)
+        np.testing.assert_allclose(jitted(estimate)(ref - logp)[0], want[kind], rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------
@@ -639,10 +632,10 @@ def test_advantage_table_and_kl_shaped_rewards_golden():
     from a3po_jax.core import advantages
 
     rewards = jnp.array([1.0, 0.0, 1.0, 1.0])  # one group of 4, mean 0.75, std √3 / 4
-    drgrpo = _jit(advantages.ESTIMATORS["drgrpo"], group_size=4)
+    drgrpo = jitted(advantages.ESTIMATORS["drgrpo"], group_size=4)
     np.testing.assert_allclose(drgrpo(rewards), [0.25, -0.75, 0.25, 0.25], rtol=1e-6)
     # RLOO: R_i - mean of the other three: 1 - 2/3, 0 - 1, ...
-    rloo = _jit(advantages.ESTIMATORS["rloo"], group_size=4)
+    rloo = jitted(advantages.ESTIMATORS["rloo"], group_size=4)
     np.testing.assert_allclose(rloo(rewards), [1 / 3, -1.0, 1 / 3, 1 / 3], rtol=1e-6)
     with pytest.raises(ValueError, match="'gae'.*grpo, drgrpo, rloo"):
         advantages.estimator("gae")
@@ -651,11 +644,11 @@ def test_advantage_table_and_kl_shaped_rewards_golden():
     logp = jnp.array([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
     ref = jnp.array([[-1.5, -1.5, -3.0], [-2.0, -2.0, -2.0]])
     mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    shaped = _jit(advantages.kl_shaped_rewards, kl_coef=0.1, kl_kind="k1")(
+    shaped = jitted(advantages.kl_shaped_rewards, kl_coef=0.1, kl_kind="k1")(
         jnp.array([1.0, 1.0]), logp, ref, mask
     )
     np.testing.assert_allclose(shaped, [1.0 - 0.1 * 1.0, 1.0], rtol=1e-6)
-    r, adv = _jit(
+    r, adv = jitted(
         advantages.kl_in_reward_advantages,
         group_size=2,
         estimate=advantages.ESTIMATORS["drgrpo"],

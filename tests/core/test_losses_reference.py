@@ -4,26 +4,14 @@ advantages. The NumPy code loops over tokens on purpose: it shares no vectorised
 so no bug) with the JAX code.
 """
 
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.compiled import jitted
 
 from a3po_jax.core import losses as L
-
-
-def _jit(fn, **static):
-    """``fn`` with the keyword arguments ``static`` bound, as one compiled program per input
-    shape (kept across tests): eagerly every primitive compiles its own."""
-    return _jitted(fn, tuple(sorted(static.items())))
-
-
-@functools.cache
-def _jitted(fn, static):
-    return jax.jit(functools.partial(fn, **dict(static)))
 
 
 def np_decoupled_ppo(logp, prox, behav, adv, mask, eps_lo, eps_hi, dual, cap, cap_mode, agg):
@@ -98,12 +86,12 @@ def test_decoupled_ppo_matches_numpy(case):
     mask = (rng.uniform(size=(b, t)) > 0.3).astype(np.float64)
     mask[3] = 0.0  # an all-masked row
     prox_np = np_a3po_prox(logp, behav, d)
-    prox = _jit(L.a3po_prox_logp)(jnp.asarray(logp), jnp.asarray(behav), jnp.asarray(d))
+    prox = jitted(L.a3po_prox_logp)(jnp.asarray(logp), jnp.asarray(behav), jnp.asarray(d))
     np.testing.assert_allclose(prox, prox_np, rtol=1e-5, atol=1e-5)
     expected = np_decoupled_ppo(
         logp, prox_np, behav, adv, mask, eps_lo, eps_hi, dual, cap, cap_mode, agg
     )
-    got, metrics = _jit(
+    got, metrics = jitted(
         L.decoupled_ppo_loss,
         clip_eps=eps_lo,
         clip_eps_high=eps_hi,
@@ -126,7 +114,7 @@ def test_decoupled_ppo_matches_numpy(case):
 def test_all_masked_batch_is_finite_zero():
     z = jnp.zeros((2, 3))
     big = jnp.full((2, 3), 50.0)
-    loss, metrics = _jit(L.decoupled_ppo_loss, clip_eps=0.2)(big, z, -big, jnp.ones((2, 3)), z)
+    loss, metrics = jitted(L.decoupled_ppo_loss, clip_eps=0.2)(big, z, -big, jnp.ones((2, 3)), z)
     assert float(loss) == 0.0
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
@@ -136,7 +124,7 @@ def test_grpo_matches_numpy(normalize_std):
     rng = np.random.default_rng(7)
     r = rng.integers(0, 2, size=24).astype(np.float64)
     np.testing.assert_allclose(
-        _jit(L.grpo_advantages, group_size=6, normalize_std=normalize_std)(jnp.asarray(r)),
+        jitted(L.grpo_advantages, group_size=6, normalize_std=normalize_std)(jnp.asarray(r)),
         np_grpo(r, 6, normalize_std),
         rtol=1e-5,
         atol=1e-5,
@@ -148,14 +136,14 @@ def test_rloo_kl_dpo_match_numpy():
     r = rng.normal(size=12)
     expected = [r[i] - (sum(r[(i // 4) * 4 : (i // 4) * 4 + 4]) - r[i]) / 3 for i in range(12)]
     # float32 vs float64: differences of O(1) numbers carry ~1e-7 absolute error.
-    rloo = _jit(L.rloo_advantages, group_size=4)
+    rloo = jitted(L.rloo_advantages, group_size=4)
     np.testing.assert_allclose(rloo(jnp.asarray(r)), expected, rtol=1e-5, atol=1e-6)
 
     logp, ref = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
     x = ref - logp
     for kind, ref_val in (("k1", -x), ("k2", x**2 / 2), ("k3", np.exp(x) - 1 - x)):
         np.testing.assert_allclose(
-            _jit(L.kl_penalty, kind=kind)(jnp.asarray(logp), jnp.asarray(ref)),
+            jitted(L.kl_penalty, kind=kind)(jnp.asarray(logp), jnp.asarray(ref)),
             ref_val,
             rtol=1e-5,
             atol=1e-6,
@@ -167,8 +155,8 @@ def test_rloo_kl_dpo_match_numpy():
     sig = np.mean([math.log1p(math.exp(-beta * hh)) for hh in h])
     ipo = np.mean((h - 1 / (2 * beta)) ** 2)
     args = [jnp.asarray(a, jnp.float32) for a in (c, rj, cr, rr)]
-    np.testing.assert_allclose(_jit(L.online_dpo_loss, beta=beta)(*args)[0], sig, rtol=1e-5)
-    ipo_loss = _jit(L.online_dpo_loss, beta=beta, kind="ipo")
+    np.testing.assert_allclose(jitted(L.online_dpo_loss, beta=beta)(*args)[0], sig, rtol=1e-5)
+    ipo_loss = jitted(L.online_dpo_loss, beta=beta, kind="ipo")
     np.testing.assert_allclose(ipo_loss(*args)[0], ipo, rtol=1e-5)
 
 
@@ -182,5 +170,5 @@ def test_token_logprobs_matches_numpy():
             row = logits[b, t]
             m = row.max()
             expected[b, t] = row[targets[b, t]] - (m + math.log(np.exp(row - m).sum()))
-    got = _jit(L.token_logprobs)(jnp.asarray(logits, jnp.float32), jnp.asarray(targets))
+    got = jitted(L.token_logprobs)(jnp.asarray(logits, jnp.float32), jnp.asarray(targets))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
