@@ -91,7 +91,7 @@ class LoadedModel:
 
     config: ModelConfig  # architecture and numerics (dtypes, remat) as loaded
     params: Params  # nested-dict parameters in config.param_dtype
-    tokenizer: Any  # a transformers tokenizer (the character tokenizer for "tiny")
+    tokenizer: Any  # a transformers tokenizer; for "tiny" the character tokenizer (same API)
 
 
 def load_model(

@@ -167,7 +167,7 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     transformers 5 returns a `BatchEncoding`, not ids, from `tokenize=True`).
 
     Args:
-      tokenizer: a transformers `PreTrainedTokenizer(Fast)`.
+      tokenizer: a transformers `PreTrainedTokenizer(Fast)` or the character tokenizer.
       prompt: the prompt to render.
 
     Returns:
