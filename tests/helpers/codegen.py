@@ -6,9 +6,14 @@ what is left: the classic emitters make the same fused loops in a fraction of th
 (docs/development.md, "What makes the suite fit", has the figures). The programs compute the
 same to float rounding; only their speed, which no test measures, differs.
 
-An `XLA_FLAGS` entry this jaxlib does not know aborts the process, and the fusion emitters'
-switch exists only in some versions, so it is added where a child process accepts it once
-per jaxlib version (remembered in `.cache/`). Imports no JAX: `tests/conftest.py` sets the
+One LLVM module per program instead of XLA's default split into up to 32 for parallel
+code generation: the suite's two workers keep both cores busy already, and the split's
+overhead was a sixth of a train step's compile with two compiling at once (same machine
+code: the split only schedules codegen).
+
+An `XLA_FLAGS` entry this jaxlib does not know aborts the process, and these switches exist
+only in some versions, so each is added where a child process accepts it, probed once per
+jaxlib version (remembered in `.cache/`). Imports no JAX: `tests/conftest.py` sets the
 flags before JAX loads.
 """
 
@@ -21,6 +26,9 @@ from helpers.paths import REPO
 
 BASE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
+# The flags added where this jaxlib accepts them, each with the name its answer is kept under.
+OPTIONAL = {NO_FUSION_EMITTERS: "fusion-emitters", ONE_CODEGEN_PART: "codegen-split"}
 CACHE = REPO / ".cache"
 
 
@@ -33,15 +41,19 @@ def accepts(flag: str) -> bool:
 
 
 def cheap_codegen() -> str:
-    """`BASE`, with `NO_FUSION_EMITTERS` where this jaxlib accepts it."""
+    """`BASE`, with each of `OPTIONAL` this jaxlib accepts."""
     version = importlib.metadata.version("jaxlib")
-    known = CACHE / f"xla-flag-fusion-emitters-{version}"
-    if not known.exists():
-        CACHE.mkdir(exist_ok=True)
-        partial = known.with_name(f"{known.name}.{os.getpid()}")
-        partial.write_text("yes" if accepts(NO_FUSION_EMITTERS) else "no")
-        partial.replace(known)  # atomic: xdist workers may probe at the same time
-    return f"{BASE} {NO_FUSION_EMITTERS}" if known.read_text() == "yes" else BASE
+    flags = [BASE]
+    for flag, name in OPTIONAL.items():
+        known = CACHE / f"xla-flag-{name}-{version}"
+        if not known.exists():
+            CACHE.mkdir(exist_ok=True)
+            partial = known.with_name(f"{known.name}.{os.getpid()}")
+            partial.write_text("yes" if accepts(flag) else "no")
+            partial.replace(known)  # atomic: xdist workers may probe at the same time
+        if known.read_text() == "yes":
+            flags.append(flag)
+    return " ".join(flags)
 
 
 CHEAP_CODEGEN = cheap_codegen()
