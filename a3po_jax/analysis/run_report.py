@@ -431,7 +431,7 @@ def _figure(ncols: int = 1):
     from matplotlib.figure import Figure
 
     # Fixed margins (inches) for the labels the figures hold: a constrained layout would
-    # draw each figure twice, half of what a run's report costs.
+    # draw each figure twice at the end of every run (docs/development.md, "Measured").
     width, height = 5.2 * ncols, 3.4
     fig = Figure(figsize=(width, height))
     fig.subplots_adjust(

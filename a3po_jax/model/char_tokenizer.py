@@ -9,7 +9,7 @@ ASCII and newline, one id per character, so it fits ``ModelConfig.tiny()``'s voc
 It is the `tokenizers` backend that transformers' fast tokenizer would wrap, with the part of
 that tokenizer's interface the project calls (``encode``, ``decode``, ``apply_chat_template``,
 ``save_pretrained``, the special tokens' ids), so a run of a tiny model never imports
-transformers (about a second of every process's start). ``save_pretrained`` writes the files
+transformers (docs/development.md, "Measured"). ``save_pretrained`` writes the files
 transformers writes, and ``transformers.AutoTokenizer`` loads them into a tokenizer that
 encodes, decodes and renders alike (``tests/model/test_char_tokenizer.py``).
 """

@@ -7,9 +7,8 @@ what is left: the classic emitters make the same fused loops in a fraction of th
 same to float rounding; only their speed, which no test measures, differs.
 
 One LLVM module per program instead of XLA's default split into up to 32 for parallel
-code generation: the suite's two workers keep both cores busy already, and the split's
-overhead was a sixth of a train step's compile with two compiling at once (same machine
-code: the split only schedules codegen).
+code generation: the suite's two workers keep both cores busy already, so the split only
+adds its overhead to each compile (docs/development.md, "Measured").
 
 An `XLA_FLAGS` entry this jaxlib does not know aborts the process, and these switches exist
 only in some versions, so each is added where a child process accepts it, probed once per
