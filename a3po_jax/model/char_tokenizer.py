@@ -70,21 +70,10 @@ class CharTokenizer:
     def convert_tokens_to_ids(self, token: str) -> int:
         return self.backend.token_to_id(token)
 
-    @property
-    def pad_token_id(self) -> int:
-        return self.backend.token_to_id(self.pad_token)
-
-    @property
-    def bos_token_id(self) -> int:
-        return self.backend.token_to_id(self.bos_token)
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.backend.token_to_id(self.eos_token)
-
-    @property
-    def unk_token_id(self) -> int:
-        return self.backend.token_to_id(self.unk_token)
+    pad_token_id = property(lambda self: self.convert_tokens_to_ids(self.pad_token))
+    bos_token_id = property(lambda self: self.convert_tokens_to_ids(self.bos_token))
+    eos_token_id = property(lambda self: self.convert_tokens_to_ids(self.eos_token))
+    unk_token_id = property(lambda self: self.convert_tokens_to_ids(self.unk_token))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
