@@ -43,12 +43,10 @@ LOG=.venv/setup-pip.log
 
 # pip install "$@", its output into $LOG; on failure, show the log's end and stop. pip
 # reports a dependency conflict with "ERROR: ..." and still exits 0: those lines are shown.
-# --no-compile: Python byte-compiles a module when it is first imported; pip would compile
-# all ~23,000 installed files, most never imported (docs/development.md, "Measured").
 pip_install() {
   local start
   start=$(($(wc -c <"$LOG") + 1))
-  if ! .venv/bin/python -m pip install --disable-pip-version-check --no-compile "$@" >>"$LOG" 2>&1; then
+  if ! .venv/bin/python -m pip install --disable-pip-version-check "$@" >>"$LOG" 2>&1; then
     echo "[setup] FAILED: pip install $*" >&2
     echo "[setup] last lines of $LOG:" >&2
     tail -n 40 "$LOG" >&2
