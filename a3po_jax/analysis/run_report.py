@@ -432,12 +432,16 @@ def _figure(ncols: int = 1):
 
     # Fixed margins (inches) for the labels the figures hold: a constrained layout would
     # draw each figure twice at the end of every run (docs/development.md, "Measured").
-    width, height = 5.2 * ncols, 3.4
+    width, height, left, right, gap = 5.2 * ncols, 3.4, 0.75, 0.2, 0.9
+    axes_width = (width - left - right - gap * (ncols - 1)) / ncols
     fig = Figure(figsize=(width, height))
     fig.subplots_adjust(
-        left=0.75 / width, right=1 - 0.2 / width, bottom=0.55 / height, top=1 - 0.35 / height
+        left=left / width,
+        right=1 - right / width,
+        bottom=0.55 / height,
+        top=1 - 0.35 / height,
+        wspace=gap / axes_width,  # matplotlib's gap is a fraction of one axes' width
     )
-    fig.subplots_adjust(wspace=0.9 * ncols / (width - 0.95))  # 0.9" between the axes
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
 
 
