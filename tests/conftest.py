@@ -26,6 +26,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # worker's life and slows every later compile there (training/heap.py).
 os.environ.setdefault("A3PO_MMAP_LARGE_BLOCKS", "0")
 
+# The runs' end-of-run reports without their plots (matplotlib's import and four figures in
+# each of the suite's CLI runs); tests/analysis/test_run_report.py draws them.
+os.environ.setdefault("A3PO_REPORT_PLOTS", "0")
+
 # Cheaper CPU code generation (helpers/codegen.py). Where XLA_FLAGS is set already (a
 # user's, or a multi-device child's), it is left as it is.
 os.environ.setdefault("XLA_FLAGS", CHEAP_CODEGEN)

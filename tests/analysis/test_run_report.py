@@ -246,13 +246,18 @@ def eval_lines(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
-def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(tmp_path, capsys):
+def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(
+    tmp_path, capsys, monkeypatch
+):
     """The CLI on the tiny model with evaluate=true: eval/* at step 0 (before training) and
     after the last step in metrics.jsonl, the report on stdout and report.md with its PNGs;
     --resume to more steps does not redo step 0 and evaluates the new end once; resuming a
-    finished run evaluates nothing again; the results CLI makes the same report."""
+    finished run evaluates nothing again; the results CLI makes the same report; with
+    A3PO_REPORT_PLOTS=0 the report is written without its plots."""
     from a3po_jax.cli import results as results_cli
     from a3po_jax.cli.train import main
+
+    monkeypatch.setenv("A3PO_REPORT_PLOTS", "1")  # the suite's runs skip them (conftest.py)
 
     run_dir = tmp_path / "run"
     # The evaluation's own budget, twice the rollouts' 12 tokens (the host's cache holds it).
@@ -285,7 +290,13 @@ def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(t
     for file in (REPORT_FILE, *FIGURES):
         assert (run_dir / file).is_file(), file
 
+    monkeypatch.setenv("A3PO_REPORT_PLOTS", "0")
+    for file in FIGURES:
+        (run_dir / file).unlink()
     assert main([*common, "steps=2", "--resume"]) == 0  # nothing left to train
+    assert "(no plots: not asked for)" in capsys.readouterr().out
+    assert not any((run_dir / file).exists() for file in FIGURES)
+    monkeypatch.setenv("A3PO_REPORT_PLOTS", "1")
     assert [r["step"] for r in eval_lines(run_dir)] == [0, 2]
     assert main([*common, "steps=3", "--resume"]) == 0
     assert [r["step"] for r in eval_lines(run_dir)] == [0, 2, 3]

@@ -108,6 +108,14 @@ def test_bad_experiment_files_are_one_line(tmp_path, capsys):
     assert "line 2: config() raised KeyError: 'missing'" in refusal(capsys)
 
 
+def test_a_bad_report_plots_value_is_refused_naming_the_variable(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("A3PO_REPORT_PLOTS", "no")
+    run_dir = tmp_path / "run"
+    assert main([SMOKE, f"run_dir={run_dir}"]) == 2
+    assert "A3PO_REPORT_PLOTS='no': expected 0 (no plots) or 1 (plots)" in refusal(capsys)
+    assert not run_dir.exists()
+
+
 def test_bad_input_in_a_subprocess_is_one_line(tmp_path):
     """The installed entry point's view: stderr has one line, no traceback, exit code 2."""
     run_dir = tmp_path / "run"
