@@ -368,7 +368,8 @@ def test_qk_permutation_roundtrip():
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1 + 1 ="]
 
 
-def _load_smollm2():
+@pytest.fixture(scope="module")
+def smollm2():
     from a3po_jax.model.assets import smollm2_gguf_path
 
     try:
@@ -388,15 +389,8 @@ def _load_smollm2():
 
 
 @pytest.mark.e2e  # the real SmolLM2-135M checkpoint, loaded from its file
-def test_smollm2_gguf_equals_transformers():
-    # Both checks in one test: loading reads the GGUF three times (ours, transformers'
-    # tokenizer and model), which two tests could make both workers pay.
-    smollm2 = _load_smollm2()
-    _logits_equal_transformers(*smollm2)
-    _greedy_equals_transformers_generate(*smollm2)
-
-
-def _logits_equal_transformers(config, params, tokenizer, hf):
+def test_smollm2_gguf_logits_equal_transformers(smollm2):
+    config, params, tokenizer, hf = smollm2
     assert (config.n_layers, config.d_model, config.n_heads, config.n_kv_heads) == (30, 576, 9, 3)
     assert config.rope_theta == 100000.0 and config.tie_embeddings
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -419,7 +413,9 @@ def _logits_equal_transformers(config, params, tokenizer, hf):
     np.testing.assert_allclose(ours[mask], ref[mask], rtol=1e-4, atol=3e-4)
 
 
-def _greedy_equals_transformers_generate(config, params, tokenizer, hf):
+@pytest.mark.e2e  # the real SmolLM2-135M checkpoint, loaded from its file
+def test_smollm2_greedy_equals_transformers_generate(smollm2):
+    config, params, tokenizer, hf = smollm2
     n_new = 8
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     # One right-padded batch: a single prefill and decode program for the three prompts.
