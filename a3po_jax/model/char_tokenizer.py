@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import os
 import string
 from collections.abc import Iterable, Sequence
@@ -81,7 +82,10 @@ class CharTokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
-        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
+        try:  # one id: a Python or NumPy integer, or a 0-d integer array
+            ids = [operator.index(ids)]
+        except TypeError:
+            ids = [int(i) for i in ids]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(

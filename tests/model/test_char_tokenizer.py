@@ -5,6 +5,7 @@ tiny model loads without importing transformers."""
 import json
 import random
 
+import numpy as np
 import pytest
 from helpers.python_snippet import run_snippet
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -80,6 +81,11 @@ def test_ids_and_text_are_transformers(both, text):
         )
     if ids:
         assert ours.decode(ids[0]) == theirs.decode(ids[0])
+        # One id as NumPy gives it (an element of an array, a 0-d array) and an int array.
+        assert (
+            ours.decode(np.int32(ids[0])) == ours.decode(np.asarray(ids[0])) == ours.decode(ids[0])
+        )
+        assert ours.decode(np.asarray(ids, np.int32)) == ours.decode(ids)
 
 
 def test_chat_prompts_are_transformers(both):
