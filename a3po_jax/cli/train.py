@@ -26,7 +26,7 @@ At the end the run's report is printed (held-out accuracy at step 0 and at the e
 staleness, dropped and re-issued groups) and written to ``RUN_DIR/report.md`` with its
 plots (:mod:`a3po_jax.analysis.run_report`; ``python -m a3po_jax.cli.results RUN_DIR``
 makes it again). ``A3PO_REPORT_PLOTS=0`` in the environment writes it without the plots
-(matplotlib's import and four figures, about a second of CPU, on headless CI runs).
+(matplotlib's import and four figures: docs/development.md, "Measured").
 
 Exit codes: 0 when the run finished (or stopped on SIGTERM / SIGINT after saving what it
 could); 1 when a write failed (disk full, read-only, a file size limit), with one line
