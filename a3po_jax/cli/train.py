@@ -191,8 +191,8 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    report_plots()  # a bad A3PO_REPORT_PLOTS is refused now, not after the training
     # Before anything is loaded or written: a fresh run must not land on a finished one.
-    report_plots()
     check_run_dir_creatable(cfg.run_dir)
     start = check_run_dir(cfg, resume=args.resume)
     if cfg.system.placement.inference_cores:
