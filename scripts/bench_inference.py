@@ -459,11 +459,13 @@ class RunLikeHost:
         self.host.start()
         self._groups = 0
 
-    def round(self) -> tuple[float, list, dict[str, float]]:
+    def round(self) -> tuple[float, list, dict[str, float], int]:
         """One step's groups: (seconds until every sample is back, the results, the serving
-        loop's seconds by part over the round, idle included: `host_metrics.loop_time`)."""
+        loop's seconds by part over the round, idle included: `host_metrics.loop_time`, and
+        the decode steps the host ran: a run's `host/decode_steps`)."""
         rollout = self.cfg.rollout
-        before = self.host.stats()["loop_s"]
+        stats = self.host.stats()
+        before, steps_before = stats["loop_s"], stats["decode_steps"]
         t0 = time.perf_counter()
         for _ in range(rollout.groups_per_step):
             (prompt,) = self.prompts.next_batch()
@@ -477,7 +479,9 @@ class RunLikeHost:
         while len(results) < want:
             results.extend(self.host.poll(timeout=60))
         seconds = time.perf_counter() - t0
-        return seconds, results, loop_time(before, self.host.stats()["loop_s"], seconds)
+        stats = self.host.stats()
+        parts = loop_time(before, stats["loop_s"], seconds)
+        return seconds, results, parts, stats["decode_steps"] - steps_before
 
     def __enter__(self):
         return self
@@ -486,17 +490,28 @@ class RunLikeHost:
         self.host.close()
 
 
+# What `bench_as_run` averages over its rounds, beside the parts.
+ROUND_FIGURES = (
+    "seconds",
+    "samples",
+    "tokens",
+    "tokens_per_answer",
+    "stopped_frac",
+    "decode_steps",
+)
+
+
 def bench_as_run(cfg, rounds: int) -> dict:
     """`rounds` steps' generation as the run of `cfg` does it (`RunLikeHost`), after one
     round not timed (the first prefill of each bucket and step of each window compile in
     `warmup`; the round settles the rest). Per round: seconds, samples, tokens, tokens per
-    answer, the share that stopped at EOS, and the serving loop's seconds by part; with the
-    mean of each over the rounds."""
+    answer, the share that stopped at EOS, the decode steps, and the serving loop's seconds
+    by part; with the mean of each over the rounds."""
     out: dict = {"rounds": []}
     with RunLikeHost(cfg) as bench:
         bench.round()
         for _ in range(rounds):
-            seconds, results, parts = bench.round()
+            seconds, results, parts, decode_steps = bench.round()
             lengths = [len(r.tokens) for r in results]
             out["rounds"].append(
                 {
@@ -505,14 +520,12 @@ def bench_as_run(cfg, rounds: int) -> dict:
                     "tokens": sum(lengths),
                     "tokens_per_answer": float(np.mean(lengths)),
                     "stopped_frac": float(np.mean([r.finish_reason == "stop" for r in results])),
+                    "decode_steps": decode_steps,
                     "parts_s": parts,
                 }
             )
     rows = out["rounds"]
-    out["mean"] = {
-        key: float(np.mean([r[key] for r in rows]))
-        for key in ("seconds", "samples", "tokens", "tokens_per_answer", "stopped_frac")
-    }
+    out["mean"] = {key: float(np.mean([r[key] for r in rows])) for key in ROUND_FIGURES}
     out["mean"]["parts_s"] = {
         k: float(np.mean([r["parts_s"][k] for r in rows])) for k in rows[0]["parts_s"]
     }
@@ -537,6 +550,12 @@ def print_as_run(path: str, cfg, timed: dict) -> None:
     print("host time by part per step (the run's host/<part>_s):")
     for part, seconds in mean["parts_s"].items():
         print(f"  {f'host/{part}_s':<24}{seconds:9.4f} s {seconds / mean['seconds']:7.1%}")
+    # Per decode step, the wait compares with a run's whatever the answers' lengths.
+    each_ms = 1e3 * mean["parts_s"]["decode_wait"] / max(mean["decode_steps"], 1)
+    print(
+        f"  {'host/decode_steps':<24}{mean['decode_steps']:9.1f}   "
+        f"(decode_wait {each_ms:.1f} ms each)"
+    )
 
 
 # ----------------------------------------------------------------------------- machine

@@ -368,8 +368,9 @@ def _demand(trained: Sequence[dict[str, Any]], mode: str | None) -> str | None:
 
 def _host_time(trained: Sequence[dict[str, Any]]) -> str | None:
     """Where the host's time went per step: the mean of each ``host/<part>_s`` over steps
-    2 on (step 1 compiles), largest first, with its share of them all. None for runs
-    without the figures (a replay, older runs)."""
+    2 on (step 1 compiles), largest first, with its share of them all; then the mean of
+    ``host/decode_steps`` and the decode_wait per decode step, where the host counts its
+    steps. None for runs without the figures (a replay, older runs)."""
     later = [r for r in trained if r["step"] >= 2] or list(trained)
     means = {}
     for part in (*LOOP_PARTS, "idle"):
@@ -380,7 +381,12 @@ def _host_time(trained: Sequence[dict[str, Any]]) -> str | None:
     if not means or total <= 0:
         return None
     ranked = sorted(means.items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{part} {s:.3g} s ({100 * s / total:.0f} %)" for part, s in ranked)
+    text = ", ".join(f"{part} {s:.3g} s ({100 * s / total:.0f} %)" for part, s in ranked)
+    _, steps = series(later, "host/decode_steps")
+    if len(steps) and steps.mean() > 0 and "decode_wait" in means:
+        each_ms = 1e3 * means["decode_wait"] / steps.mean()
+        text += f"; {steps.mean():.3g} decode steps, decode_wait {each_ms:.3g} ms each"
+    return text
 
 
 def _scorer(trained: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:

@@ -45,6 +45,7 @@ class StepBook:
         self._host_busy_seen: float | None = None  # host/busy_s at the last record
         # (when, the host's loop_s) at the last record's read of the host's stats
         self._host_loop_seen: tuple[float, dict[str, float]] | None = None
+        self._host_steps_seen: int | None = None  # the host's decode_steps at that read
         self._compile_seen = compilation.compile_seconds()  # from the run's start
 
     def reward_time(self) -> dict[str, float]:
@@ -93,17 +94,27 @@ class StepBook:
         seconds its serving loop spent in each part (the differences of ``stats["loop_s"]``;
         the parts are ``host_metrics.LOOP_PARTS``), and ``host/idle_s``, the rest of the
         seconds since the last record (times the healthy hosts of a pool, which sums its
-        hosts' parts): :func:`a3po_jax.inference.host_metrics.loop_time`. The first record
-        has none (nothing to take the difference from), nor a host without ``loop_s``."""
+        hosts' parts): :func:`a3po_jax.inference.host_metrics.loop_time`; and
+        ``host/decode_steps``, the decode steps it ran meanwhile (a pool's hosts summed), so
+        that ``host/decode_wait_s`` per step compares runs and benchmarks whose answers end
+        at other lengths. The first record has none (nothing to take the difference from),
+        nor a host without ``loop_s``; a host that does not count its steps has no
+        ``host/decode_steps``."""
         loop = stats.get("loop_s")
         if loop is None:
             return {}
         seen, self._host_loop_seen = self._host_loop_seen, (read_at, dict(loop))
+        steps = stats.get("decode_steps")
+        steps_seen, self._host_steps_seen = self._host_steps_seen, steps
         if seen is None:
             return {}
         then, before = seen
         parts = loop_time(before, loop, read_at - then, int(stats.get("hosts_healthy", 1)))
-        return {f"host/{part}_s": seconds for part, seconds in parts.items()}
+        out = {f"host/{part}_s": seconds for part, seconds in parts.items()}
+        if steps is not None and steps_seen is not None:
+            # Never negative: a pool's sum drops the steps of a host that went down.
+            out["host/decode_steps"] = max(int(steps) - int(steps_seen), 0)
+        return out
 
     def resumed(self, skipped_steps: int) -> None:
         """After a resume: the skipped steps so far, and the queue's counts as the origin of

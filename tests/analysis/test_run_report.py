@@ -197,6 +197,13 @@ def test_the_hosts_time_is_the_mean_by_part_after_step_1_largest_first():
     row = dict(report_rows(records, CONFIG))["host's time per step"]
     assert row.startswith("decode_wait 3 s (75 %), ")
     assert "admit 0.5 s (12 %)" in row and "idle 0.5 s (12 %)" in row
+    assert "decode steps" not in row  # a host that does not count them
+    # The decode steps say what one step's wait was, whatever the answers' lengths.
+    for r in records[2:]:
+        r["host/decode_steps"] = 60
+    records[1]["host/decode_steps"] = 1
+    row = dict(report_rows(records, CONFIG))["host's time per step"]
+    assert row.endswith("; 60 decode steps, decode_wait 50 ms each")
     # Without the figures (a replay, older runs): no row.
     assert "host's time per step" not in dict(report_rows(records_of_a_run(), CONFIG))
 
@@ -284,7 +291,11 @@ def test_a_tiny_run_evaluates_at_step_0_and_the_end_once_and_prints_its_report(
     assert not any(k in steps[0] for k in parts)
     assert all(steps[1][k] >= 0 for k in parts) and steps[1]["host/decode_wait_s"] > 0
     assert sum(steps[1][k] for k in parts) >= steps[1]["time/step_s"]
-    assert "host's time per step" in out
+    # Each step's answers take at least their longest one's decode steps, less the token
+    # the prefill makes.
+    for r in steps[1:]:
+        assert r["host/decode_steps"] >= r["response/length_max"] - 1
+    assert "host's time per step" in out and " decode steps, decode_wait " in out
     assert "(sync: each side waits for the other by design)" in out
     assert '"final"' not in out  # the report replaced the raw JSON line
     for file in (REPORT_FILE, *FIGURES):

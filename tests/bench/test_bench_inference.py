@@ -3,6 +3,7 @@
 temperature with per-sample keys and EOS stops), with the host's time by part as the run's
 record sets it out. On the tiny model and the toy task: nothing downloads."""
 
+import re
 import sys
 from collections import defaultdict
 
@@ -33,7 +34,7 @@ def test_a_round_is_one_steps_groups_sampled_and_stopped_as_the_run_does(cfg):
         eos = bench.tokenizer.eos_token_id
         assert eos is not None and bench.sampling.stop_tokens == (eos,)
         assert bench.sampling.temperature == r.temperature == 1.0
-        seconds, results, parts = bench.round()
+        seconds, results, parts, decode_steps = bench.round()
     # The run's first prompts, in its order, through the chat template.
     task = make_task(cfg.task.name, **cfg.task.kwargs)
     prompts = PromptIterator(task.prompts(cfg.task.split), batch_size=1, seed=cfg.seed)
@@ -60,6 +61,10 @@ def test_a_round_is_one_steps_groups_sampled_and_stopped_as_the_run_does(cfg):
     assert set(parts) == {*LOOP_PARTS, "idle"} and all(v >= 0 for v in parts.values())
     assert parts["prefill_wait"] > 0 and parts["decode_wait"] > 0
     assert sum(parts.values()) == pytest.approx(seconds, rel=0.05, abs=0.01)
+    # The longest answer's decode steps at least (the prefill makes its first token), and
+    # no more than all the samples' one after another.
+    lengths = [len(res.tokens) for res in results]
+    assert max(lengths) - 1 <= decode_steps <= sum(lengths)
 
 
 def test_main_prints_the_breakdown_under_the_records_names(capsys):
@@ -68,6 +73,7 @@ def test_main_prints_the_breakdown_under_the_records_names(capsys):
     assert "4 prompts x 8 samples per step, temperature 1.0, at most 24 new tokens" in out
     for part in (*LOOP_PARTS, "idle"):
         assert f"host/{part}_s" in out
+    assert re.search(r"host/decode_steps +\d+\.\d   \(decode_wait \d+\.\d ms each\)", out)
 
 
 def test_overrides_without_an_experiment_are_refused():

@@ -140,6 +140,7 @@ class FakeHost:
             # One second of admitting and two of waiting per sample done.
             "loop_s": {"admit": 1.0 * self.done, "decode_wait": 2.0 * self.done},
             "busy_s": 3.0 * self.done,
+            "decode_steps": 5 * self.done,
         }
 
     def counters(self):
@@ -390,12 +391,13 @@ def test_a_pool_is_batch_invariant_only_if_every_host_is():
             pool.close()
 
 
-def test_a_pool_sums_its_hosts_loop_time_by_part():
+def test_a_pool_sums_its_hosts_loop_time_by_part_and_decode_steps():
     a, b = FakeHost("a"), FakeHost("b")
     a.done, b.done = 1, 3
     with HostPool([a, b]) as pool:
         stats = pool.stats()
     assert stats["loop_s"] == {"admit": 4.0, "decode_wait": 8.0} and stats["busy_s"] == 12.0
+    assert stats["decode_steps"] == 20
 
 
 def test_every_host_kind_implements_the_host_protocol():

@@ -55,6 +55,20 @@ def test_host_time_by_part_is_the_difference_since_the_last_record():
     assert third["host/idle_s"] == pytest.approx(2 * 1.0 - 0.5)
 
 
+def test_decode_steps_are_the_steps_run_since_the_last_record():
+    b = book()
+    assert b.host_time({**loop_stats(decode_wait=2.0), "decode_steps": 40}, 10.0) == {}
+    second = b.host_time({**loop_stats(decode_wait=3.5), "decode_steps": 70}, 12.0)
+    assert second["host/decode_steps"] == 30
+    assert second["host/decode_wait_s"] == pytest.approx(1.5)
+    # A pool that lost a host sums fewer steps than before: none, not a negative count.
+    third = b.host_time({**loop_stats(decode_wait=3.5), "decode_steps": 50}, 13.0)
+    assert third["host/decode_steps"] == 0
+    # A host that does not count its steps (an older remote one): the parts alone.
+    fourth = b.host_time(loop_stats(decode_wait=4.0), 14.0)
+    assert "host/decode_steps" not in fourth and fourth["host/decode_wait_s"] == 0.5
+
+
 def test_a_host_without_loop_times_or_a_replay_has_no_host_time():
     b = book()
     assert b.host_time({}, 1.0) == {} and b.host_time({"busy_s": 3.0}, 2.0) == {}

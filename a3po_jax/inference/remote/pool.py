@@ -301,6 +301,7 @@ class HostPool(Membership, Health, InAnotherProcess):
             }
             summed = ("slots_busy", "num_slots", "tokens_per_s", "tokens_generated")
             summed += ("kv_recomputes", "kv_recompute_tokens", "kv_recompute_s", "busy_s")
+            summed += ("decode_steps",)
             for key in summed:
                 out[key] = sum(m.stats.get(key, 0) for m in healthy)
             # The serving loops' seconds by part, summed as busy_s is.
