@@ -44,7 +44,6 @@ from bench_common import describe_machine  # noqa: E402  (scripts/ is on sys.pat
 from launch import READY_LINE, _host_argv, _resolve, ensure_token_file  # noqa: E402
 
 from a3po_jax.analysis.run_report import HOST_BUSY, WAITS
-from a3po_jax.cli.serve import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 # Generation-bound with one host on a CPU: long answers (a learning rate too small to teach
@@ -62,6 +61,14 @@ WORKLOAD = (
     "system.hosts.health_interval_s=0.5",
 )
 NAMES = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# The trainer's command: Linux's parent-death signal set in the new interpreter, then
+# a3po-train, so that no trainer outlives the benchmark; a preexec_fn would run Python in
+# the child of this threaded process between fork and exec, which can deadlock.
+TRAINER_WITH_PARENT = (
+    "import runpy, sys; from a3po_jax.cli.serve import die_with_parent; "
+    "die_with_parent(int(sys.argv[1])); sys.argv = ['a3po-train', *sys.argv[2:]]; "
+    "runpy.run_module('a3po_jax.cli.train', run_name='__main__', alter_sys=True)"
+)
 
 
 def say(text: str) -> None:
@@ -231,14 +238,14 @@ def run(args, tmp: Path, fleet: Fleet) -> dict:
     steps = 1_000_000  # stopped with SIGTERM once every phase is measured
     fleet.trainer = subprocess.Popen(
         [
-            *trainer_pin, sys.executable, "-m", "a3po_jax.cli.train", args.experiment,
+            *trainer_pin, sys.executable, "-c", TRAINER_WITH_PARENT, str(parent), args.experiment,
             *overrides, "system.mode=async", f"system.placement.inference_hosts={address}",
             f"system.placement.hosts_file={hosts_file}",
             f"system.placement.host_token_file={token_file}", f"steps={steps}",
             "checkpoint_every=0", "evaluate=false", "eval_every=0", f"run_dir={run_dir}",
         ],
         cwd=ROOT, env=fleet.env, stdout=(tmp / "trainer.log").open("w"),
-        stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(parent),
+        stderr=subprocess.STDOUT,
     )  # fmt: skip
     say("trainer started (stopped once the phases are measured)")
     metrics = run_dir / "metrics.jsonl"
