@@ -43,9 +43,8 @@ class StepBook:
         self._filter_counts_seen = {"filtered_groups": 0, "refilled_groups": 0}
         self._reward_seconds_seen = 0.0
         self._host_busy_seen: float | None = None  # host/busy_s at the last record
-        # (when, the host's loop_s) at the last record's read of the host's stats
-        self._host_loop_seen: tuple[float, dict[str, float]] | None = None
-        self._host_steps_seen: int | None = None  # the host's decode_steps at that read
+        # (when, the host's loop_s, its decode_steps) at the last record's read of its stats
+        self._host_loop_seen: tuple[float, dict[str, float], int | None] | None = None
         self._compile_seen = compilation.compile_seconds()  # from the run's start
 
     def reward_time(self) -> dict[str, float]:
@@ -103,12 +102,11 @@ class StepBook:
         loop = stats.get("loop_s")
         if loop is None:
             return {}
-        seen, self._host_loop_seen = self._host_loop_seen, (read_at, dict(loop))
         steps = stats.get("decode_steps")
-        steps_seen, self._host_steps_seen = self._host_steps_seen, steps
+        seen, self._host_loop_seen = self._host_loop_seen, (read_at, dict(loop), steps)
         if seen is None:
             return {}
-        then, before = seen
+        then, before, steps_seen = seen
         parts = loop_time(before, loop, read_at - then, int(stats.get("hosts_healthy", 1)))
         out = {f"host/{part}_s": seconds for part, seconds in parts.items()}
         if steps is not None and steps_seen is not None:
