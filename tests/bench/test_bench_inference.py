@@ -3,6 +3,7 @@
 temperature with per-sample keys and EOS stops), with the host's time by part as the run's
 record sets it out. On the tiny model and the toy task: nothing downloads."""
 
+import os
 import re
 import sys
 from collections import defaultdict
@@ -74,6 +75,32 @@ def test_main_prints_the_breakdown_under_the_records_names(capsys):
     for part in (*LOOP_PARTS, "idle"):
         assert f"host/{part}_s" in out
     assert re.search(r"host/decode_steps +\d+\.\d   \(decode_wait \d+\.\d ms each\)", out)
+
+
+def test_heap_as_run_trims_as_the_runs_settings_say(cfg, capsys):
+    from a3po_jax.training.config import apply_overrides
+
+    quick = apply_overrides(cfg, ["system.run.trim_heap_every_s=0.02"])
+    with RunLikeHost(quick, heap_as_run=True) as bench:
+        bench.round()
+        trimmer = bench.trimmer
+        assert trimmer is not None and trimmer.period_s == 0.02 and trimmer.trims > 0
+    assert not trimmer._thread.is_alive()  # closed with the host
+    with RunLikeHost(cfg) as bench:
+        assert bench.trimmer is None  # the host alone, as before
+    # A run that does not trim: nothing to do as it does.
+    with RunLikeHost(
+        apply_overrides(cfg, ["system.run.trim_heap_every_s=0"]), heap_as_run=True
+    ) as b:
+        assert b.trimmer is None
+    main(["--experiment", str(EXPERIMENT), "--rounds", "1", "--heap-as-run", *OVERRIDES])
+    out = capsys.readouterr().out
+    threshold = (
+        "blocks from 1 MiB mmapped"
+        if os.environ.get("A3PO_MMAP_LARGE_BLOCKS", "1") != "0"
+        else "glibc's own mmap threshold (A3PO_MMAP_LARGE_BLOCKS=0)"
+    )
+    assert f"heap: trimmed every 1 s, {threshold} (the run's system.run)" in out
 
 
 def test_overrides_without_an_experiment_are_refused():

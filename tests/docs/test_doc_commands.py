@@ -338,6 +338,8 @@ COMMANDS: dict[str, object] = {
     ),
     "python scripts/bench_inference.py --experiment experiments/quickstart_a3po.py --rounds 5 "
     "rollout.temperature=1.0 rollout.max_new_tokens=32": PARSE_ONLY,
+    "python scripts/bench_inference.py --experiment experiments/quickstart_a3po.py --rounds 5 "
+    "--heap-as-run rollout.temperature=1.0 rollout.max_new_tokens=32": PARSE_ONLY,
     "python scripts/bench_model.py --config smollm2 --batch 4 --seq 256": PARSE_ONLY,
     "python scripts/bench_train_step.py --config smollm2 --batch 32 --group-size 4 "
     "--prompt-len 40 --response-len 32 --repeats 3": PARSE_ONLY,
