@@ -104,11 +104,13 @@ def test_the_trimmer_fixes_the_threshold_unless_told_not_to(monkeypatch, setting
     # The run's system.run.mmap_threshold_mib (default 1 MiB; 0 = glibc's own), unless the
     # environment's A3PO_MMAP_LARGE_BLOCKS=0 says to leave glibc's threshold.
     called = []
-    monkeypatch.setattr(heap, "mmap_large_blocks", called.append)
+    monkeypatch.setattr(heap, "mmap_large_blocks", lambda size: called.append(size) or True)
     monkeypatch.setenv("A3PO_MMAP_LARGE_BLOCKS", setting)
     kwargs = {} if mib is None else {"mmap_threshold_mib": mib}
-    heap.Trimmer(1.0, **kwargs).close()
+    trimmer = heap.Trimmer(1.0, **kwargs)
+    trimmer.close()
     assert called == calls
+    assert trimmer.mmap_threshold_set is bool(calls)  # what a benchmark reports it ran under
 
 
 def test_a_negative_mmap_threshold_is_refused_naming_the_field():
